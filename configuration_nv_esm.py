@@ -1,0 +1,195 @@
+"""Configuration of NVEsm: ESM-2 on NVIDIA Transformer Engine, with an exact PyTorch twin.
+
+The fields are those of `transformers.EsmConfig` that ESM-2 uses, plus what Transformer Engine needs
+(`padded_vocab_size`, `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`). Every value is
+checked in `__init__`: an inconsistent config raises `ValueError` naming the field and what is allowed.
+This file imports nothing from Transformer Engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+BACKENDS = ("auto", "te", "torch")
+ATTN_INPUT_FORMATS = ("bshd", "thd")
+LAYER_PRECISIONS = ("fp8", None)
+FP8_RECIPES = ("delayed", "current", "block")
+HIDDEN_ACTS = ("gelu",)
+
+
+class NVEsmConfig(PretrainedConfig):
+    r"""Configuration of an ESM-2 model run by `NVEsmModel` and its heads.
+
+    Defaults give the ESM-2 650M shape (`facebook/esm2_t33_650M_UR50D`).
+
+    Args:
+        vocab_size: Number of tokens of the ESM alphabet (33).
+        padded_vocab_size: Rows of the embedding and of the LM decoder; the extra rows are zeros and the
+            logits are cut back to `vocab_size`. Must be >= `vocab_size` and a multiple of 16 (FP8 GEMMs).
+        hidden_size: Width of the residual stream.
+        num_hidden_layers: Number of transformer layers.
+        num_attention_heads: Attention heads; `hidden_size` must divide into them, with an even head size.
+        intermediate_size: Width of the MLP.
+        hidden_act: MLP activation. Only `"gelu"` (ESM's). The PyTorch backend uses the exact erf GELU as
+            transformers does; Transformer Engine's fused `gelu` is the tanh approximation (see README).
+        hidden_dropout_prob: Dropout after the attention projection and after the MLP.
+        attention_probs_dropout_prob: Dropout on the attention probabilities.
+        max_position_embeddings: Longest protein, in tokens with `<cls>` and `<eos>` (1026 for ESM-2).
+        initializer_range: Standard deviation of the normal initialisation of fresh weights.
+        layer_norm_eps: Epsilon of every LayerNorm.
+        position_embedding_type: Only `"rotary"` (ESM-2). `"absolute"` is ESM-1 and is refused.
+        rope_theta: Base period of the rotary embedding.
+        emb_layer_norm_before: Only `False` (ESM-2). `True` is ESM-1b and is refused.
+        token_dropout: ESM's mask-dropout: `<mask>` embeddings are zeroed and the rest rescaled by
+            `(1 - 0.15 * 0.8) / (1 - observed mask ratio of the protein)`.
+        mask_token_id, pad_token_id, bos_token_id, eos_token_id: Special tokens of the ESM alphabet.
+        backend: `"auto"` uses Transformer Engine when it imports and CUDA is available when the model is
+            built, else PyTorch; `"te"` requires both; `"torch"` always uses the PyTorch twin. Both
+            backends have the same parameter names, so one checkpoint loads into either.
+        attn_input_format: Layout the encoder layers run in. `"thd"`: tokens of all proteins packed into one
+            sequence with `cu_seq_lens` (padded batches are unpadded inside the model and the outputs
+            scattered back). `"bshd"`: padded batches run padded with a key mask (packed inputs are
+            padded inside the model). Outputs always come back in the layout of the inputs.
+        layer_precision: `None` (all layers in the autocast/param dtype) or one entry per layer:
+            `"fp8"` runs that layer's GEMMs in FP8 (Transformer Engine only), `None` keeps it in bf16.
+        fp8_recipe: Transformer Engine FP8 scaling recipe, by name: `"delayed"` (DelayedScaling),
+            `"current"` (Float8CurrentScaling) or `"block"` (Float8BlockScaling).
+        tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
+    """
+
+    model_type = "nv_esm"
+
+    def __init__(
+        self,
+        vocab_size: int = 33,
+        padded_vocab_size: int = 64,
+        hidden_size: int = 1280,
+        num_hidden_layers: int = 33,
+        num_attention_heads: int = 20,
+        intermediate_size: int = 5120,
+        hidden_act: str = "gelu",
+        hidden_dropout_prob: float = 0.0,
+        attention_probs_dropout_prob: float = 0.0,
+        max_position_embeddings: int = 1026,
+        initializer_range: float = 0.02,
+        layer_norm_eps: float = 1e-5,
+        position_embedding_type: str = "rotary",
+        rope_theta: float = 10000.0,
+        emb_layer_norm_before: bool | None = False,
+        token_dropout: bool = True,
+        mask_token_id: int = 32,
+        pad_token_id: int = 1,
+        bos_token_id: int = 0,
+        eos_token_id: int = 2,
+        backend: str = "auto",
+        attn_input_format: str = "thd",
+        layer_precision: list[str | None] | None = None,
+        fp8_recipe: str = "delayed",
+        tie_word_embeddings: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.layer_norm_eps = layer_norm_eps
+        self.position_embedding_type = position_embedding_type
+        self.rope_theta = rope_theta
+        self.emb_layer_norm_before = emb_layer_norm_before
+        self.token_dropout = token_dropout
+        self.mask_token_id = mask_token_id
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.backend = backend
+        self.attn_input_format = attn_input_format
+        self.layer_precision = None if layer_precision is None else list(layer_precision)
+        self.fp8_recipe = fp8_recipe
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+        self._check()
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether any layer is configured to run in FP8."""
+        return self.layer_precision is not None and "fp8" in self.layer_precision
+
+    def _check(self) -> None:
+        """Raise `ValueError` on the first inconsistent field."""
+        for name in (
+            "vocab_size",
+            "padded_vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % 16:
+            raise ValueError(
+                f"padded_vocab_size must be >= vocab_size ({self.vocab_size}) and a multiple of 16, "
+                f"got {self.padded_vocab_size}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"hidden_size / num_attention_heads must be even for rotary embeddings, got {self.head_dim}")
+        if self.position_embedding_type != "rotary":
+            raise ValueError(
+                f"position_embedding_type must be 'rotary' (ESM-2), got {self.position_embedding_type!r}: "
+                "absolute position embeddings are ESM-1 and are not supported"
+            )
+        if self.emb_layer_norm_before:
+            raise ValueError("emb_layer_norm_before must be False (ESM-2); True is ESM-1b and is not supported")
+        _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("attn_input_format", self.attn_input_format, ATTN_INPUT_FORMATS)
+        _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if not self.layer_norm_eps > 0 or not self.initializer_range > 0 or not self.rope_theta > 0:
+            raise ValueError("layer_norm_eps, initializer_range and rope_theta must be positive")
+        if not isinstance(self.token_dropout, bool):
+            raise ValueError(f"token_dropout must be True or False, got {self.token_dropout!r}")
+        for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_precision must have one entry per layer ({self.num_hidden_layers}), "
+                    f"got {len(self.layer_precision)}"
+                )
+            for value in self.layer_precision:
+                _check_choice("layer_precision entries", value, LAYER_PRECISIONS)
+
+
+def _check_choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+__all__ = ["NVEsmConfig"]

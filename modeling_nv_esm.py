@@ -1,0 +1,1035 @@
+"""NVEsm: the ESM-2 protein language model on NVIDIA Transformer Engine, with an exact PyTorch twin.
+
+The encoder layers are `transformer_engine.pytorch.TransformerLayer` when Transformer Engine (TE) is used,
+and `NVEsmTorchLayer` otherwise: a pure-PyTorch layer with the same parameter names and shapes, so one
+checkpoint loads into either. Everything else (embeddings, rotary table, heads) is plain PyTorch.
+
+Inputs come padded (BSHD: `input_ids [B, S]` with `attention_mask [B, S]`) or packed (THD: the tokens of
+N proteins concatenated, `input_ids [1, T]`, described by `cu_seq_lens_q [N + 1]` or by `position_ids`
+that restart at 0 for every protein). The layers run in `config.attn_input_format`; inputs of the other
+layout are converted inside the model and outputs come back in the layout of the inputs.
+
+Transformer Engine is imported lazily: importing this file never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.utils import logging
+
+try:
+    from .configuration_nv_esm import NVEsmConfig
+except ImportError:  # imported as a top-level module (tests, scripts) rather than as Hub remote code
+    from configuration_nv_esm import NVEsmConfig
+
+logger = logging.get_logger(__name__)
+
+# ESM-2 was trained masking 15% of tokens, 80% of those with <mask>: token dropout rescales to this ratio.
+MASK_RATIO_TRAIN = 0.15 * 0.8
+# FP8 GEMMs need the number of rows (tokens) to be a multiple of this.
+FP8_TOKEN_MULTIPLE = 16
+TE_INSTALL_HINT = (
+    "Install NVIDIA Transformer Engine for PyTorch on a CUDA machine "
+    "(pip install --no-build-isolation 'transformer-engine[pytorch]'), "
+    "or pass backend='torch' to run the PyTorch implementation."
+)
+KNOWN_EXTRA_INPUTS = {"seq_idx"}  # produced by DataCollatorWithFlattening; cu_seq_lens carries the same
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Transformer Engine, imported on demand
+# --------------------------------------------------------------------------------------------------------------
+
+
+# Transformer Engine is imported through importlib: transformers scans remote code for `import` statements and
+# refuses to load a model whose imports are not installed, and TE must stay optional.
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """Whether `transformer_engine.pytorch` imports in this environment."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # ImportError, or a broken install raising OSError/RuntimeError on load
+        return False
+    return True
+
+
+def import_transformer_engine() -> Any:
+    """Return `transformer_engine.pytorch`, or raise an ImportError that says how to install it."""
+    if not transformer_engine_available():
+        raise ImportError(f"backend='te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
+    return importlib.import_module("transformer_engine.pytorch")
+
+
+def resolve_backend(config: NVEsmConfig) -> str:
+    """Turn `config.backend` into `"te"` or `"torch"` for a model built now."""
+    if config.backend == "torch":
+        return "torch"
+    usable = transformer_engine_available() and torch.cuda.is_available()
+    if config.backend == "te":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend='te' needs a CUDA GPU, and none is visible. {TE_INSTALL_HINT}")
+        import_transformer_engine()
+        return "te"
+    return "te" if usable else "torch"
+
+
+def make_fp8_recipe(name: str) -> Any:
+    """The Transformer Engine recipe object for `config.fp8_recipe`."""
+    recipe = importlib.import_module("transformer_engine.common.recipe")
+    return {
+        "delayed": recipe.DelayedScaling,
+        "current": recipe.Float8CurrentScaling,
+        "block": recipe.Float8BlockScaling,
+    }[name]()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sequence layouts
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedSequences:
+    """Where the tokens of N proteins lie when packed (THD) and when padded (BSHD).
+
+    Attributes:
+        cu_seq_lens: `[N + 1]` int32; protein i is packed tokens `cu_seq_lens[i]:cu_seq_lens[i + 1]`.
+        max_length: Length of the longest protein (or more), in tokens.
+        padded_shape: `(B, S)` of the padded view.
+        token_index: `[T]` int64; index of each packed token in the flattened padded view `[B * S]`.
+    """
+
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    padded_shape: tuple[int, int]
+    token_index: torch.Tensor
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor, max_length: int) -> PackedSequences:
+        """Describe the tokens that `attention_mask [B, S]` keeps (1 = token, 0 = padding)."""
+        lengths = attention_mask.sum(dim=1, dtype=torch.int32)
+        cu_seq_lens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        token_index = attention_mask.flatten().nonzero().squeeze(1)
+        return cls(cu_seq_lens, max_length, tuple(attention_mask.shape), token_index)
+
+    @classmethod
+    def from_cu_seq_lens(cls, cu_seq_lens: torch.Tensor, max_length: int, num_tokens: int) -> PackedSequences:
+        """Describe packed proteins; the padded view is `[N, max_length]`."""
+        cu_seq_lens = cu_seq_lens.to(torch.int32)
+        num_sequences = cu_seq_lens.numel() - 1
+        sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
+        position = torch.arange(num_tokens, device=cu_seq_lens.device) - cu_seq_lens[sequence_index]
+        token_index = sequence_index * max_length + position
+        return cls(cu_seq_lens, max_length, (num_sequences, max_length), token_index)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[N]` tokens per protein."""
+        return self.cu_seq_lens.diff()
+
+    @property
+    def sequence_index(self) -> torch.Tensor:
+        """`[T]` the protein each packed token belongs to."""
+        return self.token_index // self.padded_shape[1]
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """`[B, S, ...]` -> `[T, ...]`, keeping only the tokens."""
+        return padded.flatten(0, 1).index_select(0, self.token_index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[T, ...]` -> `[B, S, ...]`, zeros at padding."""
+        batch, length = self.padded_shape
+        flat = packed.new_zeros(batch * length, *packed.shape[1:])
+        return flat.index_copy(0, self.token_index, packed).view(batch, length, *packed.shape[1:])
+
+    def key_mask(self) -> torch.Tensor:
+        """`[B, S]` bool, True where the padded view holds a token."""
+        positions = torch.arange(self.padded_shape[1], device=self.cu_seq_lens.device)
+        return positions < self.lengths[:, None]
+
+
+def sequence_index_of_tokens(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`[T]` index of the protein that each of `num_tokens` packed tokens belongs to."""
+    boundaries = cu_seq_lens[1:-1].contiguous()
+    return torch.bucketize(torch.arange(num_tokens, device=cu_seq_lens.device), boundaries, right=True)
+
+
+def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]]) -> None:
+    """Evaluate boolean scalar tensors with one device sync; raise ValueError with the first failing message."""
+    if not checks:
+        return
+    passed = torch.stack([flag.reshape(()) for flag, _ in checks]).tolist()
+    for ok, (_, message) in zip(passed, checks):
+        if not ok:
+            raise ValueError(message)
+
+
+@dataclass
+class EncoderInputs:
+    """What every encoder layer needs besides the hidden states, in the layout the layers run in.
+
+    Attributes:
+        rotary_angles: `[L, head_dim]` float32 rotary angles for positions `0..L-1`.
+        key_mask: BSHD only: `[B, S]` bool, True for tokens; None when nothing is padded.
+        packed: THD only: the packing of the hidden states `[T, hidden]`.
+    """
+
+    rotary_angles: torch.Tensor
+    key_mask: torch.Tensor | None = None
+    packed: PackedSequences | None = None
+
+    def te_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward`."""
+        kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
+        if self.packed is not None:
+            cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
+            kwargs.update(
+                self_attn_mask_type="padding",
+                cu_seqlens_q=cu_seq_lens,
+                cu_seqlens_kv=cu_seq_lens,
+                max_seqlen_q=max_length,
+                max_seqlen_kv=max_length,
+            )
+        elif self.key_mask is not None:
+            kwargs.update(self_attn_mask_type="padding", attention_mask=~self.key_mask[:, None, None, :])
+        else:
+            kwargs.update(self_attn_mask_type="no_mask")
+        return kwargs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# PyTorch twin of Transformer Engine's TransformerLayer
+# --------------------------------------------------------------------------------------------------------------
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """ESM's exact (erf) GELU."""
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` -> `[-x2, x1]` for halves x1, x2 of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, heads, S, d]` by `angles [S, d]` (float32 math, result in x's dtype)."""
+    x32 = x.float()
+    return (x32 * angles.cos() + rotate_half(x32) * angles.sin()).to(x.dtype)
+
+
+class NVEsmLayerNormLinear(nn.Module):
+    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear`."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(in_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        return F.linear(normed, self.weight, self.bias)
+
+
+class NVEsmLayerNormMLP(nn.Module):
+    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size))
+        self.fc1_weight = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.fc1_bias = nn.Parameter(torch.zeros(intermediate_size))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.fc2_bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        return F.linear(gelu(F.linear(normed, self.fc1_weight, self.fc1_bias)), self.fc2_weight, self.fc2_bias)
+
+
+class NVEsmSelfAttention(nn.Module):
+    """Pre-LN rotary self-attention with the parameter names of TE's `MultiheadAttention`.
+
+    `layernorm_qkv.weight` rows are interleaved per head, `[h0: q, k, v | h1: q, k, v | ...]`, as TE's
+    default `qkv_weight_interleaved=True`. Attention is `torch.nn.functional.scaled_dot_product_attention`.
+    """
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_probs_dropout_prob
+        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * config.hidden_size, config.layer_norm_eps)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
+        qkv = self.layernorm_qkv(hidden_states)
+        key_mask = inputs.key_mask
+        if inputs.packed is not None:  # attention runs on the padded view, the rest stays packed
+            qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
+        batch, length = qkv.shape[:2]
+        query, key, value = qkv.view(batch, length, self.num_heads, 3, self.head_dim).transpose(1, 2).unbind(3)
+        # ESM scales the query before the rotation (as transformers does), then attends with scale 1.
+        query = apply_rotary(query * self.head_dim**-0.5, inputs.rotary_angles[:length])
+        key = apply_rotary(key, inputs.rotary_angles[:length])
+        context = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=None if key_mask is None else key_mask[:, None, None, :],
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=1.0,
+        )
+        context = context.transpose(1, 2).reshape(batch, length, -1)
+        if inputs.packed is not None:
+            context = inputs.packed.pack(context)
+        return self.proj(context)
+
+
+class NVEsmTorchLayer(nn.Module):
+    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.self_attention = NVEsmSelfAttention(config)
+        self.layernorm_mlp = NVEsmLayerNormMLP(config.hidden_size, config.intermediate_size, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        hidden_states = hidden_states + self.dropout(self.self_attention(hidden_states, inputs))
+        return hidden_states + self.dropout(self.layernorm_mlp(hidden_states))
+
+
+def make_te_layer(config: NVEsmConfig, layer_number: int) -> nn.Module:
+    """A `transformer_engine.pytorch.TransformerLayer` shaped as ESM-2's layer `layer_number` (1-based)."""
+    te = import_transformer_engine()
+    init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
+    on_meta = torch.get_default_device().type == "meta"
+    return te.TransformerLayer(
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        layernorm_epsilon=config.layer_norm_eps,
+        hidden_dropout=config.hidden_dropout_prob,
+        attention_dropout=config.attention_probs_dropout_prob,
+        init_method=init_method,
+        output_layer_init_method=init_method,
+        layer_number=layer_number,
+        kv_channels=config.head_dim,
+        self_attn_mask_type="padding",
+        layer_type="encoder",
+        fuse_qkv_params=True,
+        qkv_weight_interleaved=True,
+        bias=True,
+        activation=config.hidden_act,
+        normalization="LayerNorm",
+        attn_input_format=config.attn_input_format,
+        params_dtype=torch.get_default_dtype(),
+        device="meta" if on_meta else "cuda",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model parts
+# --------------------------------------------------------------------------------------------------------------
+
+
+class NVEsmEmbeddings(nn.Module):
+    """Token embeddings with ESM's token dropout. `padded_vocab_size` rows; rows past `vocab_size` are zero."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size, config.pad_token_id)
+        self.token_dropout = config.token_dropout
+        self.mask_token_id = config.mask_token_id
+
+    def forward(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, sequence_index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Embed `input_ids`, padded `[B, S]` (`sequence_index` None) or packed `[T]` (`sequence_index [T]`).
+
+        `lengths [N]` are the tokens of each protein, for the token-dropout ratio of that protein.
+        """
+        embeddings = self.word_embeddings(input_ids)
+        if not self.token_dropout:
+            return embeddings
+        is_mask = input_ids == self.mask_token_id
+        embeddings = embeddings.masked_fill(is_mask.unsqueeze(-1), 0.0)
+        if sequence_index is None:
+            masked_per_protein = is_mask.sum(-1).float()
+        else:
+            masked_per_protein = torch.zeros(lengths.shape, device=input_ids.device).index_add_(
+                0, sequence_index, is_mask.float()
+            )
+        scale = (1 - MASK_RATIO_TRAIN) / (1 - masked_per_protein / lengths)
+        scale = scale[:, None, None] if sequence_index is None else scale[sequence_index][:, None]
+        return (embeddings * scale).to(embeddings.dtype)
+
+
+class NVEsmRotaryEmbedding(nn.Module):
+    """Rotary angle table. `inv_freq` is kept as a buffer so checkpoints carry the exact values they trained with."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", self.default_inv_freq(config), persistent=True)
+
+    @staticmethod
+    def default_inv_freq(config: NVEsmConfig) -> torch.Tensor:
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        return 1.0 / (config.rope_theta**exponents)
+
+    def forward(self, length: int) -> torch.Tensor:
+        """`[length, head_dim]` float32 angles `position * inv_freq`, the half table repeated twice."""
+        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq.float()[None, :]
+        return torch.cat((freqs, freqs), dim=-1)
+
+
+class NVEsmEncoder(nn.Module):
+    """The transformer layers (TE or PyTorch twin) and the final LayerNorm."""
+
+    def __init__(self, config: NVEsmConfig, backend: str) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        if backend == "te":
+            self.layers = nn.ModuleList(make_te_layer(config, i + 1) for i in range(config.num_hidden_layers))
+            self.fp8_recipe = make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None
+        else:
+            self.layers = nn.ModuleList(NVEsmTorchLayer(config) for _ in range(config.num_hidden_layers))
+            self.fp8_recipe = None
+            if config.uses_fp8:
+                logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
+        self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.register_state_dict_post_hook(_drop_te_extra_state)
+        self.register_load_state_dict_post_hook(_ignore_missing_te_extra_state)
+
+    def forward(
+        self, hidden_states: torch.Tensor, inputs: EncoderInputs, output_hidden_states: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
+        layer's output, with the last one LayerNormed as in ESM and transformers."""
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        te_kwargs = inputs.te_kwargs() if self.backend == "te" else None
+        for index, layer in enumerate(self.layers):
+            with self.layer_precision(index):
+                hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
+            if all_hidden_states is not None:
+                all_hidden_states.append(hidden_states)
+        hidden_states = self.emb_layer_norm_after(hidden_states)
+        if all_hidden_states is None:
+            return hidden_states, None
+        all_hidden_states[-1] = hidden_states
+        return hidden_states, tuple(all_hidden_states)
+
+    def run_layer(
+        self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, te_kwargs: dict | None
+    ) -> torch.Tensor:
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if te_kwargs is None:
+            if checkpointing:
+                return self._gradient_checkpointing_func(layer.__call__, hidden_states, inputs)
+            return layer(hidden_states, inputs)
+        if checkpointing:
+            return import_transformer_engine().checkpoint(layer, hidden_states, use_reentrant=False, **te_kwargs)
+        return layer(hidden_states, **te_kwargs)
+
+    def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
+        """FP8 autocast for the layers that `config.layer_precision` marks "fp8" (TE backend only)."""
+        if self.fp8_recipe is None:
+            return contextlib.nullcontext()
+        enabled = self.config.layer_precision[index] == "fp8"
+        return import_transformer_engine().autocast(enabled=enabled, recipe=self.fp8_recipe)
+
+
+def _drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith("._extra_state")]:
+        del state_dict[key]
+
+
+def _ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load hook: strict loading does not require TE's `_extra_state` entries."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if not key.endswith("._extra_state")]
+
+
+class NVEsmContactPredictionHead(nn.Module):
+    """Weights of ESM's contact-prediction regression (`esm.contact_head` in transformers).
+
+    Kept so conversions in both directions are lossless. Predicting contacts needs attention maps, which the
+    fused attention kernels do not materialise, so this model does not run it.
+    """
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.regression = nn.Linear(config.num_hidden_layers * config.num_attention_heads, 1)
+
+
+class NVEsmLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> decoder (+bias); the LayerNorm is fused into `decoder` as in TE."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.decoder = NVEsmLayerNormLinear(config.hidden_size, config.padded_vocab_size, config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[..., hidden]` -> logits `[..., vocab_size]` (the padded vocabulary rows are cut off)."""
+        return self.decoder(gelu(self.dense(hidden_states)))[..., : self.vocab_size]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pre-trained models
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NVEsmModelOutput(BaseModelOutput):
+    """`BaseModelOutput` plus `cu_seq_lens` (`[N + 1]`) when the inputs were packed."""
+
+    cu_seq_lens: torch.Tensor | None = None
+
+
+class NVEsmPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and loading rules shared by NVEsm models."""
+
+    config_class = NVEsmConfig
+    config: NVEsmConfig
+    base_model_prefix = "esm"
+    supports_gradient_checkpointing = True
+    accepts_loss_kwargs = False
+    _no_split_modules = ["NVEsmTorchLayer", "TransformerLayer", "NVEsmEmbeddings"]
+    _keys_to_ignore_on_load_unexpected = [r"\._extra_state$"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+            module.weight[self.config.vocab_size :].zero_()
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, (NVEsmLayerNormLinear, NVEsmLayerNormMLP)):
+            module.layer_norm_weight.fill_(1.0)
+            module.layer_norm_bias.zero_()
+            for name, parameter in module.named_parameters(recurse=False):
+                if name.startswith("layer_norm"):
+                    continue
+                if name.endswith("weight"):
+                    parameter.normal_(0.0, std)
+                else:
+                    parameter.zero_()
+        elif isinstance(module, NVEsmRotaryEmbedding):
+            module.inv_freq.copy_(module.default_inv_freq(self.config))
+
+
+class NVEsmModel(NVEsmPreTrainedModel):
+    """ESM-2 encoder: embeddings, rotary table, transformer layers, final LayerNorm.
+
+    Attributes:
+        backend: `"te"` or `"torch"`, resolved from `config.backend` when the model was built.
+    """
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__(config)
+        self.backend = resolve_backend(config)
+        self.embeddings = NVEsmEmbeddings(config)
+        self.rotary_embeddings = NVEsmRotaryEmbedding(config)
+        self.encoder = NVEsmEncoder(config, self.backend)
+        self.contact_head = NVEsmContactPredictionHead(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> NVEsmModelOutput | tuple:
+        r"""Encode proteins.
+
+        Padded (BSHD): `input_ids [B, S]` (or `inputs_embeds [B, S, hidden]`), optional `attention_mask [B, S]`
+        (1 = token, 0 = padding; right padding). Outputs are `[B, S, ...]`, zeros at padding when the layers run
+        packed.
+
+        Packed (THD): `input_ids [1, T]` or `[T]`, with `cu_seq_lens_q [N + 1]` (int32, as
+        `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives; `cu_seq_lens_k` must equal it) and
+        optionally `max_length_q`/`max_length_k` (int, at least the longest protein); or with
+        `position_ids [1, T]` alone, restarting at 0 for each protein. Outputs are `[1, T, ...]`, and every
+        protein's outputs equal what it gets alone.
+
+        Returns `NVEsmModelOutput` with `last_hidden_state`, `hidden_states` (embedding output and each layer's
+        output, the last one after the final LayerNorm) and, for packed inputs, `cu_seq_lens`.
+        """
+        _check_extra_inputs(kwargs)
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        batch = self._prepare_inputs(
+            input_ids, attention_mask, position_ids, inputs_embeds, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k
+        )
+        hidden_states = self._embed(input_ids, inputs_embeds, batch)
+        hidden_states, inputs, num_real_tokens = self._to_run_layout(hidden_states, batch)
+        last_hidden_state, all_hidden_states = self.encoder(hidden_states, inputs, output_hidden_states)
+        restore = functools.partial(self._to_input_layout, batch=batch, num_real_tokens=num_real_tokens)
+        output = NVEsmModelOutput(
+            last_hidden_state=restore(last_hidden_state),
+            hidden_states=None if all_hidden_states is None else tuple(map(restore, all_hidden_states)),
+            cu_seq_lens=batch.packed.cu_seq_lens if batch.input_is_packed else None,
+        )
+        return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+    # ---- input handling ----------------------------------------------------------------------------------------
+
+    def _prepare_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_k: torch.Tensor | None,
+        max_length_q: int | None,
+        max_length_k: int | None,
+    ) -> InputBatch:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None or position_ids is not None
+        if packed:
+            return InputBatch.packed_from(
+                self.config, input_ids, inputs_embeds, attention_mask, position_ids,
+                cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            )  # fmt: skip
+        if max_length_q is not None or max_length_k is not None:
+            raise ValueError("max_length_q/max_length_k describe packed inputs; pass cu_seq_lens_q with them.")
+        return InputBatch.padded_from(self.config, input_ids, inputs_embeds, attention_mask)
+
+    def _embed(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, batch: InputBatch
+    ) -> torch.Tensor:
+        """Embeddings in the input layout: `[B, S, hidden]` or `[T, hidden]`."""
+        if inputs_embeds is not None:
+            embeddings = inputs_embeds.reshape(batch.tokens_shape + inputs_embeds.shape[-1:])
+        else:
+            sequence_index = batch.packed.sequence_index if batch.input_is_packed else None
+            embeddings = self.embeddings(input_ids.reshape(batch.tokens_shape), batch.lengths, sequence_index)
+        if batch.attention_mask is not None:  # transformers zeroes the padding positions
+            embeddings = (embeddings * batch.attention_mask.unsqueeze(-1)).to(embeddings.dtype)
+        return embeddings
+
+    def _to_run_layout(
+        self, hidden_states: torch.Tensor, batch: InputBatch
+    ) -> tuple[torch.Tensor, EncoderInputs, int]:
+        """Move embeddings to `config.attn_input_format`, padding the token count for FP8 if needed.
+
+        Returns the states, the per-layer inputs and the number of real tokens (or padded length) to keep.
+        """
+        run_packed = self.config.attn_input_format == "thd"
+        if run_packed:
+            packed = batch.packed
+            if not batch.input_is_packed:
+                hidden_states = packed.pack(hidden_states)
+            num_real = hidden_states.shape[0]
+            if self.encoder.fp8_recipe is not None and num_real % FP8_TOKEN_MULTIPLE:
+                hidden_states, packed = _pad_packed_for_fp8(hidden_states, packed)
+            angles = self.rotary_embeddings(packed.max_length)
+            return hidden_states, EncoderInputs(angles, packed=packed), num_real
+        key_mask = batch.key_mask
+        if batch.input_is_packed:
+            hidden_states, key_mask = batch.packed.unpack(hidden_states), batch.packed.key_mask()
+        length = hidden_states.shape[1]
+        if self.encoder.fp8_recipe is not None and (hidden_states.shape[0] * length) % FP8_TOKEN_MULTIPLE:
+            hidden_states, key_mask = _pad_padded_for_fp8(hidden_states, key_mask)
+        angles = self.rotary_embeddings(hidden_states.shape[1])
+        return hidden_states, EncoderInputs(angles, key_mask=key_mask), length
+
+    def _to_input_layout(self, hidden_states: torch.Tensor, batch: InputBatch, num_real_tokens: int) -> torch.Tensor:
+        """Inverse of `_to_run_layout` for an output: `[B, S, ...]` for padded inputs, `[1, T, ...]` for packed."""
+        run_packed = self.config.attn_input_format == "thd"
+        if run_packed:
+            hidden_states = hidden_states[:num_real_tokens]
+            return hidden_states.unsqueeze(0) if batch.input_is_packed else batch.packed.unpack(hidden_states)
+        hidden_states = hidden_states[:, :num_real_tokens]
+        return batch.packed.pack(hidden_states).unsqueeze(0) if batch.input_is_packed else hidden_states
+
+
+def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
+    """Append a dummy protein of zeros so the token count is a multiple of `FP8_TOKEN_MULTIPLE`."""
+    extra = -hidden_states.shape[0] % FP8_TOKEN_MULTIPLE
+    hidden_states = F.pad(hidden_states, (0, 0, 0, extra))
+    cu_seq_lens = torch.cat([packed.cu_seq_lens, packed.cu_seq_lens[-1:] + extra])
+    return hidden_states, PackedSequences(cu_seq_lens, max(packed.max_length, extra), packed.padded_shape, packed.token_index)
+
+
+def _pad_padded_for_fp8(
+    hidden_states: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad the sequence dimension to a multiple of `FP8_TOKEN_MULTIPLE`, masking the new positions."""
+    batch, length = hidden_states.shape[:2]
+    extra = -length % FP8_TOKEN_MULTIPLE
+    if key_mask is None:
+        key_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
+    return F.pad(hidden_states, (0, 0, 0, extra)), F.pad(key_mask, (0, extra), value=False)
+
+
+@dataclass
+class InputBatch:
+    """A validated batch: its layout, per-protein lengths, and the packing used to change layout.
+
+    Attributes:
+        input_is_packed: Inputs came packed (`[1, T]`); else padded (`[B, S]`).
+        tokens_shape: `(T,)` for packed inputs, `(B, S)` for padded ones.
+        lengths: `[N]` tokens per protein (float32, for token-dropout ratios).
+        packed: The packing of the batch; None for padded inputs when the layers run padded.
+        attention_mask: Padded inputs with padding: `[B, S]` of 0/1 in the embedding dtype's domain.
+        key_mask: Padded inputs with padding: `[B, S]` bool, True for tokens.
+    """
+
+    input_is_packed: bool
+    tokens_shape: tuple[int, ...]
+    lengths: torch.Tensor
+    packed: PackedSequences | None = None
+    attention_mask: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+    @classmethod
+    def padded_from(
+        cls,
+        config: NVEsmConfig,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> InputBatch:
+        tokens = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        if tokens.dim() != 2:
+            raise ValueError(
+                f"Padded input_ids must be [batch, length] (inputs_embeds [batch, length, hidden]), got shape "
+                f"{tuple(tokens.shape)}; packed inputs need cu_seq_lens_q or position_ids."
+            )
+        batch, length = tokens.shape
+        checks = _token_id_checks(config, input_ids)
+        if attention_mask is None:
+            if length > config.max_position_embeddings:
+                raise ValueError(_too_long_message(config))
+            lengths = torch.full((batch,), float(length), device=tokens.device)
+            raise_on_failed_checks(checks)
+            packed = None
+            if config.attn_input_format == "thd":
+                cu_seq_lens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=tokens.device)
+                packed = PackedSequences.from_cu_seq_lens(cu_seq_lens, length, batch * length)
+            return cls(False, (batch, length), lengths, packed)
+        if attention_mask.shape != tokens.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, input has {tuple(tokens.shape)}; they must match."
+            )
+        key_mask = attention_mask.bool()
+        counts = key_mask.sum(-1)
+        longest = counts.max()
+        checks += [
+            (((attention_mask == 0) | (attention_mask == 1)).all(), "attention_mask must hold only 0 and 1."),
+            ((counts > 0).all(), "Every row of attention_mask must keep at least one token."),
+            (longest <= config.max_position_embeddings, _too_long_message(config)),
+        ]
+        raise_on_failed_checks(checks)
+        packed = None
+        if config.attn_input_format == "thd":
+            packed = PackedSequences.from_attention_mask(key_mask, int(longest))
+        mask_values = attention_mask.to(inputs_embeds.dtype if inputs_embeds is not None else torch.float32)
+        return cls(False, (batch, length), counts.float(), packed, mask_values, key_mask)
+
+    @classmethod
+    def packed_from(
+        cls,
+        config: NVEsmConfig,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_k: torch.Tensor | None,
+        max_length_q: int | None,
+        max_length_k: int | None,
+    ) -> InputBatch:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is for padded batches; packed inputs are described by cu_seq_lens_q.")
+        tokens = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        if tokens.dim() == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.dim() != 1:
+            raise ValueError(
+                f"Packed input_ids must be [1, total_tokens] or [total_tokens], got shape {tuple(tokens.shape)}."
+            )
+        num_tokens = tokens.shape[0]
+        if num_tokens == 0:
+            raise ValueError("Packed input holds no tokens.")
+        checks = _token_id_checks(config, input_ids)
+        if position_ids is not None:
+            checks += _position_id_checks(position_ids, num_tokens)
+        if cu_seq_lens_q is None:
+            if cu_seq_lens_k is not None:
+                raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q; pass both (they must be equal).")
+            raise_on_failed_checks(checks)
+            starts = (position_ids.reshape(-1) == 0).nonzero().squeeze(1)
+            cu_seq_lens = F.pad(starts.to(torch.int32), (0, 1), value=num_tokens)
+            checks = []
+        else:
+            cu_seq_lens = cu_seq_lens_q
+            checks += _cu_seq_lens_checks(cu_seq_lens, cu_seq_lens_k, num_tokens)
+        if max_length_q is not None and max_length_k is not None and int(max_length_q) != int(max_length_k):
+            raise ValueError(f"max_length_q ({max_length_q}) and max_length_k ({max_length_k}) must be equal.")
+        max_length = max_length_q if max_length_q is not None else max_length_k
+        lengths = cu_seq_lens.diff()
+        longest = lengths.max()
+        checks.append((longest <= config.max_position_embeddings, _too_long_message(config)))
+        if max_length is not None:
+            checks.append((longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein."))
+        if position_ids is not None and cu_seq_lens_q is not None:
+            expected = torch.arange(num_tokens, device=cu_seq_lens.device) - cu_seq_lens[
+                sequence_index_of_tokens(cu_seq_lens, num_tokens)
+            ]
+            checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
+        raise_on_failed_checks(checks)
+        max_length = int(longest) if max_length is None else int(max_length)
+        packed = PackedSequences.from_cu_seq_lens(cu_seq_lens, max_length, num_tokens)
+        return cls(True, (num_tokens,), lengths.float(), packed)
+
+
+def _token_id_checks(config: NVEsmConfig, input_ids: torch.Tensor | None) -> list[tuple[torch.Tensor, str]]:
+    if input_ids is None:
+        return []
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    in_vocab = ((input_ids >= 0) & (input_ids < config.vocab_size)).all()
+    return [(in_vocab, f"input_ids must be token ids in [0, {config.vocab_size}) (the ESM vocabulary).")]
+
+
+def _position_id_checks(position_ids: torch.Tensor, num_tokens: int) -> list[tuple[torch.Tensor, str]]:
+    if position_ids.numel() != num_tokens:
+        raise ValueError(f"position_ids has {position_ids.numel()} entries for {num_tokens} tokens.")
+    positions = position_ids.reshape(-1)
+    steps_ok = (positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)
+    message = "position_ids must start at 0 for every protein and count up by 1 (packed sequences)."
+    return [((positions[0] == 0) & steps_ok.all(), message)]
+
+
+def _cu_seq_lens_checks(
+    cu_seq_lens: torch.Tensor, cu_seq_lens_k: torch.Tensor | None, num_tokens: int
+) -> list[tuple[torch.Tensor, str]]:
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2 or cu_seq_lens.dtype.is_floating_point:
+        raise ValueError(
+            f"cu_seq_lens_q must be a 1-D integer tensor [num_proteins + 1], got {cu_seq_lens.dtype} "
+            f"of shape {tuple(cu_seq_lens.shape)}."
+        )
+    checks = [
+        (cu_seq_lens[0] == 0, "cu_seq_lens_q must start at 0."),
+        ((cu_seq_lens.diff() > 0).all(), "cu_seq_lens_q must be strictly increasing (no empty proteins)."),
+        (cu_seq_lens[-1] == num_tokens, f"cu_seq_lens_q must end at the number of tokens ({num_tokens})."),
+    ]
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens:
+        if cu_seq_lens_k.shape != cu_seq_lens.shape:
+            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention).")
+        checks.append(((cu_seq_lens_k == cu_seq_lens).all(), "cu_seq_lens_k must equal cu_seq_lens_q (self-attention)."))
+    return checks
+
+
+def _too_long_message(config: NVEsmConfig) -> str:
+    return (
+        f"A protein is longer than max_position_embeddings ({config.max_position_embeddings} tokens including "
+        "<cls> and <eos>); crop it."
+    )
+
+
+def _check_extra_inputs(kwargs: dict[str, Any]) -> None:
+    if kwargs.pop("output_attentions", None):
+        raise ValueError("output_attentions is not supported: the fused attention kernels do not form attention maps.")
+    unknown = set(kwargs) - KNOWN_EXTRA_INPUTS
+    if unknown:
+        raise TypeError(f"Unexpected inputs: {sorted(unknown)}")
+
+
+def _wants_dict(return_dict: bool | None, config: NVEsmConfig) -> bool:
+    return config.return_dict if return_dict is None else return_dict
+
+
+class NVEsmForMaskedLM(NVEsmPreTrainedModel):
+    """ESM-2 with its masked-language-model head; logits `[..., vocab_size]`."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "esm.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__(config)
+        self.esm = NVEsmModel(config)
+        self.lm_head = NVEsmLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> MaskedLMOutput | tuple:
+        r"""`labels` has the shape of `input_ids`; -100 is ignored. Other inputs as `NVEsmModel.forward`."""
+        outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.to(logits.device).reshape(-1))
+        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+
+class NVEsmForTokenClassification(NVEsmPreTrainedModel):
+    """ESM-2 with a per-token linear classifier (e.g. secondary structure)."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.esm = NVEsmModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> TokenClassifierOutput | tuple:
+        r"""`labels` has the shape of `input_ids`; -100 is ignored. Logits `[..., num_labels]`."""
+        outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, self.num_labels).float(), labels.to(logits.device).reshape(-1))
+        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+
+class NVEsmClassificationHead(nn.Module):
+    """dense -> tanh -> out_proj on each protein's `<cls>` token, as transformers' `EsmClassificationHead`."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` -> `[N, num_labels]`."""
+        hidden = torch.tanh(self.dense(self.dropout(cls_states)))
+        return self.out_proj(self.dropout(hidden))
+
+
+class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
+    """ESM-2 with a per-protein classifier/regressor on the `<cls>` token. Logits `[N, num_labels]`."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.esm = NVEsmModel(config)
+        self.classifier = NVEsmClassificationHead(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> SequenceClassifierOutput | tuple:
+        r"""`labels [N]` (class ids, or floats for regression / multi-label). For packed inputs N is the number of
+        proteins and each protein's first token is its `<cls>`."""
+        outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
+        states = outputs.last_hidden_state
+        if outputs.cu_seq_lens is not None:
+            cls_states = states[0, outputs.cu_seq_lens[:-1].long()]
+        else:
+            cls_states = states[:, 0]
+        logits = self.classifier(cls_states)
+        loss = None if labels is None else self._loss(logits, labels.to(logits.device))
+        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """transformers' rule: regression for one label, single-label CE for integer labels, else multi-label BCE."""
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
+            else:
+                self.config.problem_type = "multi_label_classification"
+        if self.config.problem_type == "regression":
+            return F.mse_loss(logits.squeeze(), labels.squeeze()) if self.num_labels == 1 else F.mse_loss(logits, labels)
+        if self.config.problem_type == "single_label_classification":
+            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+__all__ = [
+    "NVEsmForMaskedLM",
+    "NVEsmForSequenceClassification",
+    "NVEsmForTokenClassification",
+    "NVEsmModel",
+    "NVEsmPreTrainedModel",
+    "PackedSequences",
+]

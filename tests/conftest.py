@@ -1,0 +1,110 @@
+"""Shared helpers: random ESM-2 models with identical weights in transformers and NVEsm, random proteins."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import EsmForMaskedLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "assets")]
+
+from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf  # noqa: E402
+from make_tiny_checkpoint import esm2_config  # noqa: E402
+from modeling_nv_esm import NVEsmForMaskedLM  # noqa: E402
+
+TINY_CHECKPOINT = ROOT / "assets" / "esm2_tiny"
+CLS, PAD, EOS, MASK = 0, 1, 2, 32
+AMINO_ACIDS = range(4, 24)  # the 20 standard residues of the ESM alphabet
+# Shapes for CPU parity tests: ESM-2 8M itself and smaller ones of other aspect ratios.
+SHAPES = {
+    "esm2_8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
+    "wide_heads": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=2, intermediate_size=200),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA and Transformer Engine (skipped otherwise)")
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Every tensor random (LayerNorms, biases, contact head too), so no mapping error hides behind 0 or 1.
+
+    Matrices get std 1/sqrt(fan_in) and LayerNorm gains 1 +- 0.2, so activations stay of order 1 as in trained
+    ESM-2 (random std-0.1 matrices would blow the residual stream up to ~100 and test float32 rounding instead).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if parameter.dim() == 2:
+                parameter.copy_(noise / parameter.shape[1] ** 0.5)
+            elif "norm" in name.lower() and name.endswith("weight"):
+                parameter.copy_(1 + 0.2 * noise)
+            else:
+                parameter.copy_(0.2 * noise)
+        model.esm.embeddings.word_embeddings.weight[model.config.pad_token_id].zero_()
+
+
+def make_hf_model(shape: str = "tiny", seed: int = 0, **config: object) -> EsmForMaskedLM:
+    """A transformers ESM-2 model with random weights, in eval mode, fp32."""
+    torch.manual_seed(seed)
+    model = EsmForMaskedLM(esm2_config(**SHAPES[shape], **config)).eval()
+    randomize_(model, seed)
+    return model
+
+
+def make_nv_model(hf_model: EsmForMaskedLM, **overrides: object) -> NVEsmForMaskedLM:
+    """The NVEsm twin of `hf_model` (same weights via the converter), PyTorch backend unless overridden."""
+    overrides.setdefault("backend", "torch")
+    config = nv_config_from_hf(hf_model.config.to_dict(), **overrides)
+    model = NVEsmForMaskedLM(config).eval()
+    model.load_state_dict(hf_to_nv_state_dict(hf_model.state_dict(), config), strict=True)
+    return model
+
+
+def random_protein(length: int, generator: torch.Generator, mask_fraction: float = 0.0) -> torch.Tensor:
+    """`<cls> residues <eos>` with `length` tokens in all (length 1: just `<cls>`), some residues masked."""
+    residues = torch.tensor(list(AMINO_ACIDS))[torch.randint(0, 20, (max(length - 2, 0),), generator=generator)]
+    if mask_fraction:
+        residues[torch.rand(residues.shape, generator=generator) < mask_fraction] = MASK
+    tokens = torch.cat([torch.tensor([CLS]), residues, torch.tensor([EOS])])
+    return tokens[:length]
+
+
+def random_proteins(lengths: list[int], seed: int, mask_fraction: float = 0.0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [random_protein(length, generator, mask_fraction) for length in lengths]
+
+
+def pad_batch(proteins: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `input_ids [B, S]` and `attention_mask [B, S]`."""
+    length = max(len(p) for p in proteins)
+    input_ids = torch.full((len(proteins), length), PAD)
+    attention_mask = torch.zeros((len(proteins), length), dtype=torch.long)
+    for row, protein in enumerate(proteins):
+        input_ids[row, : len(protein)] = protein
+        attention_mask[row, : len(protein)] = 1
+    return input_ids, attention_mask
+
+
+def pack_batch(proteins: list[torch.Tensor]) -> dict[str, torch.Tensor | int]:
+    """Packed inputs as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them."""
+    lengths = torch.tensor([len(p) for p in proteins])
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return {
+        "input_ids": torch.cat(proteins)[None],
+        "position_ids": torch.cat([torch.arange(len(p)) for p in proteins])[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+    }
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()

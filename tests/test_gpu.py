@@ -1,0 +1,211 @@
+"""GPU tests: Transformer Engine backend vs the PyTorch twin vs transformers, bf16 and FP8.
+
+Run on a Hopper GPU with Transformer Engine: `python -m pytest -m gpu -s`. Skipped without CUDA or TE.
+
+Tolerances (bf16): both transformers and NVEsm round every activation to bf16 (8 bits of mantissa, relative
+step 2^-8 = 0.4%), so neither matches the fp32 result exactly. Each model is compared with transformers in
+fp32 on the same GPU, and NVEsm must be no worse than transformers' own bf16 error (times 1.5, plus a small
+floor for the differing kernel order). Transformer Engine's fused GELU is the tanh approximation
+(|gelu_tanh - gelu_erf| <= 5e-4), far below bf16's step, which the fp32 TE comparison bounds separately.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+
+from convert_checkpoint import nv_to_hf_state_dict
+from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
+
+# TE must be imported before torch loads cuDNN in this process (see shared/gpu/README.md).
+HAVE_TE = torch.cuda.is_available() and transformer_engine_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_TE, reason="needs CUDA and Transformer Engine")]
+
+CUDA = "cuda"
+LENGTHS = [1, 300, 37, 2, 1026, 129, 64]  # includes length 1 and max length; heavy padding when padded
+BF16_FACTOR, BF16_FLOOR = 1.5, 2e-2
+TE_FP32_ATOL = 2e-2  # TE fp32 vs transformers fp32 logits: tanh GELU approximation through 6 layers
+FP8_LOSS_RTOL = 0.02  # FP8 MLM loss within 2% of bf16 on the same batch
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def hf_fp32():
+    return make_hf_model("esm2_8M", seed=100)
+
+
+def te_model(hf, dtype=torch.bfloat16, **overrides) -> NVEsmForMaskedLM:
+    return make_nv_model(hf, backend="te", **overrides).to(CUDA, dtype)
+
+
+def hf_on_gpu(hf, dtype):
+    """A fresh GPU copy of the transformers model (the fixture stays on the CPU)."""
+    model = make_hf_model("esm2_8M", seed=100)
+    model.load_state_dict(hf.state_dict())
+    return model.to(CUDA, dtype)
+
+
+def padded_inputs(seed=101, mask_fraction=0.15):
+    input_ids, attention_mask = pad_batch(random_proteins(LENGTHS, seed=seed, mask_fraction=mask_fraction))
+    return input_ids.to(CUDA), attention_mask.to(CUDA)
+
+
+@pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
+def test_forward_bf16_te_and_twin_no_worse_than_transformers(hf_fp32, attn_input_format):
+    input_ids, attention_mask = padded_inputs()
+    keep = attention_mask.bool()
+    with torch.no_grad():
+        reference = hf_on_gpu(hf_fp32, torch.float32)(input_ids, attention_mask=attention_mask).logits[keep]
+        hf_bf16 = hf_on_gpu(hf_fp32, torch.bfloat16)(input_ids, attention_mask=attention_mask).logits[keep]
+        te = te_model(hf_fp32, attn_input_format=attn_input_format)(input_ids, attention_mask=attention_mask)
+        twin = make_nv_model(hf_fp32, attn_input_format=attn_input_format).to(CUDA, torch.bfloat16)
+        twin_logits = twin(input_ids, attention_mask=attention_mask).logits[keep]
+    errors = {
+        "transformers_bf16": max_err(hf_bf16, reference),
+        "te_bf16": max_err(te.logits[keep], reference),
+        "twin_bf16": max_err(twin_logits, reference),
+    }
+    print(f"\n[bf16 forward {attn_input_format}] max |logit - transformers fp32|: {errors}")
+    bound = BF16_FACTOR * errors["transformers_bf16"] + BF16_FLOOR
+    assert errors["te_bf16"] <= bound and errors["twin_bf16"] <= bound
+
+
+@pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
+def test_forward_fp32_te_matches_transformers_and_packed_matches_padded(hf_fp32, attn_input_format):
+    input_ids, attention_mask = padded_inputs(seed=102)
+    keep = attention_mask.bool()
+    proteins = random_proteins(LENGTHS, seed=102, mask_fraction=0.15)
+    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    model = te_model(hf_fp32, torch.float32, attn_input_format=attn_input_format)
+    with torch.no_grad():
+        reference = hf_on_gpu(hf_fp32, torch.float32)(input_ids, attention_mask=attention_mask).logits[keep]
+        padded = model(input_ids, attention_mask=attention_mask).logits[keep]
+        thd = model(**packed).logits[0]
+    errors = {"te_padded_fp32": max_err(padded, reference), "te_packed_fp32": max_err(thd, reference)}
+    print(f"\n[fp32 forward {attn_input_format}] max |logit - transformers fp32|: {errors}")
+    assert max(errors.values()) <= TE_FP32_ATOL
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def hf_gradients(model, input_ids, attention_mask, labels) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    return {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def nv_gradients(model, labels, **inputs) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(**inputs, labels=labels).loss.backward()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    grads = {
+        name: (params[name].grad if name in params and params[name].grad is not None else torch.zeros_like(v))
+        .float()
+        .cpu()
+        for name, v in model.state_dict().items()
+    }
+    return nv_to_hf_state_dict(grads, model.config)
+
+
+@pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
+@pytest.mark.parametrize("packed_input", [False, True])
+def test_backward_bf16_te_no_worse_than_transformers(hf_fp32, attn_input_format, packed_input):
+    input_ids, attention_mask = padded_inputs(seed=103)
+    labels = torch.where(attention_mask.bool(), input_ids, -100)
+    reference = hf_gradients(hf_on_gpu(hf_fp32, torch.float32), input_ids, attention_mask, labels)
+    hf_bf16 = hf_gradients(hf_on_gpu(hf_fp32, torch.bfloat16), input_ids, attention_mask, labels)
+    model = te_model(hf_fp32, attn_input_format=attn_input_format)
+    if packed_input:
+        proteins = random_proteins(LENGTHS, seed=103, mask_fraction=0.15)
+        packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+        te = nv_gradients(model, labels[attention_mask.bool()][None], **packed)
+    else:
+        te = nv_gradients(model, labels, input_ids=input_ids, attention_mask=attention_mask)
+    worst = {"transformers_bf16": 0.0, "te_bf16": 0.0}
+    for name, grad in reference.items():
+        if grad.norm() == 0:
+            continue
+        hf_error, te_error = relative_error(hf_bf16[name], grad), relative_error(te[name], grad)
+        worst = {"transformers_bf16": max(worst["transformers_bf16"], hf_error), "te_bf16": max(worst["te_bf16"], te_error)}
+        assert te_error <= BF16_FACTOR * hf_error + BF16_FLOOR, name
+    print(f"\n[bf16 backward {attn_input_format} packed={packed_input}] worst relative gradient error: {worst}")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+@pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
+def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, attn_input_format):
+    proteins = random_proteins([5, 250, 33, 1, 97], seed=104, mask_fraction=0.15)  # 386 tokens: not a multiple of 16
+    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    labels = packed["input_ids"].clone()
+    bf16 = te_model(hf_fp32, attn_input_format=attn_input_format)
+    layers = hf_fp32.config.num_hidden_layers
+    fp8 = te_model(
+        hf_fp32, attn_input_format=attn_input_format, layer_precision=["fp8"] * layers, fp8_recipe=recipe
+    )
+    losses = {}
+    for name, model in (("bf16", bf16), ("fp8", fp8)):
+        output = model(**packed, labels=labels)
+        output.loss.backward()
+        assert output.logits.shape == (1, sum(len(p) for p in proteins), 33)
+        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+        losses[name] = output.loss.item()
+    input_ids, attention_mask = pad_batch(proteins)
+    with torch.no_grad():
+        padded_logits = fp8(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA)).logits
+    assert padded_logits.shape == (5, 250, 33)
+    print(f"\n[fp8 {recipe} {attn_input_format}] loss bf16 {losses['bf16']:.5f} fp8 {losses['fp8']:.5f}")
+    assert abs(losses["fp8"] - losses["bf16"]) <= FP8_LOSS_RTOL * losses["bf16"]
+
+
+def test_te_checkpoint_loads_on_cpu_in_the_twin(hf_fp32, tmp_path):
+    model = te_model(hf_fp32, torch.float32)
+    model.save_pretrained(tmp_path)
+    twin = NVEsmForMaskedLM.from_pretrained(tmp_path, backend="torch").eval()
+    assert twin.esm.backend == "torch"
+    gpu_state, cpu_state = model.state_dict(), twin.state_dict()
+    assert gpu_state.keys() == cpu_state.keys()
+    assert all(torch.equal(gpu_state[k].cpu(), cpu_state[k]) for k in gpu_state)
+    input_ids, attention_mask = padded_inputs(seed=105)
+    keep = attention_mask.bool()
+    with torch.no_grad():
+        te_logits = model(input_ids, attention_mask=attention_mask).logits[keep].cpu()
+        cpu_logits = twin(input_ids.cpu(), attention_mask=attention_mask.cpu()).logits[keep.cpu()]
+        reference = hf_fp32(input_ids.cpu(), attention_mask=attention_mask.cpu()).logits[keep.cpu()]
+    print(f"\n[te->cpu] max |twin cpu - transformers cpu| {max_err(cpu_logits, reference):.2e}, "
+          f"max |te gpu - twin cpu| {max_err(te_logits, cpu_logits):.2e}")
+    assert max_err(cpu_logits, reference) <= 1e-4
+    assert max_err(te_logits, cpu_logits) <= TE_FP32_ATOL
+
+
+def test_from_pretrained_builds_te_layers_on_gpu(hf_fp32, tmp_path):
+    make_nv_model(hf_fp32).save_pretrained(tmp_path)
+    model = NVEsmForMaskedLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map=CUDA).eval()
+    assert model.esm.backend == "te"
+    assert type(model.esm.encoder.layers[0]).__name__ == "TransformerLayer"
+    reference = te_model(hf_fp32)
+    input_ids, attention_mask = padded_inputs(seed=106)
+    with torch.no_grad():
+        a = model(input_ids, attention_mask=attention_mask).logits
+        b = reference(input_ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    assert torch.equal(a[keep], b[keep])
+
+
+def test_gradient_checkpointing_with_te(hf_fp32):
+    plain, checkpointed = te_model(hf_fp32, torch.float32), te_model(hf_fp32, torch.float32)
+    checkpointed.gradient_checkpointing_enable()
+    plain.train()
+    checkpointed.train()
+    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(random_proteins([50, 7], seed=107)).items()}
+    labels = packed["input_ids"].clone()
+    plain(**packed, labels=labels).loss.backward()
+    checkpointed(**packed, labels=labels).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        if a.grad is not None:
+            assert max_err(a.grad, b.grad) <= 1e-5, name

@@ -1,0 +1,140 @@
+"""Hub packaging: exported folders load with Auto* + trust_remote_code, save/load round trips, pipelines, heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    TINY_CHECKPOINT,
+    make_hf_model,
+    make_nv_model,
+    max_abs_diff,
+    pack_batch,
+    pad_batch,
+    random_proteins,
+)
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    EsmForMaskedLM,
+    EsmForSequenceClassification,
+    EsmForTokenClassification,
+    pipeline,
+)
+
+from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf, hf_to_nv_state_dict, nv_config_from_hf
+from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
+
+ATOL_FP32 = 1e-5  # fp32 CPU, as in test_model.py
+GFP = (  # UniProt P42212, green fluorescent protein (Aequorea victoria)
+    "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
+    "KDDGNYKTRAEVKFEGDTLVNRIELKGIDFKEDGNILGHKLEYNYNSHNVYIMADKQKNGIKVNFKIRHNIEDGSVQLADHYQQNTPIGDGPVLLPDNHY"
+    "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
+)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hub") / "esm2_tiny_nv"
+    convert_hf_to_nv(TINY_CHECKPOINT, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return EsmForMaskedLM.from_pretrained(TINY_CHECKPOINT).eval()
+
+
+def test_exported_folder_loads_with_auto_classes_and_matches_transformers(exported, reference):
+    model = AutoModelForMaskedLM.from_pretrained(exported, trust_remote_code=True).eval()
+    assert type(model).__name__ == "NVEsmForMaskedLM"
+    tokenizer = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
+    batch = tokenizer([GFP, GFP[:60].replace("L", "<mask>"), "M"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ours = model(**batch).logits
+        theirs = reference(**batch).logits
+    keep = batch["attention_mask"].bool()
+    assert max_abs_diff(ours[keep], theirs[keep]) <= ATOL_FP32
+    for auto_class in (AutoModel, AutoModelForTokenClassification, AutoModelForSequenceClassification):
+        assert type(auto_class.from_pretrained(exported, trust_remote_code=True)).__name__.startswith("NVEsm")
+
+
+def test_fill_mask_pipeline_agrees_with_transformers(exported):
+    ours = pipeline("fill-mask", model=str(exported), trust_remote_code=True, device="cpu")
+    theirs = pipeline("fill-mask", model=str(TINY_CHECKPOINT), device="cpu")
+    masked = GFP[:30] + "<mask>" + GFP[31:80]
+    ours_top, theirs_top = ours(masked, top_k=5), theirs(masked, top_k=5)
+    assert [p["token_str"] for p in ours_top] == [p["token_str"] for p in theirs_top]
+    for a, b in zip(ours_top, theirs_top):
+        assert abs(a["score"] - b["score"]) <= ATOL_FP32
+
+
+@pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
+def test_save_and_load_round_trip(tmp_path, attn_input_format):
+    model = make_nv_model(make_hf_model("wide_heads", seed=40), attn_input_format=attn_input_format)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    assert loaded.config.attn_input_format == attn_input_format
+    original_state, loaded_state = model.state_dict(), loaded.state_dict()
+    assert original_state.keys() == loaded_state.keys()
+    assert all(torch.equal(original_state[k], loaded_state[k]) for k in original_state)
+    assert loaded.lm_head.decoder.weight is loaded.esm.embeddings.word_embeddings.weight
+    batch = pack_batch(random_proteins([11, 3, 40], seed=41, mask_fraction=0.1))
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+
+
+def test_checkpoint_loads_into_the_other_layout(tmp_path):
+    padded = make_nv_model(make_hf_model("tiny", seed=42), attn_input_format="bshd")
+    padded.save_pretrained(tmp_path)
+    packed = type(padded).from_pretrained(tmp_path, attn_input_format="thd").eval()
+    input_ids, attention_mask = pad_batch(random_proteins([8, 2], seed=43))
+    with torch.no_grad():
+        a = padded(input_ids, attention_mask=attention_mask).logits
+        b = packed(input_ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    assert max_abs_diff(a[keep], b[keep]) <= ATOL_FP32
+
+
+def test_te_to_hf_folder_loads_in_plain_transformers(exported, reference, tmp_path):
+    back = tmp_path / "back_to_hf"
+    convert_nv_to_hf(exported, back)
+    restored = EsmForMaskedLM.from_pretrained(back).eval()
+    expected = reference.state_dict()
+    assert restored.state_dict().keys() == expected.keys()
+    assert all(torch.equal(restored.state_dict()[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize(
+    "hf_class,nv_class",
+    [(EsmForTokenClassification, NVEsmForTokenClassification), (EsmForSequenceClassification, NVEsmForSequenceClassification)],
+)
+def test_classification_heads_match_transformers_padded_and_packed(hf_class, nv_class):
+    mlm = make_hf_model("wide_heads", seed=44)
+    hf_model = hf_class(mlm.config).eval()
+    hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
+    torch.manual_seed(45)
+    for parameter in hf_model.classifier.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    nv_model = nv_class(nv_config_from_hf(hf_model.config.to_dict(), backend="torch")).eval()
+    # The encoder goes through the converter; the classifier heads have the same names in both models.
+    encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), nv_model.config).items() if k.startswith("esm.")}
+    heads = {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")}
+    nv_model.load_state_dict(encoder | heads, strict=True)
+    proteins = random_proteins([13, 1, 30], seed=46, mask_fraction=0.1)
+    input_ids, attention_mask = pad_batch(proteins)
+    with torch.no_grad():
+        expected = hf_model(input_ids, attention_mask=attention_mask).logits
+        padded = nv_model(input_ids, attention_mask=attention_mask).logits
+        packed = nv_model(**pack_batch(proteins)).logits
+    if hf_class is EsmForTokenClassification:
+        keep = attention_mask.bool()
+        assert max_abs_diff(padded[keep], expected[keep]) <= ATOL_FP32
+        assert max_abs_diff(packed[0], expected[keep]) <= ATOL_FP32
+    else:
+        assert packed.shape == expected.shape == (3, 2)
+        assert max_abs_diff(padded, expected) <= ATOL_FP32
+        assert max_abs_diff(packed, expected) <= ATOL_FP32

@@ -1,0 +1,178 @@
+"""Bad configs and bad inputs raise clear errors; the code imports and runs without Transformer Engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+
+from configuration_nv_esm import NVEsmConfig
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("padded_vocab_size", 40, "padded_vocab_size"),
+        ("padded_vocab_size", 32, "padded_vocab_size"),
+        ("num_attention_heads", 7, "divisible by num_attention_heads"),
+        ("position_embedding_type", "absolute", "ESM-1"),
+        ("emb_layer_norm_before", True, "ESM-1b"),
+        ("backend", "jax", "backend must be one of"),
+        ("attn_input_format", "sbhd", "attn_input_format must be one of"),
+        ("fp8_recipe", "mxfp4", "fp8_recipe must be one of"),
+        ("layer_precision", ["fp8"], "one entry per layer"),
+        ("layer_precision", ["fp4"] * 33, "layer_precision entries must be one of"),
+        ("hidden_act", "relu", "hidden_act must be one of"),
+        ("hidden_dropout_prob", 1.5, "hidden_dropout_prob"),
+        ("mask_token_id", 40, "mask_token_id"),
+        ("hidden_size", 0, "hidden_size must be a positive integer"),
+        ("token_dropout", "yes", "token_dropout"),
+    ],
+)
+def test_bad_config_values_raise(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        NVEsmConfig(**{field: value})
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = NVEsmConfig(num_hidden_layers=2, layer_precision=["fp8", None], fp8_recipe="current", backend="torch")
+    config.save_pretrained(tmp_path)
+    loaded = NVEsmConfig.from_pretrained(tmp_path)
+    assert loaded.layer_precision == ["fp8", None]
+    assert (loaded.fp8_recipe, loaded.backend, loaded.padded_vocab_size) == ("current", "torch", 64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_nv_model(make_hf_model("tiny", seed=30))
+
+
+def packed(lengths=(5, 3)):
+    return pack_batch(random_proteins(list(lengths), seed=31))
+
+
+def with_changes(batch, **changes):
+    return {**batch, **changes}
+
+
+BAD_PACKED_INPUTS = {
+    "cu_seq_lens not starting at 0": (
+        lambda b: with_changes(b, cu_seq_lens_q=torch.tensor([1, 5, 8], dtype=torch.int32), cu_seq_lens_k=None),
+        "start at 0",
+    ),
+    "cu_seq_lens not increasing": (
+        lambda b: with_changes(b, cu_seq_lens_q=torch.tensor([0, 5, 5, 8], dtype=torch.int32), cu_seq_lens_k=None),
+        "strictly increasing",
+    ),
+    "cu_seq_lens last entry != tokens": (
+        lambda b: with_changes(b, cu_seq_lens_q=torch.tensor([0, 5, 7], dtype=torch.int32), cu_seq_lens_k=None),
+        "end at the number of tokens",
+    ),
+    "cu_seq_lens float": (
+        lambda b: with_changes(b, cu_seq_lens_q=torch.tensor([0.0, 5.0, 8.0]), cu_seq_lens_k=None),
+        "1-D integer tensor",
+    ),
+    "cu_seq_lens_k differs": (
+        lambda b: with_changes(b, cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32)),
+        "cu_seq_lens_k must equal",
+    ),
+    "max_length too small": (lambda b: with_changes(b, max_length_q=4, max_length_k=4), "shorter than the longest"),
+    "max_length q != k": (lambda b: with_changes(b, max_length_q=5, max_length_k=6), "must be equal"),
+    "position_ids not restarting at 0": (
+        lambda b: {"input_ids": b["input_ids"], "position_ids": b["position_ids"] + 1},
+        "start at 0",
+    ),
+    "position_ids skipping": (
+        lambda b: {"input_ids": b["input_ids"], "position_ids": torch.tensor([[0, 1, 2, 4, 5, 0, 1, 2]])},
+        "count up by 1",
+    ),
+    "position_ids disagree with cu_seq_lens": (
+        lambda b: with_changes(b, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])),
+        "disagree",
+    ),
+    "attention_mask with packed input": (
+        lambda b: with_changes(b, attention_mask=torch.ones_like(b["input_ids"])),
+        "attention_mask is for padded",
+    ),
+    "batch of 2 packed": (
+        lambda b: with_changes(b, input_ids=b["input_ids"].repeat(2, 1)),
+        "Packed input_ids must be",
+    ),
+    "token id past vocabulary (padded rows)": (
+        lambda b: with_changes(b, input_ids=torch.where(b["input_ids"] == 2, 40, b["input_ids"])),
+        "token ids in \\[0, 33\\)",
+    ),
+    "negative token id": (lambda b: with_changes(b, input_ids=-b["input_ids"] - 1), "token ids in"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PACKED_INPUTS))
+def test_bad_packed_inputs_raise(model, case):
+    make, message = BAD_PACKED_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        model(**make(packed()))
+
+
+def test_bad_padded_inputs_raise(model):
+    input_ids, attention_mask = pad_batch(random_proteins([6, 3], seed=32))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        model(input_ids, inputs_embeds=torch.zeros(2, 6, 32))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        model()
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        model(input_ids, attention_mask=attention_mask[:, :4])
+    with pytest.raises(ValueError, match="at least one token"):
+        model(input_ids, attention_mask=attention_mask * torch.tensor([[1], [0]]))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        model(input_ids, attention_mask=attention_mask * 2)
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(input_ids.float())
+    with pytest.raises(ValueError, match="token ids in"):
+        model(torch.full((1, 4), 33))
+    with pytest.raises(ValueError, match="max_length_q/max_length_k describe packed inputs"):
+        model(input_ids, max_length_q=6)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids, output_attentions=True)
+    with pytest.raises(TypeError, match="Unexpected inputs"):
+        model(input_ids, token_type_ids=input_ids)
+
+
+@pytest.mark.parametrize("layout", ["padded_no_mask", "padded_mask", "packed"])
+def test_protein_longer_than_max_position_embeddings_raises(model, layout):
+    too_long = random_proteins([1027], seed=33)
+    with pytest.raises(ValueError, match="longer than max_position_embeddings"):
+        if layout == "packed":
+            model(**pack_batch(too_long))
+        else:
+            input_ids, attention_mask = pad_batch(too_long)
+            model(input_ids, attention_mask=attention_mask if layout == "padded_mask" else None)
+
+
+def test_asking_for_te_without_it_says_how_to_install():
+    error = ImportError if torch.cuda.is_available() else RuntimeError
+    with pytest.raises((error, ImportError), match="Transformer Engine"):
+        make_nv_model(make_hf_model("tiny", seed=34), backend="te")
+
+
+def test_auto_backend_is_torch_without_te_or_cuda():
+    model = make_nv_model(make_hf_model("tiny", seed=35), backend="auto")
+    assert model.esm.backend == "torch"
+    assert model.config.backend == "auto"  # the saved config keeps the user's choice
+
+
+def test_remote_code_imports_and_runs_with_transformer_engine_blocked():
+    """Block `transformer_engine` (as on a machine without it) and run a forward pass."""
+    script = (
+        "import sys; sys.modules['transformer_engine'] = None; sys.modules['transformer_engine.pytorch'] = None\n"
+        "import torch, modeling_nv_esm as m, configuration_nv_esm as c\n"
+        "assert not m.transformer_engine_available()\n"
+        "cfg = c.NVEsmConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)\n"
+        "model = m.NVEsmForMaskedLM(cfg).eval()\n"
+        "print(model.esm.backend, tuple(model(torch.tensor([[0, 5, 6, 2]])).logits.shape))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["torch", "(1,", "4,", "33)"]

@@ -153,7 +153,9 @@ class NVEsmConfig(PretrainedConfig):
                 f"({self.num_attention_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"hidden_size / num_attention_heads must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(
+                f"hidden_size / num_attention_heads must be even for rotary embeddings, got {self.head_dim}"
+            )
         if self.position_embedding_type != "rotary":
             raise ValueError(
                 f"position_embedding_type must be 'rotary' (ESM-2), got {self.position_embedding_type!r}: "

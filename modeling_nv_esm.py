@@ -614,7 +614,14 @@ class NVEsmModel(NVEsmPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         batch = self._prepare_inputs(
-            input_ids, attention_mask, position_ids, inputs_embeds, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k
+            input_ids,
+            attention_mask,
+            position_ids,
+            inputs_embeds,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
         )
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
         hidden_states, inputs, num_real_tokens = self._to_run_layout(hidden_states, batch)
@@ -642,6 +649,12 @@ class NVEsmModel(NVEsmPreTrainedModel):
     ) -> InputBatch:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if self.backend == "te" and device.type != "cuda":
+            raise ValueError(
+                f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
+                "Move the model and inputs to a GPU, or load the model with backend='torch' to run on the CPU."
+            )
         packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None or position_ids is not None
         if packed:
             return InputBatch.packed_from(
@@ -665,9 +678,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             embeddings = (embeddings * batch.attention_mask.unsqueeze(-1)).to(embeddings.dtype)
         return embeddings
 
-    def _to_run_layout(
-        self, hidden_states: torch.Tensor, batch: InputBatch
-    ) -> tuple[torch.Tensor, EncoderInputs, int]:
+    def _to_run_layout(self, hidden_states: torch.Tensor, batch: InputBatch) -> tuple[torch.Tensor, EncoderInputs, int]:
         """Move embeddings to `config.attn_input_format`, padding the token count for FP8 if needed.
 
         Returns the states, the per-layer inputs and the number of real tokens (or padded length) to keep.
@@ -706,7 +717,9 @@ def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) ->
     extra = -hidden_states.shape[0] % FP8_TOKEN_MULTIPLE
     hidden_states = F.pad(hidden_states, (0, 0, 0, extra))
     cu_seq_lens = torch.cat([packed.cu_seq_lens, packed.cu_seq_lens[-1:] + extra])
-    return hidden_states, PackedSequences(cu_seq_lens, max(packed.max_length, extra), packed.padded_shape, packed.token_index)
+    return hidden_states, PackedSequences(
+        cu_seq_lens, max(packed.max_length, extra), packed.padded_shape, packed.token_index
+    )
 
 
 def _pad_padded_for_fp8(
@@ -768,7 +781,8 @@ class InputBatch:
             return cls(False, (batch, length), lengths, packed)
         if attention_mask.shape != tokens.shape:
             raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, input has {tuple(tokens.shape)}; they must match."
+                f"attention_mask has shape {tuple(attention_mask.shape)} and the input {tuple(tokens.shape)}; "
+                "they must match."
             )
         key_mask = attention_mask.bool()
         counts = key_mask.sum(-1)
@@ -830,11 +844,14 @@ class InputBatch:
         longest = lengths.max()
         checks.append((longest <= config.max_position_embeddings, _too_long_message(config)))
         if max_length is not None:
-            checks.append((longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein."))
+            checks.append(
+                (longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein.")
+            )
         if position_ids is not None and cu_seq_lens_q is not None:
-            expected = torch.arange(num_tokens, device=cu_seq_lens.device) - cu_seq_lens[
-                sequence_index_of_tokens(cu_seq_lens, num_tokens)
-            ]
+            expected = (
+                torch.arange(num_tokens, device=cu_seq_lens.device)
+                - cu_seq_lens[sequence_index_of_tokens(cu_seq_lens, num_tokens)]
+            )
             checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
         raise_on_failed_checks(checks)
         max_length = int(longest) if max_length is None else int(max_length)
@@ -876,7 +893,9 @@ def _cu_seq_lens_checks(
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens:
         if cu_seq_lens_k.shape != cu_seq_lens.shape:
             raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention).")
-        checks.append(((cu_seq_lens_k == cu_seq_lens).all(), "cu_seq_lens_k must equal cu_seq_lens_q (self-attention)."))
+        checks.append(
+            ((cu_seq_lens_k == cu_seq_lens).all(), "cu_seq_lens_k must equal cu_seq_lens_q (self-attention).")
+        )
     return checks
 
 
@@ -1019,7 +1038,9 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
             else:
                 self.config.problem_type = "multi_label_classification"
         if self.config.problem_type == "regression":
-            return F.mse_loss(logits.squeeze(), labels.squeeze()) if self.num_labels == 1 else F.mse_loss(logits, labels)
+            return (
+                F.mse_loss(logits.squeeze(), labels.squeeze()) if self.num_labels == 1 else F.mse_loss(logits, labels)
+            )
         if self.config.problem_type == "single_label_classification":
             return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits, labels)

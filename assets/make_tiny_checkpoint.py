@@ -11,9 +11,7 @@ import torch
 from transformers import EsmConfig, EsmForMaskedLM, EsmTokenizer
 
 # The ESM-2 alphabet, in token-id order (33 tokens).
-ESM_VOCAB = (
-    "<cls> <pad> <eos> <unk> L A G V S E R T I D P K Q N F Y M H W C X B U Z O . - <null_1> <mask>".split()
-)
+ESM_VOCAB = "<cls> <pad> <eos> <unk> L A G V S E R T I D P K Q N F Y M H W C X B U Z O . - <null_1> <mask>".split()
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 SEED = 20261122
 

@@ -58,8 +58,10 @@ def main() -> int:
     print(f"  transformers  : {''.join(their_fill)}")
     difference = (logits.double() - expected.double()).abs().max().item()
     tolerance = TOLERANCE[ours.esm.backend]
-    print(f"max |logit difference| vs transformers EsmForMaskedLM: {difference:.3g} (backend {ours.esm.backend}, "
-          f"tolerance {tolerance:g})")
+    print(
+        f"max |logit difference| vs transformers EsmForMaskedLM: {difference:.3g} (backend {ours.esm.backend}, "
+        f"tolerance {tolerance:g})"
+    )
     return 0 if difference <= tolerance else 1
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
+from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 from convert_checkpoint import nv_to_hf_state_dict
 from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
 
@@ -132,7 +132,10 @@ def test_backward_bf16_te_no_worse_than_transformers(hf_fp32, attn_input_format,
         if grad.norm() == 0:
             continue
         hf_error, te_error = relative_error(hf_bf16[name], grad), relative_error(te[name], grad)
-        worst = {"transformers_bf16": max(worst["transformers_bf16"], hf_error), "te_bf16": max(worst["te_bf16"], te_error)}
+        worst = {
+            "transformers_bf16": max(worst["transformers_bf16"], hf_error),
+            "te_bf16": max(worst["te_bf16"], te_error),
+        }
         assert te_error <= BF16_FACTOR * hf_error + BF16_FLOOR, name
     print(f"\n[bf16 backward {attn_input_format} packed={packed_input}] worst relative gradient error: {worst}")
 
@@ -145,9 +148,7 @@ def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, attn_
     labels = packed["input_ids"].clone()
     bf16 = te_model(hf_fp32, attn_input_format=attn_input_format)
     layers = hf_fp32.config.num_hidden_layers
-    fp8 = te_model(
-        hf_fp32, attn_input_format=attn_input_format, layer_precision=["fp8"] * layers, fp8_recipe=recipe
-    )
+    fp8 = te_model(hf_fp32, attn_input_format=attn_input_format, layer_precision=["fp8"] * layers, fp8_recipe=recipe)
     losses = {}
     for name, model in (("bf16", bf16), ("fp8", fp8)):
         output = model(**packed, labels=labels)
@@ -177,15 +178,17 @@ def test_te_checkpoint_loads_on_cpu_in_the_twin(hf_fp32, tmp_path):
         te_logits = model(input_ids, attention_mask=attention_mask).logits[keep].cpu()
         cpu_logits = twin(input_ids.cpu(), attention_mask=attention_mask.cpu()).logits[keep.cpu()]
         reference = hf_fp32(input_ids.cpu(), attention_mask=attention_mask.cpu()).logits[keep.cpu()]
-    print(f"\n[te->cpu] max |twin cpu - transformers cpu| {max_err(cpu_logits, reference):.2e}, "
-          f"max |te gpu - twin cpu| {max_err(te_logits, cpu_logits):.2e}")
+    print(
+        f"\n[te->cpu] max |twin cpu - transformers cpu| {max_err(cpu_logits, reference):.2e}, "
+        f"max |te gpu - twin cpu| {max_err(te_logits, cpu_logits):.2e}"
+    )
     assert max_err(cpu_logits, reference) <= 1e-4
     assert max_err(te_logits, cpu_logits) <= TE_FP32_ATOL
 
 
 def test_from_pretrained_builds_te_layers_on_gpu(hf_fp32, tmp_path):
     make_nv_model(hf_fp32).save_pretrained(tmp_path)
-    model = NVEsmForMaskedLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map=CUDA).eval()
+    model = NVEsmForMaskedLM.from_pretrained(tmp_path, backend="auto", dtype=torch.bfloat16, device_map=CUDA).eval()
     assert model.esm.backend == "te"
     assert type(model.esm.encoder.layers[0]).__name__ == "TransformerLayer"
     reference = te_model(hf_fp32)
@@ -198,14 +201,21 @@ def test_from_pretrained_builds_te_layers_on_gpu(hf_fp32, tmp_path):
 
 
 def test_gradient_checkpointing_with_te(hf_fp32):
+    """te.checkpoint recomputes each layer in backward. cuDNN's attention backward accumulates with atomics, so
+    two plain runs already differ slightly; checkpointing must stay within 1e-3 relative (a wrong recompute,
+    e.g. missing rotary or mask, is off by >10%)."""
     plain, checkpointed = te_model(hf_fp32, torch.float32), te_model(hf_fp32, torch.float32)
     checkpointed.gradient_checkpointing_enable()
     plain.train()
     checkpointed.train()
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(random_proteins([50, 7], seed=107)).items()}
+    proteins = random_proteins([50, 7, 300], seed=107, mask_fraction=0.15)
+    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
     labels = packed["input_ids"].clone()
     plain(**packed, labels=labels).loss.backward()
     checkpointed(**packed, labels=labels).loss.backward()
+    worst = 0.0
     for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
         if a.grad is not None:
-            assert max_err(a.grad, b.grad) <= 1e-5, name
+            worst = max(worst, relative_error(b.grad, a.grad))
+            assert relative_error(b.grad, a.grad) <= 1e-3, name
+    print(f"\n[te checkpointing] worst relative gradient difference {worst:.2e}")

@@ -4,15 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
-    TINY_CHECKPOINT,
-    make_hf_model,
-    make_nv_model,
-    max_abs_diff,
-    pack_batch,
-    pad_batch,
-    random_proteins,
-)
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
@@ -25,6 +16,15 @@ from transformers import (
     pipeline,
 )
 
+from conftest import (
+    TINY_CHECKPOINT,
+    make_hf_model,
+    make_nv_model,
+    max_abs_diff,
+    pack_batch,
+    pad_batch,
+    random_proteins,
+)
 from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf, hf_to_nv_state_dict, nv_config_from_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 
@@ -49,7 +49,7 @@ def reference():
 
 
 def test_exported_folder_loads_with_auto_classes_and_matches_transformers(exported, reference):
-    model = AutoModelForMaskedLM.from_pretrained(exported, trust_remote_code=True).eval()
+    model = AutoModelForMaskedLM.from_pretrained(exported, trust_remote_code=True, backend="torch").eval()
     assert type(model).__name__ == "NVEsmForMaskedLM"
     tokenizer = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
     batch = tokenizer([GFP, GFP[:60].replace("L", "<mask>"), "M"], return_tensors="pt", padding=True)
@@ -59,11 +59,14 @@ def test_exported_folder_loads_with_auto_classes_and_matches_transformers(export
     keep = batch["attention_mask"].bool()
     assert max_abs_diff(ours[keep], theirs[keep]) <= ATOL_FP32
     for auto_class in (AutoModel, AutoModelForTokenClassification, AutoModelForSequenceClassification):
-        assert type(auto_class.from_pretrained(exported, trust_remote_code=True)).__name__.startswith("NVEsm")
+        loaded = auto_class.from_pretrained(exported, trust_remote_code=True, backend="torch")
+        assert type(loaded).__name__.startswith("NVEsm")
 
 
 def test_fill_mask_pipeline_agrees_with_transformers(exported):
-    ours = pipeline("fill-mask", model=str(exported), trust_remote_code=True, device="cpu")
+    ours = pipeline(
+        "fill-mask", model=str(exported), trust_remote_code=True, device="cpu", model_kwargs={"backend": "torch"}
+    )
     theirs = pipeline("fill-mask", model=str(TINY_CHECKPOINT), device="cpu")
     masked = GFP[:30] + "<mask>" + GFP[31:80]
     ours_top, theirs_top = ours(masked, top_k=5), theirs(masked, top_k=5)
@@ -110,7 +113,10 @@ def test_te_to_hf_folder_loads_in_plain_transformers(exported, reference, tmp_pa
 
 @pytest.mark.parametrize(
     "hf_class,nv_class",
-    [(EsmForTokenClassification, NVEsmForTokenClassification), (EsmForSequenceClassification, NVEsmForSequenceClassification)],
+    [
+        (EsmForTokenClassification, NVEsmForTokenClassification),
+        (EsmForSequenceClassification, NVEsmForSequenceClassification),
+    ],
 )
 def test_classification_heads_match_transformers_padded_and_packed(hf_class, nv_class):
     mlm = make_hf_model("wide_heads", seed=44)

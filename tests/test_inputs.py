@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
 from configuration_nv_esm import NVEsmConfig
+from conftest import ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
 
 @pytest.mark.parametrize(

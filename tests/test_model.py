@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import (
     EOS,
     MASK,
-    PAD,
     SHAPES,
     make_hf_model,
     make_nv_model,
@@ -23,7 +23,6 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
-
 from convert_checkpoint import nv_to_hf_state_dict
 
 ATOL_FP32 = 1e-5
@@ -224,4 +223,3 @@ def test_pad_token_positions_do_not_change_real_tokens():
         b = nv(noisy, attention_mask=attention_mask).logits
     keep = attention_mask.bool()
     assert max_abs_diff(a[keep], b[keep]) <= ATOL_FP32
-

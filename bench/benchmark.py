@@ -1,0 +1,231 @@
+"""Throughput and memory of NVEsm vs transformers' EsmForMaskedLM on one GPU, side by side on the same batches.
+
+    python bench/benchmark.py --shapes 8M 650M --proteins 16 64 --out bench/results
+
+Variants (random weights of the ESM-2 shape):
+  transformers  EsmForMaskedLM, attn_implementation="sdpa", padded to the longest protein of the batch
+  nv_bshd       NVEsm on Transformer Engine, padded batch run padded (attn_input_format="bshd")
+  nv_thd        NVEsm on TE, packed batch (cu_seq_lens) run packed
+  nv_inmodel    NVEsm on TE, padded batch unpadded inside the model (attn_input_format="thd")
+  nv_thd_fp8    nv_thd with every layer in FP8 (DelayedScaling)
+
+Training step: forward + backward + fused AdamW, fp32 master weights, torch.autocast(bfloat16).
+Inference: bf16 weights, no grad. Protein lengths are drawn log-normally (median 270 residues, long tail, cropped
+to 1024 as UniRef50 training does), 15% of residues masked (80/10/10) with labels on them.
+
+Model FLOPs (MFU = FLOP/s / 989 TFLOP/s, H100 SXM dense bf16), counted on real (unpadded) tokens only:
+  matmul FLOPs per token = 2 * (L * (4 h^2 + 2 h i) + h^2 + h * V)     (QKV, proj, fc1, fc2; LM head)
+  attention FLOPs per protein of s tokens = 4 * L * h * s^2
+  training = 3 x forward. Embedding lookups, norms and softmax are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "assets")]
+
+from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available  # noqa: E402
+
+assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
+
+from transformers import EsmForMaskedLM  # noqa: E402
+
+from configuration_nv_esm import NVEsmConfig  # noqa: E402
+from make_tiny_checkpoint import esm2_config  # noqa: E402
+
+SHAPES = {
+    "8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
+    "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
+    "650M": dict(hidden_size=1280, num_hidden_layers=33, num_attention_heads=20, intermediate_size=5120),
+    "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
+}
+VARIANTS = ("transformers", "nv_bshd", "nv_thd", "nv_inmodel", "nv_thd_fp8")
+PEAK_TFLOPS = 989.4
+MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
+CLS, PAD, EOS, MASK = 0, 1, 2, 32
+
+
+def draw_batches(num_batches: int, proteins: int, seed: int) -> list[list[torch.Tensor]]:
+    """Token lists (with <cls>/<eos>), 15% of residues masked; labels kept separately in `masked_batch`."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_batches):
+        lengths = torch.exp(math.log(MEDIAN_RESIDUES) + LENGTH_SIGMA * torch.randn(proteins, generator=generator))
+        lengths = lengths.clamp(10, MAX_RESIDUES).long().tolist()
+        batches.append([torch.randint(4, 24, (n,), generator=generator) for n in lengths])
+    return batches
+
+
+def mlm_inputs(residues: list[torch.Tensor], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """ESM masking: 15% of residues; of those 80% <mask>, 10% random, 10% unchanged. Labels -100 elsewhere."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, labels = [], []
+    for protein in residues:
+        chosen = torch.rand(protein.shape, generator=generator) < 0.15
+        roll = torch.rand(protein.shape, generator=generator)
+        inputs = torch.where(chosen & (roll < 0.8), MASK, protein)
+        inputs = torch.where(
+            chosen & (roll >= 0.8) & (roll < 0.9), torch.randint(4, 24, protein.shape, generator=generator), inputs
+        )
+        tokens.append(torch.cat([torch.tensor([CLS]), inputs, torch.tensor([EOS])]))
+        labels.append(torch.cat([torch.tensor([-100]), torch.where(chosen, protein, -100), torch.tensor([-100])]))
+    return tokens, labels
+
+
+def padded(tokens: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
+    length = max(len(t) for t in tokens)
+    input_ids = torch.full((len(tokens), length), PAD)
+    label_ids = torch.full((len(tokens), length), -100)
+    mask = torch.zeros((len(tokens), length), dtype=torch.long)
+    for row, (t, lab) in enumerate(zip(tokens, labels)):
+        input_ids[row, : len(t)], label_ids[row, : len(t)], mask[row, : len(t)] = t, lab, 1
+    return {"input_ids": input_ids.cuda(), "attention_mask": mask.cuda(), "labels": label_ids.cuda()}
+
+
+def packed(tokens: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
+    lengths = torch.tensor([len(t) for t in tokens])
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    return {
+        "input_ids": torch.cat(tokens)[None].cuda(),
+        "labels": torch.cat(labels)[None].cuda(),
+        "cu_seq_lens_q": cu_seq_lens,
+        "max_length_q": int(lengths.max()),
+    }
+
+
+def model_flops(shape: dict, lengths: list[int], training: bool) -> float:
+    h, n_layers, i = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    tokens = sum(lengths)
+    matmul = 2 * (n_layers * (4 * h * h + 2 * h * i) + h * h + h * 64) * tokens
+    attention = 4 * n_layers * h * sum(s * s for s in lengths)
+    return (matmul + attention) * (3 if training else 1)
+
+
+def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if variant == "transformers":
+        model = EsmForMaskedLM._from_config(esm2_config(**shape), attn_implementation="sdpa")
+    else:
+        layers = shape["num_hidden_layers"]
+        config = NVEsmConfig(
+            **shape,
+            backend="te",
+            attn_input_format="bshd" if variant == "nv_bshd" else "thd",
+            layer_precision=["fp8"] * layers if variant.endswith("fp8") else None,
+        )
+        model = NVEsmForMaskedLM(config)
+    return model.cuda().to(torch.float32 if training else torch.bfloat16).train(training)
+
+
+def inputs_for(variant: str, tokens, labels) -> dict:
+    return packed(tokens, labels) if variant in ("nv_thd", "nv_thd_fp8") else padded(tokens, labels)
+
+
+def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int, warmup: int) -> dict:
+    shape = SHAPES[shape_name]
+    batches = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(steps + warmup, proteins, seed=1))]
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    result = {"variant": variant, "shape": shape_name, "proteins": proteins, "mode": "train" if training else "infer"}
+    try:
+        model = build(variant, shape, training)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
+        prepared = [inputs_for(variant, tokens, labels) for tokens, labels in batches]
+        for step, batch in enumerate(prepared):
+            if step == warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            if training:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    model(**{k: v for k, v in batch.items() if k != "labels"})
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / steps
+    except torch.OutOfMemoryError:
+        result.update(oom=True, peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+        return result
+    finally:
+        model = optimizer = prepared = None  # noqa: F841
+    timed = batches[warmup:]
+    lengths = [[len(t) for t in tokens] for tokens, _ in timed]
+    real_tokens = sum(map(sum, lengths)) / steps
+    padded_tokens = sum(len(ls) * max(ls) for ls in lengths) / steps
+    flops = sum(model_flops(shape, ls, training) for ls in lengths) / steps
+    result.update(
+        oom=False,
+        step_seconds=seconds,
+        tokens_per_step=real_tokens,
+        tokens_per_second=real_tokens / seconds,
+        tflops=flops / seconds / 1e12,
+        mfu=flops / seconds / 1e12 / PEAK_TFLOPS,
+        padding_fraction=1 - real_tokens / padded_tokens,
+        peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
+    )
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["shape"], r["mode"], r["proteins"]) for r in results}, key=str)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4), squeeze=False)
+    for ax, (shape, mode, proteins) in zip(axes[0], groups):
+        rows = [r for r in results if (r["shape"], r["mode"], r["proteins"]) == (shape, mode, proteins)]
+        names = [r["variant"] for r in rows]
+        values = [0 if r["oom"] else r["tokens_per_second"] / 1e3 for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=["grey"] + ["tab:green"] * (len(rows) - 1))
+        for bar, row in zip(bars, rows):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), "OOM" if row["oom"] else "", ha="center")
+        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{shape} {mode}, {proteins}/step", fontsize=8)
+        ax.set_ylabel("k unpadded tokens/s", fontsize=8)
+    fig.suptitle(f"ESM-2 throughput, {torch.cuda.get_device_name()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["8M", "650M"], choices=sorted(SHAPES))
+    parser.add_argument("--proteins", nargs="+", type=int, default=[16, 64])
+    parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape in args.shapes:
+        for mode in args.modes:
+            for proteins in args.proteins:
+                for variant in args.variants:
+                    result = run(variant, shape, proteins, mode == "train", args.steps, args.warmup)
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, args.out / "benchmark.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -197,7 +197,9 @@ def test_from_pretrained_builds_te_layers_on_gpu(hf_fp32, tmp_path):
         a = model(input_ids, attention_mask=attention_mask).logits
         b = reference(input_ids, attention_mask=attention_mask).logits
     keep = attention_mask.bool()
-    assert torch.equal(a[keep], b[keep])
+    # Both are the same fp32 weights rounded to bf16, but TE layers built in bf16 and layers cast to bf16 after
+    # building pick their kernels separately: a few bf16 steps (0.4% each) apart, far from any loading error.
+    assert max_err(a[keep], b[keep]) <= BF16_FLOOR
 
 
 def test_gradient_checkpointing_with_te(hf_fp32):

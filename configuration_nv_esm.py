@@ -56,6 +56,10 @@ class NVEsmConfig(PretrainedConfig):
             `"fp8"` runs that layer's GEMMs in FP8 (Transformer Engine only), `None` keeps it in bf16.
         fp8_recipe: Transformer Engine FP8 scaling recipe, by name: `"delayed"` (DelayedScaling),
             `"current"` (Float8CurrentScaling) or `"block"` (Float8BlockScaling).
+        check_inputs: Validate data-dependent input properties (token ids within the vocabulary, `cu_seq_lens`
+            and `position_ids` consistent, proteins not longer than `max_position_embeddings`) and raise
+            `ValueError` on violations. This costs one device synchronisation per forward; a training loop whose
+            data pipeline is trusted can set it to False. Shape and type errors are always raised.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
     """
 
@@ -87,6 +91,7 @@ class NVEsmConfig(PretrainedConfig):
         attn_input_format: str = "thd",
         layer_precision: list[str | None] | None = None,
         fp8_recipe: str = "delayed",
+        check_inputs: bool = True,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -114,6 +119,7 @@ class NVEsmConfig(PretrainedConfig):
         self.attn_input_format = attn_input_format
         self.layer_precision = None if layer_precision is None else list(layer_precision)
         self.fp8_recipe = fp8_recipe
+        self.check_inputs = check_inputs
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self._check()
@@ -173,8 +179,9 @@ class NVEsmConfig(PretrainedConfig):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if not self.layer_norm_eps > 0 or not self.initializer_range > 0 or not self.rope_theta > 0:
             raise ValueError("layer_norm_eps, initializer_range and rope_theta must be positive")
-        if not isinstance(self.token_dropout, bool):
-            raise ValueError(f"token_dropout must be True or False, got {self.token_dropout!r}")
+        for name in ("token_dropout", "check_inputs", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:

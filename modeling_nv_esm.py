@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -172,9 +173,11 @@ def sequence_index_of_tokens(cu_seq_lens: torch.Tensor, num_tokens: int) -> torc
     return torch.bucketize(torch.arange(num_tokens, device=cu_seq_lens.device), boundaries, right=True)
 
 
-def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]]) -> None:
-    """Evaluate boolean scalar tensors with one device sync; raise ValueError with the first failing message."""
-    if not checks:
+def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]], enabled: bool = True) -> None:
+    """Evaluate boolean scalar tensors with one device sync; raise ValueError with the first failing message.
+
+    `enabled=False` (`config.check_inputs=False`) skips the sync for trusted training pipelines."""
+    if not checks or not enabled:
         return
     passed = torch.stack([flag.reshape(()) for flag, _ in checks]).tolist()
     for ok, (_, message) in zip(passed, checks):
@@ -634,6 +637,61 @@ class NVEsmModel(NVEsmPreTrainedModel):
         )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
 
+    @torch.no_grad()
+    def embed(
+        self,
+        sequences: list[str],
+        tokenizer: Any,
+        layer: int = -1,
+        pooling: str = "mean",
+        max_tokens_per_batch: int = 16384,
+        show_progress: bool = True,
+    ) -> torch.Tensor:
+        """Per-protein embeddings `[len(sequences), hidden]` (float32, on the CPU, in the input order).
+
+        Proteins are tokenized, sorted by length and packed into THD batches of at most `max_tokens_per_batch`
+        tokens (a longer protein runs alone); on CUDA the model runs under bf16 autocast.
+
+        Args:
+            sequences: Amino-acid strings (one-letter codes), any lengths up to `max_position_embeddings - 2`.
+            tokenizer: The ESM tokenizer of this checkpoint (`AutoTokenizer.from_pretrained(...)`).
+            layer: Which hidden state: 0 is the embedding output, `num_hidden_layers` (or -1) the final one.
+            pooling: `"mean"` over the residues (without `<cls>`/`<eos>`), or `"cls"` (the `<cls>` token).
+            max_tokens_per_batch: Token budget of one packed batch.
+            show_progress: Show a progress bar over proteins.
+        """
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        num_states = self.config.num_hidden_layers + 1
+        if not -num_states <= layer < num_states:
+            raise ValueError(f"layer must be in [{-num_states}, {num_states}), got {layer}")
+        token_lists = tokenizer(list(sequences), add_special_tokens=True)["input_ids"]
+        for index, tokens in enumerate(token_lists):
+            if len(tokens) <= 2 or len(tokens) > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"Sequence {index} has {len(tokens) - 2} residues; embed needs 1 to "
+                    f"{self.config.max_position_embeddings - 2}."
+                )
+        device = self.embeddings.word_embeddings.weight.device
+        embeddings = torch.empty(len(token_lists), self.config.hidden_size)
+        progress = tqdm(total=len(token_lists), desc="embedding", unit="protein", disable=not show_progress)
+        for batch in _length_sorted_batches(token_lists, max_tokens_per_batch):
+            proteins = [torch.tensor(token_lists[i]) for i in batch]
+            lengths = torch.tensor([len(p) for p in proteins])
+            cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                output = self(
+                    torch.cat(proteins)[None].to(device),
+                    cu_seq_lens_q=cu_seq_lens,
+                    max_length_q=int(lengths.max()),
+                    output_hidden_states=layer not in (-1, num_states - 1),
+                )
+            states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
+            embeddings[batch] = _pool(states.float(), cu_seq_lens, pooling).cpu()
+            progress.update(len(batch))
+        progress.close()
+        return embeddings
+
     # ---- input handling ----------------------------------------------------------------------------------------
 
     def _prepare_inputs(
@@ -712,6 +770,34 @@ class NVEsmModel(NVEsmPreTrainedModel):
         return batch.packed.pack(hidden_states).unsqueeze(0) if batch.input_is_packed else hidden_states
 
 
+def _length_sorted_batches(token_lists: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of the proteins, longest first, grouped so each group holds at most `max_tokens` tokens."""
+    order = sorted(range(len(token_lists)), key=lambda i: -len(token_lists[i]))
+    batches: list[list[int]] = []
+    used = max_tokens
+    for index in order:
+        if used + len(token_lists[index]) > max_tokens:
+            batches.append([])
+            used = 0
+        batches[-1].append(index)
+        used += len(token_lists[index])
+    return batches
+
+
+def _pool(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
+    """`[T, hidden]` packed states -> `[N, hidden]`: `<cls>` state, or the mean over residues (no `<cls>`/`<eos>`)."""
+    starts = cu_seq_lens[:-1].long()
+    if pooling == "cls":
+        return states[starts]
+    sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
+    position = torch.arange(states.shape[0], device=states.device) - starts[sequence_index]
+    lengths = cu_seq_lens.diff().long()
+    is_residue = (position > 0) & (position < lengths[sequence_index] - 1)
+    sums = torch.zeros(len(lengths), states.shape[1], device=states.device)
+    sums.index_add_(0, sequence_index[is_residue], states[is_residue])
+    return sums / (lengths - 2).clamp_min(1)[:, None]
+
+
 def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
     """Append a dummy protein of zeros so the token count is a multiple of `FP8_TOKEN_MULTIPLE`."""
     extra = -hidden_states.shape[0] % FP8_TOKEN_MULTIPLE
@@ -773,7 +859,7 @@ class InputBatch:
             if length > config.max_position_embeddings:
                 raise ValueError(_too_long_message(config))
             lengths = torch.full((batch,), float(length), device=tokens.device)
-            raise_on_failed_checks(checks)
+            raise_on_failed_checks(checks, config.check_inputs)
             packed = None
             if config.attn_input_format == "thd":
                 cu_seq_lens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=tokens.device)
@@ -792,7 +878,7 @@ class InputBatch:
             ((counts > 0).all(), "Every row of attention_mask must keep at least one token."),
             (longest <= config.max_position_embeddings, _too_long_message(config)),
         ]
-        raise_on_failed_checks(checks)
+        raise_on_failed_checks(checks, config.check_inputs)
         packed = None
         if config.attn_input_format == "thd":
             packed = PackedSequences.from_attention_mask(key_mask, int(longest))
@@ -830,7 +916,7 @@ class InputBatch:
         if cu_seq_lens_q is None:
             if cu_seq_lens_k is not None:
                 raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q; pass both (they must be equal).")
-            raise_on_failed_checks(checks)
+            raise_on_failed_checks(checks, config.check_inputs)
             starts = (position_ids.reshape(-1) == 0).nonzero().squeeze(1)
             cu_seq_lens = F.pad(starts.to(torch.int32), (0, 1), value=num_tokens)
             checks = []
@@ -853,7 +939,7 @@ class InputBatch:
                 - cu_seq_lens[sequence_index_of_tokens(cu_seq_lens, num_tokens)]
             )
             checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
-        raise_on_failed_checks(checks)
+        raise_on_failed_checks(checks, config.check_inputs)
         max_length = int(longest) if max_length is None else int(max_length)
         packed = PackedSequences.from_cu_seq_lens(cu_seq_lens, max_length, num_tokens)
         return cls(True, (num_tokens,), lengths.float(), packed)

@@ -5,9 +5,13 @@
 Variants (random weights of the ESM-2 shape):
   transformers  EsmForMaskedLM, attn_implementation="sdpa", padded to the longest protein of the batch
   nv_bshd       NVEsm on Transformer Engine, padded batch run padded (attn_input_format="bshd")
-  nv_thd        NVEsm on TE, packed batch (cu_seq_lens) run packed
+  nv_thd        NVEsm on TE, packed batch (cu_seq_lens) run packed, default config (inputs checked: 1 sync)
+  nv_thd_unchecked  nv_thd with check_inputs=False (no device sync per forward; trusted training pipelines)
   nv_inmodel    NVEsm on TE, padded batch unpadded inside the model (attn_input_format="thd")
-  nv_thd_fp8    nv_thd with every layer in FP8 (DelayedScaling)
+  nv_thd_fp8    nv_thd_unchecked with every layer in FP8 (DelayedScaling)
+
+Each variant runs in its own process (Transformer Engine's torch.compile'd helpers and cuDNN caches are not
+shared between variants). `--max-batch` also searches, by doubling, the most proteins per training step that fit.
 
 Training step: forward + backward + fused AdamW, fp32 master weights, torch.autocast(bfloat16).
 Inference: bf16 weights, no grad. Protein lengths are drawn log-normally (median 270 residues, long tail, cropped
@@ -25,6 +29,7 @@ import argparse
 import gc
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +54,16 @@ SHAPES = {
     "650M": dict(hidden_size=1280, num_hidden_layers=33, num_attention_heads=20, intermediate_size=5120),
     "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
 }
-VARIANTS = ("transformers", "nv_bshd", "nv_thd", "nv_inmodel", "nv_thd_fp8")
+VARIANT_CONFIGS = {
+    "nv_bshd": dict(attn_input_format="bshd"),
+    "nv_thd": dict(),
+    "nv_thd_unchecked": dict(check_inputs=False),
+    "nv_inmodel": dict(),
+    "nv_thd_fp8": dict(check_inputs=False, fp8=True),
+}
+VARIANTS = ("transformers", *VARIANT_CONFIGS)
+PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8"}
+MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = 989.4
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
 CLS, PAD, EOS, MASK = 0, 1, 2, 32
@@ -116,19 +130,15 @@ def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
     if variant == "transformers":
         model = EsmForMaskedLM._from_config(esm2_config(**shape), attn_implementation="sdpa")
     else:
-        layers = shape["num_hidden_layers"]
-        config = NVEsmConfig(
-            **shape,
-            backend="te",
-            attn_input_format="bshd" if variant == "nv_bshd" else "thd",
-            layer_precision=["fp8"] * layers if variant.endswith("fp8") else None,
-        )
-        model = NVEsmForMaskedLM(config)
+        options = dict(VARIANT_CONFIGS[variant])
+        if options.pop("fp8", False):
+            options["layer_precision"] = ["fp8"] * shape["num_hidden_layers"]
+        model = NVEsmForMaskedLM(NVEsmConfig(**shape, backend="te", **options))
     return model.cuda().to(torch.float32 if training else torch.bfloat16).train(training)
 
 
 def inputs_for(variant: str, tokens, labels) -> dict:
-    return packed(tokens, labels) if variant in ("nv_thd", "nv_thd_fp8") else padded(tokens, labels)
+    return packed(tokens, labels) if variant in PACKED_VARIANTS else padded(tokens, labels)
 
 
 def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int, warmup: int) -> dict:
@@ -203,28 +213,60 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def largest_batch(variant: str, shape: str, start: int, limit: int = 1024) -> int:
+    """Most proteins per training step (doubling from `start`) that run 2 steps without running out of memory."""
+    fits, proteins = 0, start
+    while proteins <= limit:
+        if run(variant, shape, proteins, training=True, steps=1, warmup=1)["oom"]:
+            break
+        fits, proteins = proteins, 2 * proteins
+    return fits
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Run every requested case of the given variants in this process, printing one RESULT line each."""
+    for variant in args.variants:
+        for shape in args.shapes:
+            for mode in args.modes:
+                for proteins in args.proteins:
+                    result = run(variant, shape, proteins, mode == "train", args.steps, args.warmup)
+                    print("RESULT " + json.dumps(result), flush=True)
+            if shape in args.max_batch and variant in MAX_BATCH_VARIANTS:
+                result = {"variant": variant, "shape": shape, "mode": "train", "max_proteins": None}
+                result["max_proteins"] = largest_batch(variant, shape, start=8)
+                print("RESULT " + json.dumps(result), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["8M", "650M"], choices=sorted(SHAPES))
     parser.add_argument("--proteins", nargs="+", type=int, default=[16, 64])
     parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--max-batch", nargs="*", default=[], choices=sorted(SHAPES), help="shapes to search")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for shape in args.shapes:
-        for mode in args.modes:
-            for proteins in args.proteins:
-                for variant in args.variants:
-                    result = run(variant, shape, proteins, mode == "train", args.steps, args.warmup)
-                    results.append(result)
-                    print(json.dumps(result), flush=True)
+    for variant in args.variants:
+        command = [sys.executable, __file__, "--worker", "--variants", variant, "--shapes", *args.shapes]
+        command += ["--proteins", *map(str, args.proteins), "--modes", *args.modes, "--max-batch", *args.max_batch]
+        command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        process = subprocess.run(command, capture_output=True, text=True)
+        lines = [line[7:] for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+        if process.returncode:
+            print(process.stderr[-3000:], file=sys.stderr)
+        for line in lines:
+            print(line, flush=True)
+            results.append(json.loads(line))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, args.out / "benchmark.png")
+    plot([r for r in results if "tokens_per_second" in r or r.get("oom")], args.out / "benchmark.png")
 
 
 if __name__ == "__main__":

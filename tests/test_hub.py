@@ -144,3 +144,34 @@ def test_classification_heads_match_transformers_padded_and_packed(hf_class, nv_
         assert packed.shape == expected.shape == (3, 2)
         assert max_abs_diff(padded, expected) <= ATOL_FP32
         assert max_abs_diff(packed, expected) <= ATOL_FP32
+
+
+@pytest.mark.parametrize("layer,pooling", [(-1, "mean"), (1, "mean"), (0, "cls"), (2, "cls")])
+def test_embed_matches_transformers_per_protein_in_input_order(exported, reference, layer, pooling):
+    model = AutoModel.from_pretrained(exported, trust_remote_code=True, backend="torch").eval()
+    tokenizer = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
+    generator = torch.Generator().manual_seed(47)
+    residues = "LAGVSERTIDPKQNFYMHWC"
+    lengths = [5, 300, 1, 64, 1024, 17, 2, 150]
+    sequences = ["".join(residues[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths]
+    embeddings = model.embed(sequences, tokenizer, layer=layer, pooling=pooling, max_tokens_per_batch=700)
+    assert embeddings.shape == (len(sequences), reference.config.hidden_size)
+    with torch.no_grad():
+        for sequence, embedding in zip(sequences, embeddings):
+            ids = tokenizer(sequence, return_tensors="pt")["input_ids"]
+            states = reference(ids, output_hidden_states=True).hidden_states[layer][0]
+            expected = states[0] if pooling == "cls" else states[1:-1].mean(0)
+            assert max_abs_diff(embedding, expected) <= ATOL_FP32
+
+
+def test_embed_rejects_bad_arguments(exported):
+    model = AutoModel.from_pretrained(exported, trust_remote_code=True, backend="torch").eval()
+    tokenizer = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
+    with pytest.raises(ValueError, match="pooling"):
+        model.embed(["MK"], tokenizer, pooling="max")
+    with pytest.raises(ValueError, match="layer must be"):
+        model.embed(["MK"], tokenizer, layer=5)
+    with pytest.raises(ValueError, match="Sequence 1 has 0 residues"):
+        model.embed(["MK", ""], tokenizer)
+    with pytest.raises(ValueError, match="Sequence 0 has 1025 residues"):
+        model.embed(["A" * 1025], tokenizer)

@@ -176,3 +176,11 @@ def test_remote_code_imports_and_runs_with_transformer_engine_blocked():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["torch", "(1,", "4,", "33)"]
+
+
+def test_unchecked_inputs_give_the_same_outputs():
+    hf = make_hf_model("tiny", seed=36)
+    checked, unchecked = make_nv_model(hf), make_nv_model(hf, check_inputs=False)
+    batch = packed((7, 1, 12))
+    with torch.no_grad():
+        assert torch.equal(checked(**batch).logits, unchecked(**batch).logits)

@@ -599,7 +599,9 @@ def open_source(spec: str | Path, revision: str | None = None) -> Source:
     """Find, and if needed download, a checkpoint; read its config and the index of its tensors."""
     spec = str(spec)
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".pt":
+    if path.suffix == ".pt":
+        if not path.is_file():
+            raise ValueError(f"{spec}: no such file.")
         return open_fair_esm(path)
     folder = resolve_source(spec, revision)
     config_path = folder / "config.json"
@@ -1186,26 +1188,20 @@ def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def model_card(
-    source: Source,
-    config: NVEsmConfig,
-    parameters: int,
-    nbytes: int,
-    dtype_name: str,
-    report: VerifyReport | None,
-    repo: str,
-) -> str:
-    """README.md of an NVEsm folder: YAML front matter and a markdown description."""
+def model_card(source: Source, config: NVEsmConfig, steps: list[Step], report: VerifyReport | None, repo: str) -> str:
+    """README.md of an NVEsm folder: YAML front matter and a markdown description.
+
+    `steps` are the conversion's (sizes and dtypes); `repo` is where the folder will be loaded from, for examples.
+    """
     front = ["---", "license: mit", "library_name: transformers", "pipeline_tag: fill-mask", "tags:"]
     front += [f"  - {tag}" for tag in ("esm", "esm2", "protein-language-model", "biology", "transformer-engine")]
     if source.hub_id:
         front.append(f"base_model: {json.dumps(source.hub_id)}")
     front.append("---")
-    name = source.hub_id or Path(source.spec).name
     sections = [
-        _card_intro(source, config, parameters, nbytes, dtype_name, name),
+        _card_intro(source, config, steps),
         _card_usage(repo, config),
-        _card_hardware(nbytes, dtype_name),
+        _card_hardware(_nbytes(steps), weights_dtype_name(steps)),
         _card_verification(report),
         "## License\n\nMIT, as ESM-2. The weights are Copyright (c) Meta Platforms, Inc. and affiliates; see LICENSE.",
         f"## Citation\n\n```bibtex\n{ESM2_CITATION}\n```",
@@ -1213,22 +1209,28 @@ def model_card(
     return "\n".join(front) + "\n\n" + "\n\n".join(sections) + "\n"
 
 
-def _card_intro(source: Source, config: NVEsmConfig, parameters: int, nbytes: int, dtype_name: str, name: str) -> str:
+def _card_intro(source: Source, config: NVEsmConfig, steps: list[Step]) -> str:
+    name = source.hub_id or Path(source.spec).name
+    dtype_name = weights_dtype_name(steps)
     origin = f"[{source.hub_id}](https://huggingface.co/{source.hub_id})" if source.hub_id else f"`{name}`"
+    source_dtype = str(source.store.info[steps[0].inputs[0]].dtype).removeprefix("torch.")
+    values = f"The weights are the source's values in {dtype_name}"
+    if source_dtype != dtype_name:
+        values = f"The weights are the source's {source_dtype} values rounded to {dtype_name}"
     return f"""# {name} on NVIDIA Transformer Engine (NVEsm)
 
 ESM-2 is Meta AI's protein language model (Lin et al., Science 2023), trained with masked language modelling
-on UniRef50 sequences. This repository holds the weights of {origin} ({source.kind} checkpoint,
+on protein sequences from UniRef. This repository holds the weights of {origin} ({source.kind} checkpoint,
 {format_bytes(source.nbytes)}) for `NVEsmForMaskedLM`, whose encoder layers are Transformer Engine
 `TransformerLayer`s; a pure-PyTorch implementation with the same parameters runs where Transformer Engine is
-not installed. The values are unchanged (dtype {dtype_name}); only the layout differs: query, key and value
+not installed. {values}; the layout differs only in that query, key and value
 are fused into one matrix per layer (rows interleaved per head), and the embedding and decoder rows are padded
 with zeros from {config.vocab_size} to {config.padded_vocab_size}.
 
 | layers | hidden size | heads | intermediate size | parameters (with vocabulary padding) | weights |
 |---:|---:|---:|---:|---:|---:|
 | {config.num_hidden_layers} | {config.hidden_size} | {config.num_attention_heads} | {config.intermediate_size} \
-| {parameters:,} | {format_bytes(nbytes)} |
+| {count_parameters(steps):,} | {format_bytes(_nbytes(steps))} |
 
 Converted with `convert_checkpoint.py hf-to-te` of nv-esm; `convert_checkpoint.py te-to-hf` gives back a folder
 that plain transformers (`EsmForMaskedLM`) loads."""
@@ -1246,7 +1248,7 @@ import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 repo = "{repo}"  # the Hub id, or the local folder
-tokenizer = AutoTokenizer.from_pretrained(repo)
+tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
 model = AutoModelForMaskedLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.bfloat16).cuda().eval()
 # without Transformer Engine (e.g. on a CPU):
 # model = AutoModelForMaskedLM.from_pretrained(repo, trust_remote_code=True, backend="torch").eval()
@@ -1385,16 +1387,10 @@ def convert(
         if report is not None and not report.passed:
             raise VerificationFailed(report)
         if direction.to_nv:
-            write_model_card(staging, opened, config, steps, report, options.hub_repo_id or str(out))
+            card = model_card(opened, config, steps, report, options.hub_repo_id or str(out))
+            (staging / "README.md").write_text(card)
     seconds = time.perf_counter() - start
     return ConversionResult(config, out, count_parameters(steps), _nbytes(steps), shards, seconds, report)
-
-
-def write_model_card(
-    out: Path, source: Source, config: NVEsmConfig, steps: list[Step], report: VerifyReport | None, repo: str
-) -> None:
-    card = model_card(source, config, count_parameters(steps), _nbytes(steps), weights_dtype_name(steps), report, repo)
-    (out / "README.md").write_text(card)
 
 
 def _nbytes(steps: list[Step]) -> int:

@@ -395,11 +395,20 @@ class NVEsmEmbeddings(nn.Module):
 
 
 class NVEsmRotaryEmbedding(nn.Module):
-    """Rotary angle table. `inv_freq` is kept as a buffer so checkpoints carry the exact values they trained with."""
+    """Rotary angle table. `inv_freq` is a buffer, so checkpoints carry the exact values they trained with, and it
+    stays float32 when the model is cast to bf16/fp16: a bf16 `inv_freq` (0.4% steps) would turn positions near
+    1000 by up to a radian."""
 
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", self.default_inv_freq(config), persistent=True)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        original = self.inv_freq
+        super()._apply(fn, recurse)
+        if not original.is_meta and self.inv_freq.dtype != original.dtype:
+            self.inv_freq = original.to(self.inv_freq.device)
+        return self
 
     @staticmethod
     def default_inv_freq(config: NVEsmConfig) -> torch.Tensor:

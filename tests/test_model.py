@@ -223,3 +223,12 @@ def test_pad_token_positions_do_not_change_real_tokens():
         b = nv(noisy, attention_mask=attention_mask).logits
     keep = attention_mask.bool()
     assert max_abs_diff(a[keep], b[keep]) <= ATOL_FP32
+
+
+def test_rotary_inv_freq_stays_float32_when_the_model_is_cast():
+    model = make_nv_model(make_hf_model("tiny", seed=24))
+    original = model.esm.rotary_embeddings.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.lm_head.dense.weight.dtype == torch.bfloat16
+    assert model.esm.rotary_embeddings.inv_freq.dtype == torch.float32
+    assert torch.equal(model.esm.rotary_embeddings.inv_freq, original)

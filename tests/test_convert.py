@@ -1,0 +1,502 @@
+"""The checkpoint converter: streaming round trips, fair-esm input, --verify, safety, Hub upload, model card, memory.
+
+Checkpoints are random ESM-2-shaped models saved by transformers itself; comparisons are against what transformers
+loads, or against the pure state-dict functions that the model tests check against transformers' outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
+
+import convert_checkpoint
+from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
+from convert_checkpoint import hf_to_nv_state_dict, main, nv_config_from_hf, parse_size
+from make_tiny_checkpoint import ESM_VOCAB, esm2_config, write_tokenizer
+
+GFP = (  # UniProt P42212
+    "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
+    "KDDGNYKTRAEVKFEGDTLVNRIELKGIDFKEDGNILGHKLEYNYNSHNVYIMADKQKNGIKVNFKIRHNIEDGSVQLADHYQQNTPIGDGPVLLPDNHY"
+    "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NV_FILES = {
+    "config.json",
+    "configuration_nv_esm.py",
+    "modeling_nv_esm.py",
+    "LICENSE",
+    "README.md",
+    "vocab.txt",
+    "tokenizer_config.json",
+}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def save_hf(model: EsmForMaskedLM, folder: Path, dtype: str = "float32", shard: int | None = None) -> Path:
+    """A transformers checkpoint folder as `save_pretrained` writes it, with the ESM tokenizer."""
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.to(DTYPES[dtype]).save_pretrained(folder, **kwargs)
+    write_tokenizer(folder)
+    return folder
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files, by stored name."""
+    state = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            state.update({key: file.get_tensor(key) for key in file.keys()})
+    return state
+
+
+def current_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5 saves LayerNorms as gamma/beta and inv_freq under a `layer.*` name; use the module names."""
+    renamed = {}
+    for key, value in state.items():
+        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
+        key = re.sub(r"encoder\.layer\.\*\.attention\.self\.rotary_embeddings", "rotary_embeddings", key)
+        renamed[key] = value
+    return renamed
+
+
+def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert actual[key].dtype == expected[key].dtype, key
+        assert torch.equal(actual[key], expected[key]), key
+
+
+def run(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
+    status = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf(make_hf_model("tiny", seed=7), tmp_path_factory.mktemp("src") / "esm2_random_tiny")
+
+
+# ---- round trips --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", ["tiny", "wide_heads", "esm2_8M"])
+def test_hf_to_te_to_hf_is_bit_exact(tmp_path, capsys, shape, dtype, sharded):
+    seed = 11 + list(SHAPES).index(shape)
+    original = make_hf_model(shape, seed=seed).to(DTYPES[dtype])
+    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in original.state_dict().values())
+    source = save_hf(original, tmp_path / "src", dtype, shard=nbytes // 3 if sharded else None)
+    assert (source / "model.safetensors.index.json").exists() == sharded
+    shard_args = ["--max-shard-size", str(nbytes // 4)] if sharded else []
+    assert run(capsys, "hf-to-te", source, tmp_path / "te", *shard_args)[0] == 0
+    assert run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back", *shard_args)[0] == 0
+
+    # Every stored tensor comes back bit for bit, in its dtype.
+    assert_same_tensors(current_hf_names(read_folder(tmp_path / "back")), current_hf_names(read_folder(source)))
+    # transformers loads the result exactly as it loads the original.
+    restored = EsmForMaskedLM.from_pretrained(tmp_path / "back", dtype=DTYPES[dtype]).state_dict()
+    assert_same_tensors(restored, EsmForMaskedLM.from_pretrained(source, dtype=DTYPES[dtype]).state_dict())
+    assert all(torch.equal(restored[key].to(value.dtype), value) for key, value in original.state_dict().items())
+    # The streamed NVEsm checkpoint equals what the pure state-dict mapping gives.
+    config = nv_config_from_hf(original.config.to_dict())
+    expected = hf_to_nv_state_dict(original.state_dict(), config)
+    expected.pop("lm_head.decoder.weight")  # tied to the embedding: transformers does not save it
+    assert_same_tensors(read_folder(tmp_path / "te"), expected)
+    for folder in (tmp_path / "te", tmp_path / "back"):
+        index = folder / "model.safetensors.index.json"
+        assert index.exists() == sharded
+        if sharded:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert set(weight_map.values()) == {path.name for path in folder.glob("*.safetensors")}
+            assert len(set(weight_map.values())) > 1
+            assert set(weight_map) == set(read_folder(folder))
+
+
+def test_dtype_option_casts_weights_and_keeps_rotary_frequencies(tmp_path, capsys, tiny_source):
+    assert run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--dtype", "bfloat16")[0] == 0
+    assert json.loads((tmp_path / "te" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back")[0] == 0
+    original, back = current_hf_names(read_folder(tiny_source)), current_hf_names(read_folder(tmp_path / "back"))
+    inv_freq = "esm.rotary_embeddings.inv_freq"
+    assert back[inv_freq].dtype == torch.float32 and torch.equal(back[inv_freq], original[inv_freq])
+    expected = {key: value.to(torch.bfloat16) for key, value in original.items() if key != inv_freq}
+    assert_same_tensors({key: value for key, value in back.items() if key != inv_freq}, expected)
+
+
+# ---- fair-esm .pt input ---------------------------------------------------------------------------------------------
+
+
+def write_fair_esm_checkpoint(model: EsmForMaskedLM, path: Path, regression_beside: bool) -> None:
+    """The layout of fair-esm's esm2_*.pt (names written out here, independent of the converter's table)."""
+    hf, config = model.state_dict(), model.config
+    fair = {
+        "encoder.sentence_encoder.embed_tokens.weight": hf["esm.embeddings.word_embeddings.weight"],
+        "encoder.sentence_encoder.emb_layer_norm_after.weight": hf["esm.encoder.emb_layer_norm_after.weight"],
+        "encoder.sentence_encoder.emb_layer_norm_after.bias": hf["esm.encoder.emb_layer_norm_after.bias"],
+        "encoder.lm_head.weight": hf["esm.embeddings.word_embeddings.weight"],
+        "encoder.lm_head.bias": hf["lm_head.bias"],
+    }
+    for part in ("weight", "bias"):
+        fair[f"encoder.lm_head.dense.{part}"] = hf[f"lm_head.dense.{part}"]
+        fair[f"encoder.lm_head.layer_norm.{part}"] = hf[f"lm_head.layer_norm.{part}"]
+    for i in range(config.num_hidden_layers):
+        fair_layer, hf_layer = f"encoder.sentence_encoder.layers.{i}.", f"esm.encoder.layer.{i}."
+        fair[fair_layer + "self_attn.rot_emb.inv_freq"] = hf["esm.rotary_embeddings.inv_freq"].clone()
+        for part in ("weight", "bias"):
+            fair[fair_layer + f"self_attn.q_proj.{part}"] = hf[hf_layer + f"attention.self.query.{part}"]
+            fair[fair_layer + f"self_attn.k_proj.{part}"] = hf[hf_layer + f"attention.self.key.{part}"]
+            fair[fair_layer + f"self_attn.v_proj.{part}"] = hf[hf_layer + f"attention.self.value.{part}"]
+            fair[fair_layer + f"self_attn.out_proj.{part}"] = hf[hf_layer + f"attention.output.dense.{part}"]
+            fair[fair_layer + f"self_attn_layer_norm.{part}"] = hf[hf_layer + f"attention.LayerNorm.{part}"]
+            fair[fair_layer + f"final_layer_norm.{part}"] = hf[hf_layer + f"LayerNorm.{part}"]
+            fair[fair_layer + f"fc1.{part}"] = hf[hf_layer + f"intermediate.dense.{part}"]
+            fair[fair_layer + f"fc2.{part}"] = hf[hf_layer + f"output.dense.{part}"]
+    regression = {f"contact_head.regression.{p}": hf[f"esm.contact_head.regression.{p}"] for p in ("weight", "bias")}
+    if regression_beside:
+        torch.save({"model": regression}, path.with_name(path.stem + "-contact-regression.pt"))
+    else:
+        fair.update({"encoder." + key: value for key, value in regression.items()})
+    args = argparse.Namespace(
+        encoder_layers=config.num_hidden_layers,
+        encoder_embed_dim=config.hidden_size,
+        encoder_ffn_embed_dim=config.intermediate_size,
+        encoder_attention_heads=config.num_attention_heads,
+        token_dropout=True,
+        arch="esm2",
+    )
+    torch.save({"model": {k: v.clone() for k, v in fair.items()}, "cfg": {"model": args}}, path)
+
+
+@pytest.mark.parametrize("regression_beside", [True, False], ids=["regression-file", "regression-inside"])
+def test_fair_esm_checkpoint_converts_and_verifies(tmp_path, capsys, regression_beside):
+    original = make_hf_model("wide_heads", seed=21)
+    path = tmp_path / "esm2_t3_random_UR50D.pt"
+    write_fair_esm_checkpoint(original, path, regression_beside)
+    status, out, err = run(capsys, "hf-to-te", path, tmp_path / "te", "--verify")
+    assert status == 0, err
+    assert "PASSED" in out
+    assert run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back")[0] == 0
+    restored = EsmForMaskedLM.from_pretrained(tmp_path / "back")
+    assert_same_tensors(restored.state_dict(), original.state_dict())
+    # The .pt carries no tokenizer: the ESM-2 one is written, and tokenizes as the bundled checkpoint's does.
+    assert convert_checkpoint.ESM_VOCAB == ESM_VOCAB
+    ours = AutoTokenizer.from_pretrained(tmp_path / "te", trust_remote_code=True)
+    assert (
+        ours(GFP + "<mask>")["input_ids"] == AutoTokenizer.from_pretrained(TINY_CHECKPOINT)(GFP + "<mask>")["input_ids"]
+    )
+
+
+def test_fair_esm_without_contact_regression_says_where_to_put_it(tmp_path, capsys):
+    path = tmp_path / "esm2_t2_random_UR50D.pt"
+    write_fair_esm_checkpoint(make_hf_model("tiny", seed=22), path, regression_beside=True)
+    path.with_name(path.stem + "-contact-regression.pt").unlink()
+    status, _, err = run(capsys, "hf-to-te", path, tmp_path / "te")
+    assert status == 1 and "esm2_t2_random_UR50D-contact-regression.pt" in err
+    assert not (tmp_path / "te").exists()
+
+
+class NotAWeight:
+    """Unpickling this would run code; weights_only loading must refuse the file."""
+
+
+def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
+    path = tmp_path / "esm2_evil.pt"
+    torch.save({"model": {}, "cfg": {"model": NotAWeight()}}, path)
+    status, _, err = run(capsys, "hf-to-te", path, tmp_path / "te")
+    assert status == 1 and "objects other than tensors" in err and "NotAWeight" in err
+
+
+# ---- --verify -------------------------------------------------------------------------------------------------------
+
+
+def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
+    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify")
+    assert status == 0
+    proteins = convert_checkpoint.read_fasta(ROOT / "assets" / "proteins.fasta")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| protein")]
+    assert [row.split("|")[1].strip() for row in rows] == [name for name, _ in proteins]
+    assert all(row.split("|")[5].strip() == "100.0%" for row in rows)  # argmax agreement
+    assert "PASSED" in out
+    card = (tmp_path / "te" / "README.md").read_text()
+    assert all(row in card for row in rows) and "PASSED" in card
+    status, out, _ = run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back", "--verify")
+    assert status == 0 and "PASSED" in out and "transformers EsmForMaskedLM" in out
+
+
+def test_verify_bf16_passes_with_default_tolerance(tmp_path, capsys):
+    source = save_hf(make_hf_model("tiny", seed=8), tmp_path / "src")
+    status, out, err = run(capsys, "hf-to-te", source, tmp_path / "te", "--dtype", "bfloat16", "--verify")
+    assert status == 0, out + err
+    assert "tolerance 0.75" in out and "bfloat16" in out
+
+
+def swap_query_and_key(real):
+    return lambda query, key, value, num_heads: real(key, query, value, num_heads)
+
+
+def nudge_one_bias_logit(real):
+    def pad(tensor, padded_vocab_size):
+        padded = real(tensor, padded_vocab_size)
+        if tensor.dim() == 1:  # lm_head.bias: one token's logit moves by 1e-3 everywhere
+            padded[5] += 1e-3
+        return padded
+
+    return pad
+
+
+@pytest.mark.parametrize(
+    "target,corrupt", [("fuse_qkv", swap_query_and_key), ("pad_vocab", nudge_one_bias_logit)], ids=["qkv", "bias"]
+)
+def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, tiny_source, target, corrupt):
+    monkeypatch.setattr(convert_checkpoint, target, corrupt(getattr(convert_checkpoint, target)))
+    status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify")
+    assert status == 3
+    assert "FAILED" in err and "| P42212 | 238 |" in err and "was not written" in err
+    assert not (tmp_path / "te").exists()
+    assert not list(tmp_path.glob(".te.*"))
+
+
+# ---- safety ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "forced-over-existing"])
+def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypatch, tiny_source, existing):
+    out = tmp_path / "te"
+    if existing:
+        out.mkdir()
+        (out / "keep.txt").write_text("old conversion")
+    real_write, calls = convert_checkpoint.SafetensorsWriter.write, []
+
+    def failing_write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 10:
+            raise OSError(28, "No space left on device")
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(convert_checkpoint.SafetensorsWriter, "write", failing_write)
+    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")
+    assert status == 1 and "No space left on device" in err and len(calls) == 10
+    assert sorted(path.name for path in tmp_path.iterdir()) == (["te"] if existing else [])
+    if existing:
+        assert [path.name for path in out.iterdir()] == ["keep.txt"]
+
+
+def test_refuses_to_overwrite_without_force(tmp_path, capsys, tiny_source):
+    out = tmp_path / "te"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    status, _, err = run(capsys, "hf-to-te", tiny_source, out)
+    assert status == 1 and "--force" in err and (out / "keep.txt").read_text() == "precious"
+    assert run(capsys, "hf-to-te", tiny_source, out, "--force")[0] == 0
+    assert {path.name for path in out.iterdir()} == NV_FILES | {"model.safetensors"}
+    status, _, err = run(capsys, "te-to-hf", out, out, "--force")  # would delete its own source
+    assert status == 1 and "holds the source" in err and (out / "model.safetensors").exists()
+
+
+def test_clear_errors_for_sources_that_are_not_esm2(tmp_path, capsys, tiny_source, monkeypatch):
+    def broken_copy(name: str, edit) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for path in tiny_source.iterdir():
+            (folder / path.name).write_bytes(path.read_bytes())
+        edit(folder)
+        return folder
+
+    def drop_tensor(folder):
+        state = read_folder(folder)
+        state.pop("esm.encoder.layer.1.output.dense.bias")
+        state["classifier.weight"] = torch.zeros(2, 2)
+        (folder / "model.safetensors").unlink()
+        from safetensors.torch import save_file
+
+        save_file(state, str(folder / "model.safetensors"))
+
+    def edit_config(**fields):
+        def edit(folder):
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(config | fields))
+
+        return edit
+
+    cases = {
+        "missing": (drop_tensor, ["Missing (1): esm.encoder.layer.1.output.dense.bias", "classifier.weight"]),
+        "bert": (edit_config(model_type="bert"), ["not an ESM-2 checkpoint", "'bert'"]),
+        "shape": (edit_config(intermediate_size=96), ["intermediate_size=96", "expected [96, 32]"]),
+    }
+    for name, (edit, messages) in cases.items():
+        status, _, err = run(capsys, "hf-to-te", broken_copy(name, edit), tmp_path / f"out_{name}")
+        assert status == 1 and all(message in err for message in messages), (name, err)
+        assert not (tmp_path / f"out_{name}").exists()
+    status, _, err = run(capsys, "te-to-hf", tiny_source, tmp_path / "out_direction")
+    assert status == 1 and "not an NVEsm checkpoint" in err
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Failed to resolve 'huggingface.co'")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    status, _, err = run(capsys, "hf-to-te", "facebook/esm2_t99_does_not_exist", tmp_path / "out_hub")
+    assert status == 1 and "Hub repository that can be reached" in err and "Failed to resolve" in err
+
+
+# ---- Hub id source, model card, upload --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def from_hub(monkeypatch, tiny_source):
+    """A Hub id source without network: snapshot_download hands out the tiny checkpoint and records its call."""
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, **kwargs):
+        calls.append((repo_id, revision))
+        return str(tiny_source)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return calls
+
+
+def test_model_card_is_yaml_front_matter_and_markdown(tmp_path, capsys, from_hub):
+    status, _, _ = run(capsys, "hf-to-te", "facebook/esm2_random_tiny", tmp_path / "te", "--revision", "v1")
+    assert status == 0 and from_hub == [("facebook/esm2_random_tiny", "v1")]
+    text = (tmp_path / "te" / "README.md").read_text()
+    match = re.fullmatch(r"---\n(.*?)\n---\n(.*)", text, re.DOTALL)
+    assert match, text[:200]
+    meta, body = yaml.safe_load(match.group(1)), match.group(2)
+    assert meta["license"] == "mit" and meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "fill-mask" and meta["base_model"] == "facebook/esm2_random_tiny"
+    assert {"esm2", "protein-language-model", "transformer-engine"} <= set(meta["tags"])
+    headings = re.findall(r"^#+ (.+)$", body, re.MULTILINE)
+    assert headings[0].startswith("facebook/esm2_random_tiny")
+    assert {"Usage", "Packed sequences (THD)", "FP8", "Hardware", "Verification", "License", "Citation"} <= set(
+        headings
+    )
+    needles = ['backend="torch"', "cu_seq_lens_q", "max_length_q", "DataCollatorWithFlattening", "position_ids"]
+    needles += ['attn_input_format="thd"', "layer_precision", "fp8_recipe", "Hopper", "Science 2023"]
+    needles += ["Evolutionary-scale prediction of atomic-level protein structure with a language model"]
+    for needle in needles:
+        assert needle in body, needle
+    assert body.count("```") % 2 == 0
+    license_text = (tmp_path / "te" / "LICENSE").read_text()
+    assert license_text.startswith("MIT License") and "Meta Platforms" in license_text
+    config = json.loads((tmp_path / "te" / "config.json").read_text())
+    assert set(config["auto_map"]) == {
+        "AutoConfig",
+        "AutoModel",
+        "AutoModelForMaskedLM",
+        "AutoModelForTokenClassification",
+        "AutoModelForSequenceClassification",
+    }
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path / "te", trust_remote_code=True, backend="torch")
+    assert type(model).__name__ == "NVEsmForMaskedLM"
+
+
+def test_dry_run_lists_the_files_and_uploads_nothing(tmp_path, capsys, monkeypatch, tiny_source):
+    def no_network(*args, **kwargs):
+        raise AssertionError("--dry-run must not reach the Hub")
+
+    for name in ("create_repo", "upload_folder", "HfApi"):
+        monkeypatch.setattr(huggingface_hub, name, no_network)
+    out = tmp_path / "te"
+    status, stdout, _ = run(capsys, "hf-to-te", tiny_source, out, "--push-to-hub", "me/esm2_te", "--dry-run")
+    assert status == 0
+    listing = stdout[stdout.index("dry run:") :].splitlines()
+    listed = [line.split()[0] for line in listing[1:] if line.startswith("  ") and "commit message" not in line]
+    assert sorted(listed) == sorted(path.name for path in out.iterdir())
+    assert set(listed) == NV_FILES | {"model.safetensors"}
+    assert f"would upload {len(listed)} files" in listing[0] and "me/esm2_te" in listing[0]
+
+
+def test_push_creates_the_repo_and_uploads_the_folder(tmp_path, capsys, monkeypatch, tiny_source):
+    calls = {}
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: calls.update(create=(repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: calls.update(upload=kw))
+    args = ["--push-to-hub", "me/esm2_te", "--private", "--commit-message", "first upload"]
+    status, _, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te2", *args)
+    assert status == 0
+    assert calls["create"] == ("me/esm2_te", {"private": True, "exist_ok": True, "repo_type": "model"})
+    assert calls["upload"] == {
+        "repo_id": "me/esm2_te",
+        "folder_path": tmp_path / "te2",
+        "commit_message": "first upload",
+    }
+    card = (tmp_path / "te2" / "README.md").read_text()
+    assert 'repo = "me/esm2_te"' in card
+
+
+def test_help_lists_every_option_and_examples(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("hf-to-te", "te-to-hf", "--revision", "--dtype", "--max-shard-size", "--force", "--verify",
+                   "--verify-atol", "--push-to-hub", "--private", "--commit-message", "--dry-run", "examples:",
+                   ".pt", "exit status"):  # fmt: skip
+        assert option in text, option
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hf-to-te", "a", "b", "--dry-run"])
+    assert exit_info.value.code == 2 and "--dry-run needs --push-to-hub" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text,size", [("5GB", 5 * 10**9), ("2GiB", 2 * 2**30), ("1.5MB", 1_500_000), ("100", 100), ("64kib", 65536)]
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+def test_parse_size_rejects_nonsense():
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("5 gigs")
+
+
+# ---- memory --------------------------------------------------------------------------------------------------------
+
+MEMORY_PROBE = """
+import sys
+sys.path.insert(0, {root!r})
+import convert_checkpoint
+
+def status(field):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+baseline = status("VmRSS")
+code = convert_checkpoint.main([{direction!r}, {source!r}, {out!r}, "--max-shard-size", "60MB"])
+print("probe", code, status("VmHWM") - baseline)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure peak RSS")
+def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
+    torch.manual_seed(0)  # ~236 MB in fp32: 12 layers of width 640
+    model = EsmForMaskedLM(
+        esm2_config(hidden_size=640, num_hidden_layers=12, num_attention_heads=10, intermediate_size=2560)
+    )
+    source = save_hf(model, tmp_path / "src")
+    del model
+    size = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    assert size > 200e6
+    for direction, src, out in (
+        ("hf-to-te", source, tmp_path / "te"),
+        ("te-to-hf", tmp_path / "te", tmp_path / "back"),
+    ):
+        script = MEMORY_PROBE.format(root=str(ROOT), direction=direction, source=str(src), out=str(out))
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        code, peak = map(int, result.stdout.splitlines()[-1].split()[1:])
+        assert code == 0, result.stderr
+        print(f"\n[{direction}] checkpoint {size / 1e6:.0f} MB, peak RSS above baseline {peak / 1e6:.0f} MB")
+        assert peak < size / 4  # holding the checkpoint once would take `size`; the old converter took 2x

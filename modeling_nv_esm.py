@@ -449,11 +449,12 @@ class NVEsmEncoder(nn.Module):
         layer's output, with the last one LayerNormed as in ESM and transformers."""
         all_hidden_states = [hidden_states] if output_hidden_states else None
         te_kwargs = inputs.te_kwargs() if self.backend == "te" else None
-        for index, layer in enumerate(self.layers):
-            with self.layer_precision(index):
-                hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
-            if all_hidden_states is not None:
-                all_hidden_states.append(hidden_states)
+        with self.fp8_region():
+            for index, layer in enumerate(self.layers):
+                with self.layer_precision(index):
+                    hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
+                if all_hidden_states is not None:
+                    all_hidden_states.append(hidden_states)
         hidden_states = self.emb_layer_norm_after(hidden_states)
         if all_hidden_states is None:
             return hidden_states, None
@@ -472,12 +473,20 @@ class NVEsmEncoder(nn.Module):
             return import_transformer_engine().checkpoint(layer, hidden_states, use_reentrant=False, **te_kwargs)
         return layer(hidden_states, **te_kwargs)
 
-    def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
-        """FP8 autocast for the layers that `config.layer_precision` marks "fp8" (TE backend only)."""
+    def fp8_region(self) -> contextlib.AbstractContextManager:
+        """One FP8 autocast around all layers when any layer is FP8 (TE backend only).
+
+        One region, not one per layer: Transformer Engine reduces amaxes and updates scales when the outermost
+        region exits, so per-layer regions would repeat that work for every layer."""
         if self.fp8_recipe is None:
             return contextlib.nullcontext()
-        enabled = self.config.layer_precision[index] == "fp8"
-        return import_transformer_engine().autocast(enabled=enabled, recipe=self.fp8_recipe)
+        return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe)
+
+    def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
+        """Inside `fp8_region`: FP8 stays on for layers marked "fp8" and is switched off for the others."""
+        if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
+            return contextlib.nullcontext()
+        return import_transformer_engine().autocast(enabled=False)
 
 
 def _drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -140,15 +140,18 @@ def test_backward_bf16_te_no_worse_than_transformers(hf_fp32, attn_input_format,
     print(f"\n[bf16 backward {attn_input_format} packed={packed_input}] worst relative gradient error: {worst}")
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+@pytest.mark.parametrize(
+    "recipe,layers_in_fp8", [("delayed", "all"), ("current", "all"), ("block", "all"), ("delayed", "inner")]
+)
 @pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
-def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, attn_input_format):
+def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, layers_in_fp8, attn_input_format):
     proteins = random_proteins([5, 250, 33, 1, 97], seed=104, mask_fraction=0.15)  # 386 tokens: not a multiple of 16
     packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
     labels = packed["input_ids"].clone()
     bf16 = te_model(hf_fp32, attn_input_format=attn_input_format)
     layers = hf_fp32.config.num_hidden_layers
-    fp8 = te_model(hf_fp32, attn_input_format=attn_input_format, layer_precision=["fp8"] * layers, fp8_recipe=recipe)
+    precision = ["fp8"] * layers if layers_in_fp8 == "all" else [None] + ["fp8"] * (layers - 2) + [None]
+    fp8 = te_model(hf_fp32, attn_input_format=attn_input_format, layer_precision=precision, fp8_recipe=recipe)
     losses = {}
     for name, model in (("bf16", bf16), ("fp8", fp8)):
         output = model(**packed, labels=labels)
@@ -160,7 +163,9 @@ def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, attn_
     with torch.no_grad():
         padded_logits = fp8(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA)).logits
     assert padded_logits.shape == (5, 250, 33)
-    print(f"\n[fp8 {recipe} {attn_input_format}] loss bf16 {losses['bf16']:.5f} fp8 {losses['fp8']:.5f}")
+    print(
+        f"\n[fp8 {recipe} {layers_in_fp8} layers {attn_input_format}] loss bf16 {losses['bf16']:.5f} fp8 {losses['fp8']:.5f}"
+    )
     assert abs(losses["fp8"] - losses["bf16"]) <= FP8_LOSS_RTOL * losses["bf16"]
 
 

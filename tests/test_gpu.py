@@ -163,9 +163,8 @@ def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, layer
     with torch.no_grad():
         padded_logits = fp8(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA)).logits
     assert padded_logits.shape == (5, 250, 33)
-    print(
-        f"\n[fp8 {recipe} {layers_in_fp8} layers {attn_input_format}] loss bf16 {losses['bf16']:.5f} fp8 {losses['fp8']:.5f}"
-    )
+    label = f"fp8 {recipe} {layers_in_fp8} layers {attn_input_format}"
+    print(f"\n[{label}] loss bf16 {losses['bf16']:.5f} fp8 {losses['fp8']:.5f}")
     assert abs(losses["fp8"] - losses["bf16"]) <= FP8_LOSS_RTOL * losses["bf16"]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import math
 import os
@@ -1096,6 +1097,10 @@ def verify(
     from transformers import EsmTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        _import_transformer_engine_early()
+    if not proteins.exists():
+        raise ValueError(f"{proteins} is missing; --verify runs from a checkout of nv-esm, which ships it.")
     records = read_fasta(proteins)
     tokenizer = EsmTokenizer.from_pretrained(out)
     inputs = [tokenizer(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
@@ -1109,6 +1114,13 @@ def verify(
     atol = default_atol(out_dtype, uses_te) if atol is None else atol
     checks = [_compare(name, ids[0], a, b) for (name, _), ids, a, b in zip(records, inputs, reference, converted)]
     return VerifyReport(checks, atol, reference_name, converted_name, device)
+
+
+def _import_transformer_engine_early() -> None:
+    """Transformer Engine fails to import once torch has initialised cuDNN in the process, which running the first
+    model does; importing it first lets the NVEsm model find it (`backend="auto"`). Absent TE is fine."""
+    with contextlib.suppress(Exception):
+        importlib.import_module("transformer_engine.pytorch")
 
 
 def _run(load: Callable[[], tuple[Any, str]], inputs: list[torch.Tensor], device: str) -> tuple[list, str, bool]:
@@ -1462,7 +1474,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, commit_message: str, 
 # Command line
 # --------------------------------------------------------------------------------------------------------------
 
-EPILOG = """examples:
+EPILOG = f"""examples:
   # a transformers ESM-2 from the Hub -> NVEsm, checked against transformers on real proteins
   python convert_checkpoint.py hf-to-te facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify
 
@@ -1476,13 +1488,14 @@ EPILOG = """examples:
   # back to a folder plain transformers loads (EsmForMaskedLM), replacing an older one
   python convert_checkpoint.py te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --force
 
-  # what would be uploaded, without network
+  # list what would be uploaded; nothing is sent
   python convert_checkpoint.py hf-to-te facebook/esm2_t6_8M_UR50D ./esm2_8M_te --push-to-hub me/esm2_8M_te --dry-run
 
 Hub downloads and uploads use the usual huggingface_hub settings (HF_TOKEN or `hf auth login`, HF_HOME,
 HF_HUB_OFFLINE). --verify runs on the GPU when there is one (Transformer Engine if installed), else on the CPU
 with the PyTorch backend; default tolerances on max |logit difference| against the float32 source: float32
-1e-4 (5e-2 when Transformer Engine runs: its GELU is the tanh approximation), bfloat16 0.75, float16 0.1.
+{DEFAULT_VERIFY_ATOL["float32"]:g} ({TE_FP32_VERIFY_ATOL:g} when Transformer Engine runs: its GELU is the tanh \
+approximation), bfloat16 {DEFAULT_VERIFY_ATOL["bfloat16"]:g}, float16 {DEFAULT_VERIFY_ATOL["float16"]:g}.
 
 exit status: 0 done; 1 conversion or upload error (OUT untouched); 2 usage error;
 3 --verify over tolerance (table printed, OUT not written)."""

@@ -2,7 +2,7 @@
 
     python bench/profile_step.py --shape 650M --proteins 16 --out bench/results
 
-Experiments (same model, nv_thd variant of benchmark.py):
+Experiments (one packed variant of benchmark.py, nv_thd by default):
   varying       a new random batch every step (what training sees)
   repeated      one batch over and over (no new shapes)
   bucketed      new batches, max_length_q rounded up to a multiple of `--bucket` tokens
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark import SHAPES, build, draw_batches, mlm_inputs, packed
+from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, mlm_inputs, packed
 
 
 def step_times(model, batches: list[dict], training: bool, optimizer) -> list[float]:
@@ -41,6 +41,8 @@ def step_times(model, batches: list[dict], training: bool, optimizer) -> list[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))
+    parser.add_argument("--variant", default="nv_thd", choices=sorted(PACKED_VARIANTS))
+    parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--proteins", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--bucket", type=int, default=256)
@@ -48,9 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {}
-    for mode in ("train", "infer"):
+    for mode in args.modes:
         training = mode == "train"
-        model = build("nv_thd", SHAPES[args.shape], training)
+        model = build(args.variant, SHAPES[args.shape], training)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
         raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, args.proteins, seed=7))]
         varying = [packed(*b) for b in raw]

@@ -16,14 +16,19 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
 import convert_checkpoint
 from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
 from convert_checkpoint import hf_to_nv_state_dict, main, nv_config_from_hf, parse_size
 from make_tiny_checkpoint import ESM_VOCAB, esm2_config, write_tokenizer
+
+try:
+    import yaml
+except ImportError:  # PyYAML is a dev dependency; huggingface_hub parses model-card metadata too
+    yaml = None
 
 GFP = (  # UniProt P42212
     "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
@@ -242,7 +247,7 @@ def test_verify_bf16_passes_with_default_tolerance(tmp_path, capsys):
     source = save_hf(make_hf_model("tiny", seed=8), tmp_path / "src")
     status, out, err = run(capsys, "hf-to-te", source, tmp_path / "te", "--dtype", "bfloat16", "--verify")
     assert status == 0, out + err
-    assert "tolerance 0.75" in out and "bfloat16" in out
+    assert f"tolerance {convert_checkpoint.DEFAULT_VERIFY_ATOL['bfloat16']:g}" in out and "bfloat16" in out
 
 
 def swap_query_and_key(real):
@@ -269,6 +274,14 @@ def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, t
     assert "FAILED" in err and "| P42212 | 238 |" in err and "was not written" in err
     assert not (tmp_path / "te").exists()
     assert not list(tmp_path.glob(".te.*"))
+
+
+def test_verify_atol_sets_the_tolerance(tmp_path, capsys, monkeypatch, tiny_source):
+    monkeypatch.setattr(convert_checkpoint, "pad_vocab", nudge_one_bias_logit(convert_checkpoint.pad_vocab))
+    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify", "--verify-atol", "0.01")
+    assert status == 0 and "tolerance 0.01" in out
+    largest = float(re.search(r"largest max abs Δlogit ([0-9.e+-]+)", out).group(1))
+    assert abs(largest - 1e-3) < 1e-5  # exactly the nudge of one bias
 
 
 # ---- safety ---------------------------------------------------------------------------------------------------------
@@ -322,8 +335,6 @@ def test_clear_errors_for_sources_that_are_not_esm2(tmp_path, capsys, tiny_sourc
         state.pop("esm.encoder.layer.1.output.dense.bias")
         state["classifier.weight"] = torch.zeros(2, 2)
         (folder / "model.safetensors").unlink()
-        from safetensors.torch import save_file
-
         save_file(state, str(folder / "model.safetensors"))
 
     def edit_config(**fields):
@@ -375,7 +386,8 @@ def test_model_card_is_yaml_front_matter_and_markdown(tmp_path, capsys, from_hub
     text = (tmp_path / "te" / "README.md").read_text()
     match = re.fullmatch(r"---\n(.*?)\n---\n(.*)", text, re.DOTALL)
     assert match, text[:200]
-    meta, body = yaml.safe_load(match.group(1)), match.group(2)
+    meta = yaml.safe_load(match.group(1)) if yaml else huggingface_hub.metadata_load(tmp_path / "te" / "README.md")
+    body = match.group(2)
     assert meta["license"] == "mit" and meta["library_name"] == "transformers"
     assert meta["pipeline_tag"] == "fill-mask" and meta["base_model"] == "facebook/esm2_random_tiny"
     assert {"esm2", "protein-language-model", "transformer-engine"} <= set(meta["tags"])

@@ -141,6 +141,19 @@ def inputs_for(variant: str, tokens, labels) -> dict:
     return packed(tokens, labels) if variant in PACKED_VARIANTS else padded(tokens, labels)
 
 
+def step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None) -> None:
+    """One training step (forward, backward, AdamW under bf16 autocast) or, without optimizer, one inference."""
+    if optimizer is None:
+        with torch.no_grad():
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+        return
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int, warmup: int) -> dict:
     shape = SHAPES[shape_name]
     batches = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(steps + warmup, proteins, seed=1))]
@@ -152,19 +165,11 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
         model = build(variant, shape, training)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
         prepared = [inputs_for(variant, tokens, labels) for tokens, labels in batches]
-        for step, batch in enumerate(prepared):
-            if step == warmup:
+        for index, batch in enumerate(prepared):
+            if index == warmup:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-            if training:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                with torch.no_grad():
-                    model(**{k: v for k, v in batch.items() if k != "labels"})
+            step(model, batch, optimizer)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / steps
     except torch.OutOfMemoryError:

@@ -17,22 +17,15 @@ import time
 from pathlib import Path
 
 import torch
-from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, mlm_inputs, packed
+from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, mlm_inputs, packed, step
 
 
-def step_times(model, batches: list[dict], training: bool, optimizer) -> list[float]:
+def step_times(model, batches: list[dict], optimizer) -> list[float]:
     times = []
     for batch in batches:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        if training:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                model(**{k: v for k, v in batch.items() if k != "labels"})
+        step(model, batch, optimizer)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
@@ -56,7 +49,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
         raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, args.proteins, seed=7))]
         varying = [packed(*b) for b in raw]
-        step_times(model, varying[:3], training, optimizer)  # warm-up
+        step_times(model, varying[:3], optimizer)  # warm-up
         bucketed = []
         for batch in varying[args.steps :]:
             bucket = -(-batch["max_length_q"] // args.bucket) * args.bucket
@@ -67,7 +60,7 @@ def main() -> None:
             "bucketed": bucketed,
         }
         for name, batches in experiments.items():
-            times = step_times(model, batches, training, optimizer)
+            times = step_times(model, batches, optimizer)
             report[f"{mode}_{name}_ms"] = [round(1e3 * t, 1) for t in times]
             print(f"{mode} {name}: median {1e3 * sorted(times)[len(times) // 2]:.1f} ms {report[f'{mode}_{name}_ms']}")
         fresh = [
@@ -76,7 +69,7 @@ def main() -> None:
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
-            step_times(model, fresh, training, optimizer)
+            step_times(model, fresh, optimizer)
         events = prof.key_averages()
         cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / len(fresh)
         report[f"{mode}_gpu_busy_ms_per_step"] = round(cuda_total, 1)

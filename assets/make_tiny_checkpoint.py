@@ -5,13 +5,15 @@ It is the embedded default of the demo and the tests (no network needed). Seeded
     python assets/make_tiny_checkpoint.py
 """
 
+import sys
 from pathlib import Path
 
 import torch
-from transformers import EsmConfig, EsmForMaskedLM, EsmTokenizer
+from transformers import EsmConfig, EsmForMaskedLM
 
-# The ESM-2 alphabet, in token-id order (33 tokens).
-ESM_VOCAB = "<cls> <pad> <eos> <unk> L A G V S E R T I D P K Q N F Y M H W C X B U Z O . - <null_1> <mask>".split()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from convert_checkpoint import ESM_VOCAB, write_esm_tokenizer  # noqa: E402
+
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 SEED = 20261122
 
@@ -34,12 +36,6 @@ def esm2_config(**fields: object) -> EsmConfig:
     return EsmConfig(**{**defaults, **fields})
 
 
-def write_tokenizer(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n")
-    EsmTokenizer(str(folder / "vocab.txt")).save_pretrained(folder)
-
-
 def main() -> None:
     folder = Path(__file__).resolve().parent / "esm2_tiny"
     torch.manual_seed(SEED)
@@ -49,7 +45,7 @@ def main() -> None:
             parameter.normal_(0.0, 0.3 if parameter.dim() == 1 else 0.1)
         model.esm.embeddings.word_embeddings.weight[model.config.pad_token_id].zero_()
     model.save_pretrained(folder)
-    write_tokenizer(folder)
+    write_esm_tokenizer(folder)
     print(f"wrote {folder}")
 
 

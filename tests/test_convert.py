@@ -22,8 +22,8 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
 import convert_checkpoint
 from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
-from convert_checkpoint import hf_to_nv_state_dict, main, nv_config_from_hf, parse_size
-from make_tiny_checkpoint import ESM_VOCAB, esm2_config, write_tokenizer
+from convert_checkpoint import ESM_VOCAB, hf_to_nv_state_dict, main, nv_config_from_hf, parse_size, write_esm_tokenizer
+from make_tiny_checkpoint import esm2_config
 
 try:
     import yaml
@@ -54,7 +54,7 @@ def save_hf(model: EsmForMaskedLM, folder: Path, dtype: str = "float32", shard: 
     """A transformers checkpoint folder as `save_pretrained` writes it, with the ESM tokenizer."""
     kwargs = {"max_shard_size": shard} if shard else {}
     model.to(DTYPES[dtype]).save_pretrained(folder, **kwargs)
-    write_tokenizer(folder)
+    write_esm_tokenizer(folder)
     return folder
 
 

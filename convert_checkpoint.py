@@ -1254,7 +1254,8 @@ def _card_usage(repo: str, config: NVEsmConfig) -> str:
 
 The model code ships with the weights, so loading needs `trust_remote_code=True`. With Transformer Engine
 installed and a CUDA GPU the layers run in Transformer Engine (`backend="auto"`, the default); anywhere else
-pass `backend="torch"` for the PyTorch implementation (same weights, same results up to float rounding).
+`"auto"` picks the PyTorch implementation (same weights, same results up to float rounding), and
+`backend="torch"` forces it, e.g. to run on the CPU of a machine that has a GPU.
 
 ```python
 import torch

@@ -232,3 +232,15 @@ def test_rotary_inv_freq_stays_float32_when_the_model_is_cast():
     assert model.lm_head.dense.weight.dtype == torch.bfloat16
     assert model.esm.rotary_embeddings.inv_freq.dtype == torch.float32
     assert torch.equal(model.esm.rotary_embeddings.inv_freq, original)
+
+
+def test_tuple_outputs_when_return_dict_is_false():
+    nv = make_nv_model(make_hf_model("tiny", seed=25))
+    input_ids, attention_mask = pad_batch(random_proteins([6, 3], seed=26))
+    labels = torch.where(attention_mask.bool(), input_ids, -100)
+    with torch.no_grad():
+        as_dict = nv(input_ids, attention_mask=attention_mask, labels=labels)
+        loss, logits = nv(input_ids, attention_mask=attention_mask, labels=labels, return_dict=False)
+        (states,) = nv.esm(input_ids, attention_mask=attention_mask, return_dict=False)
+    assert torch.equal(loss, as_dict.loss) and torch.equal(logits, as_dict.logits)
+    assert states.shape == (2, 6, nv.config.hidden_size)

@@ -45,6 +45,7 @@ assert transformer_engine_available(), "the benchmark needs Transformer Engine (
 
 from transformers import EsmForMaskedLM  # noqa: E402
 
+import flops  # noqa: E402
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
 from make_tiny_checkpoint import esm2_config  # noqa: E402
 
@@ -64,7 +65,7 @@ VARIANT_CONFIGS = {
 VARIANTS = ("transformers", *VARIANT_CONFIGS)
 PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
-PEAK_TFLOPS = 989.4
+PEAK_TFLOPS = flops.PEAK_BF16_TFLOPS["H100"]
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
 CLS, PAD, EOS, MASK = 0, 1, 2, 32
 
@@ -118,11 +119,9 @@ def packed(tokens: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
 
 
 def model_flops(shape: dict, lengths: list[int], training: bool) -> float:
-    h, n_layers, i = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
-    tokens = sum(lengths)
-    matmul = 2 * (n_layers * (4 * h * h + 2 * h * i) + h * h + h * 64) * tokens
-    attention = 4 * n_layers * h * sum(s * s for s in lengths)
-    return (matmul + attention) * (3 if training else 1)
+    return flops.model_flops(
+        shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], lengths, training
+    )
 
 
 def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
@@ -181,14 +180,14 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
     lengths = [[len(t) for t in tokens] for tokens, _ in timed]
     real_tokens = sum(map(sum, lengths)) / steps
     padded_tokens = sum(len(ls) * max(ls) for ls in lengths) / steps
-    flops = sum(model_flops(shape, ls, training) for ls in lengths) / steps
+    step_flops = sum(model_flops(shape, ls, training) for ls in lengths) / steps
     result.update(
         oom=False,
         step_seconds=seconds,
         tokens_per_step=real_tokens,
         tokens_per_second=real_tokens / seconds,
-        tflops=flops / seconds / 1e12,
-        mfu=flops / seconds / 1e12 / PEAK_TFLOPS,
+        tflops=step_flops / seconds / 1e12,
+        mfu=step_flops / seconds / 1e12 / PEAK_TFLOPS,
         padding_fraction=1 - real_tokens / padded_tokens,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
     )

@@ -1,0 +1,30 @@
+"""Model FLOPs of ESM-2, shared by the benchmarks and the training recipe.
+
+MFU = model FLOP/s / peak dense bf16 FLOP/s of the GPU. Model FLOPs count every matmul of a step, 2 FLOPs per
+multiply-add: per token and layer QKV + output projection (4 h^2) and the MLP (2 h i), the LM head dense layer and
+decoder (h^2 + 64 h, the padded vocabulary); attention scores and values add 4 h s^2 per layer and protein of s
+tokens (no causal halving: ESM attends both ways). Backward is twice forward, so a training step is 3x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM
+
+
+def model_flops(
+    hidden_size: int, num_layers: int, intermediate_size: int, lengths: Iterable[int], training: bool
+) -> float:
+    """FLOPs of one forward (x3 with `training`) over proteins of `lengths` tokens."""
+    lengths = list(lengths)
+    h, i = hidden_size, intermediate_size
+    tokens = sum(lengths)
+    matmul = 2 * (num_layers * (4 * h * h + 2 * h * i) + h * h + h * 64) * tokens
+    attention = 4 * num_layers * h * sum(s * s for s in lengths)
+    return (matmul + attention) * (3 if training else 1)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Peak dense bf16 TFLOP/s of a known GPU name (`torch.cuda.get_device_name()`), else None."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device_name), None)

@@ -1,0 +1,165 @@
+"""Multi-GPU checks of `recipes/train.py` (run on a host with 2+ GPUs and Transformer Engine).
+
+    python bench/recipe_checks.py scaling --out $OUT/recipe   # 1 vs 2 GPUs, same global batch: losses, tokens/s
+    python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
+    python bench/recipe_checks.py fp8 --out $OUT/recipe       # FP8 vs bf16 over 200 steps from the same init
+
+Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
+their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "recipes" / "demo_data" / "demo.fasta"
+WARMUP_STEPS = 5
+
+
+def write_config(out: Path, shape: str) -> Path:
+    """config.json of an ESM-2 shape (650M is the repo's config.json)."""
+    fields = json.loads((ROOT / "config.json").read_text())
+    if shape == "150M":
+        fields.update(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560)
+    path = out / f"config_{shape}.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def launch(run: Path, gpus: int, config: Path, *extra: str, wait: bool = True, env: dict | None = None):
+    """torchrun the recipe into `run` (its log in run.log); returns the process, finished when `wait`."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", str(29500 + gpus),
+        str(ROOT / "recipes" / "train.py"), "--config", str(config), "--data", str(DATA), "--out", str(run),
+        "--no-export", *extra,
+    ]  # fmt: skip
+    log = open(run.with_suffix(".log"), "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+    )
+    if wait and process.wait() != 0:
+        raise RuntimeError(f"{run.name} failed; see {run.with_suffix('.log')}")
+    return process
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def throughput(records: list[dict]) -> dict:
+    timed = [r for r in records if r["step"] > WARMUP_STEPS]
+    return dict(
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+        tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in timed),
+        mfu=statistics.median(r["mfu"] for r in timed),
+        max_memory_gb=max(r["max_memory_gb"] for r in timed),
+    )
+
+
+def check_scaling(out: Path, shape: str, steps: int, budget: int) -> dict:
+    """1 GPU with 2 micro-batches per step vs 2 GPUs with 1 each: same proteins per step, same init."""
+    config = write_config(out, shape)
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "5", "--lr", "2e-4"]
+    launch(out / f"scaling_{shape}_1gpu", 1, config, *common, "--grad-accum", "2")
+    launch(out / f"scaling_{shape}_2gpu", 2, config, *common, "--grad-accum", "1")
+    one, two = metrics(out / f"scaling_{shape}_1gpu"), metrics(out / f"scaling_{shape}_2gpu")
+    relative = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(one, two)]
+    result = dict(
+        shape=shape,
+        steps=steps,
+        token_budget_per_micro_batch=budget,
+        losses_1gpu=[r["loss"] for r in one],
+        losses_2gpu=[r["loss"] for r in two],
+        max_relative_loss_difference=max(relative),
+        same_tokens_per_step=all(a["tokens"] == b["tokens"] for a, b in zip(one, two)),
+        one_gpu=throughput(one),
+        two_gpus=throughput(two),
+    )
+    result["weak_scaling_efficiency"] = (
+        result["two_gpus"]["tokens_per_s_per_gpu"] / result["one_gpu"]["tokens_per_s_per_gpu"]
+    )
+    return result
+
+
+def check_resume(out: Path, shape: str, steps: int, kill_after: int) -> dict:
+    """An unbroken run vs one killed (SIGKILL) once checkpoint `kill_after` exists and resumed with --resume."""
+    config = write_config(out, shape)
+    common = ["--steps", str(steps), "--save-every", str(kill_after), "--token-budget", "8192"]
+    launch(out / "resume_unbroken", 2, config, *common)
+    broken = out / "resume_killed"
+    process = launch(broken, 2, config, *common, wait=False)
+    marker = broken / "checkpoints" / f"step_{kill_after:07d}"
+    while not marker.exists() and process.poll() is None:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = len(metrics(broken))
+    launch(broken, 2, config, *common, "--resume")
+    unbroken, resumed = metrics(out / "resume_unbroken"), metrics(broken)
+    after = {r["step"]: r["loss"] for r in resumed if r["step"] > kill_after}
+    differences = [abs(after[r["step"]] - r["loss"]) for r in unbroken if r["step"] in after]
+    return dict(
+        shape=shape,
+        steps=steps,
+        checkpoint_step=kill_after,
+        steps_logged_before_kill=killed_at,
+        resumed_steps=sorted(after),
+        max_abs_loss_difference_after_resume=max(differences),
+        losses_unbroken=[r["loss"] for r in unbroken],
+        losses_resumed=[after.get(r["step"]) for r in unbroken],
+    )
+
+
+def check_fp8(out: Path, shape: str, steps: int) -> dict:
+    """bf16 vs FP8 (delayed scaling, all layers) from the same init on the same data."""
+    config = write_config(out, shape)
+    common = ["--steps", str(steps), "--token-budget", "16384", "--warmup-steps", "20", "--lr", "4e-4"]
+    env = {"NVTE_TORCH_COMPILE": "0"}
+    launch(out / "fp8_off", 2, config, *common, env=env)
+    launch(out / "fp8_on", 2, config, *common, "--fp8", "all", env=env)
+    bf16, fp8 = metrics(out / "fp8_off"), metrics(out / "fp8_on")
+    tail = 20
+    mean = lambda records: statistics.fmean(r["loss"] for r in records[-tail:])  # noqa: E731
+    return dict(
+        shape=shape,
+        steps=steps,
+        losses_bf16=[r["loss"] for r in bf16],
+        losses_fp8=[r["loss"] for r in fp8],
+        final_loss_bf16=mean(bf16),
+        final_loss_fp8=mean(fp8),
+        relative_difference=abs(mean(fp8) - mean(bf16)) / mean(bf16),
+        bf16=throughput(bf16),
+        fp8=throughput(fp8),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("check", choices=("scaling", "resume", "fp8"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=("150M", "650M"), default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.check == "scaling":
+        result = check_scaling(args.out, args.shape or "650M", args.steps or 50, budget=16384)
+    elif args.check == "resume":
+        result = check_resume(args.out, args.shape or "150M", args.steps or 20, kill_after=10)
+    else:
+        result = check_fp8(args.out, args.shape or "150M", args.steps or 200)
+    (args.out / f"{args.check}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("losses")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""Protein data for the training recipe: read, tokenize, crop, mask and pack proteins into THD micro-batches.
+
+A stream is one data-parallel shard: the sequences whose global index i (counting across the files in order)
+satisfies `i % num_streams == stream_index`. Each epoch visits them in a seeded shuffled order and packs them
+greedily into micro-batches of at most `token_budget` tokens; a batch may continue into the next epoch, so every
+batch but the last of a protein-short stream is nearly full. All randomness of a protein (crop window, masking)
+comes from `random.Random(seed * S**2 + epoch * S + global_index)`, S = 1_000_003 (no salted `hash()`), and an
+epoch's order from `random.Random(seed + epoch)`, so a stream's `{"epoch", "position"}` resumes it exactly.
+`Batches` round-robins a rank's streams: with world size W and gradient accumulation A, rank r owns streams
+`r * A .. r * A + A - 1` of `W * A`, so a step's global batch is the same proteins for any W, A with equal W * A.
+
+Memory: a stream keeps its own sequences in memory as token ids, one byte per residue in one buffer plus one
+8-byte offset per protein (about total residues / (W * A) bytes per stream, so a rank holds ~1/W of the data set).
+The single buffer is shared copy-on-write by forked DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import random
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from convert_checkpoint import ESM_VOCAB  # noqa: E402
+
+CLS, PAD, EOS, UNK, MASK = (ESM_VOCAB.index(t) for t in ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>"))
+RESIDUE_TO_ID = {token: index for index, token in enumerate(ESM_VOCAB) if len(token) == 1}  # 20 standard + XBUZO.-
+STANDARD_AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"
+_RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
+STANDARD_IDS = tuple(RESIDUE_TO_ID[a] for a in STANDARD_AMINO_ACIDS)  # 4..23
+IGNORE_INDEX = -100
+FASTA_SUFFIXES = (".fasta", ".fa", ".faa")
+SEQUENCE_SUFFIXES = (*FASTA_SUFFIXES, ".txt", *(s + ".gz" for s in (*FASTA_SUFFIXES, ".txt")), ".parquet")
+# bytes.translate tables: residue character -> token id, and the characters to delete when checking validity.
+_TO_ID_TABLE = bytes(RESIDUE_TO_ID.get(chr(byte), 0) for byte in range(256))
+_RESIDUE_BYTES = "".join(RESIDUE_TO_ID).encode()
+_RNG_STRIDE = 1_000_003
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading and tokenizing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_sequences(path: str | Path, column: str = "sequence") -> Iterator[str]:
+    """Stream the sequences of a FASTA (.fasta/.fa/.faa), text (.txt, one per line) or parquet file, uppercased.
+
+    FASTA and text files may be gzipped (`.gz`). FASTA records may span lines; `;` lines are comments. Parquet is
+    read batch by batch from `column`. An empty FASTA record or parquet value raises `ValueError`.
+    """
+    path = Path(path)
+    name = path.name.lower()
+    suffix = next((s for s in sorted(SEQUENCE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+    if suffix is None:
+        raise ValueError(f"{path}: unknown sequence file type; expected one of {', '.join(SEQUENCE_SUFFIXES)}.")
+    if suffix == ".parquet":
+        return _read_parquet(path, column)
+    return _read_text_file(path, suffix)
+
+
+def _read_text_file(path: Path, suffix: str) -> Iterator[str]:
+    opener = gzip.open if suffix.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as lines:
+        yield from (_read_fasta(lines, path) if suffix.removesuffix(".gz") in FASTA_SUFFIXES else _read_text(lines))
+
+
+def _read_text(lines: IO[str]) -> Iterator[str]:
+    for line in lines:
+        sequence = "".join(line.split()).upper()
+        if sequence:
+            yield sequence
+
+
+def _read_fasta(lines: IO[str], path: Path) -> Iterator[str]:
+    header, parts = None, []
+    for number, line in enumerate(lines, 1):
+        if line.startswith(";"):
+            continue
+        if line.startswith(">"):
+            if header is not None:
+                yield _fasta_record(header, parts, path)
+            header, parts = line[1:].strip(), []
+        elif line.strip():
+            if header is None:
+                raise ValueError(f"{path}, line {number}: sequence before the first '>' header.")
+            parts.append("".join(line.split()))
+    if header is not None:
+        yield _fasta_record(header, parts, path)
+
+
+def _fasta_record(header: str, parts: list[str], path: Path) -> str:
+    if not parts:
+        raise ValueError(f"{path}: FASTA record '>{header}' has an empty sequence.")
+    return "".join(parts).upper()
+
+
+def _read_parquet(path: Path, column: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    if column not in file.schema_arrow.names:
+        raise ValueError(f"{path}: no column {column!r}; columns: {', '.join(file.schema_arrow.names)}.")
+    row = 0
+    for batch in file.iter_batches(columns=[column], batch_size=8192):
+        for value in batch.column(0).to_pylist():
+            if not value or not value.strip():
+                raise ValueError(f"{path}: row {row} of column {column!r} is empty or null.")
+            yield "".join(value.split()).upper()
+            row += 1
+
+
+def tokenize(sequence: str) -> list[int]:
+    """`[CLS] + one id per residue + [EOS]`; a character outside the ESM alphabet raises `ValueError`."""
+    tokens = [CLS]
+    for position, char in enumerate(sequence):
+        token = RESIDUE_TO_ID.get(char)
+        if token is None:
+            raise ValueError(
+                f"{char!r} at position {position} (0-based) is not an ESM residue; allowed: {''.join(RESIDUE_TO_ID)}."
+            )
+        tokens.append(token)
+    tokens.append(EOS)
+    return tokens
+
+
+def _residue_ids(sequence: str) -> bytes:
+    """The residue token ids of `sequence` (no CLS/EOS) as bytes: `tokenize` at C speed, same errors."""
+    try:
+        raw = sequence.encode("ascii")
+    except UnicodeEncodeError:
+        raw = b""
+    if len(raw) != len(sequence) or raw.translate(None, _RESIDUE_BYTES):
+        tokenize(sequence)  # raises, naming the character and its position
+    return raw.translate(_TO_ID_TABLE)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cropping and masking
+# --------------------------------------------------------------------------------------------------------------
+
+
+def crop(tokens: list[int], max_length: int, generator: random.Random) -> list[int]:
+    """`tokens` if at most `max_length` long, else a uniformly random contiguous window of `max_length` tokens."""
+    start = _crop_start(len(tokens), max_length, generator)
+    return tokens[start : start + max_length]
+
+
+def _crop_start(length: int, max_length: int, generator: random.Random) -> int:
+    return 0 if length <= max_length else generator.randrange(length - max_length + 1)
+
+
+def mask_tokens(
+    tokens: list[int],
+    generator: random.Random,
+    mask_prob: float = 0.15,
+    mask_token_fraction: float = 0.8,
+    random_token_fraction: float = 0.1,
+) -> tuple[list[int], list[int]]:
+    """BERT/ESM masking: `(input_ids, labels)`, labels the original id at selected residues and -100 elsewhere.
+
+    Each residue (not CLS/EOS/PAD/MASK) is selected with probability `mask_prob`; a selected one becomes MASK with
+    probability `mask_token_fraction`, a uniformly random standard amino acid with `random_token_fraction`, and
+    stays unchanged otherwise.
+    """
+    if mask_token_fraction + random_token_fraction > 1:
+        raise ValueError("mask_token_fraction + random_token_fraction must be at most 1.")
+    input_ids, labels = list(tokens), [IGNORE_INDEX] * len(tokens)
+    for position, token in enumerate(tokens):
+        if token not in _RESIDUE_ID_SET or generator.random() >= mask_prob:
+            continue
+        labels[position] = token
+        action = generator.random()
+        if action < mask_token_fraction:
+            input_ids[position] = MASK
+        elif action < mask_token_fraction + random_token_fraction:
+            input_ids[position] = generator.choice(STANDARD_IDS)
+    return input_ids, labels
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packed batches
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedBatch:
+    """N proteins concatenated (THD): `input_ids [1, T]`, `labels [1, T]` (token labels, -100 = none) or `[N]`
+    (one per protein), `cu_seq_lens [N + 1]` int32 and the longest protein's token count `max_length`."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        tensors = (self.input_ids, self.labels, self.cu_seq_lens)
+        return PackedBatch(*(t.to(device) for t in tensors), self.max_length)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of the NVEsm models' packed forward (labels excluded)."""
+        return {
+            "input_ids": self.input_ids,
+            "cu_seq_lens_q": self.cu_seq_lens,
+            "cu_seq_lens_k": self.cu_seq_lens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_proteins(self) -> int:
+        return self.cu_seq_lens.numel() - 1
+
+    @property
+    def num_labels(self) -> int:
+        """Loss terms: token labels other than -100, or N for per-protein labels."""
+        if self.labels.dim() == 1:
+            return self.labels.numel()
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def _packed_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:
+    """Pack proteins `tokens` with per-token `labels` (lists like `tokens`) or per-protein labels `[N]`."""
+    lengths = [len(t) for t in tokens]
+    cu_seq_lens = torch.zeros(len(tokens) + 1, dtype=torch.int32)
+    cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
+    input_ids = torch.tensor([t for protein in tokens for t in protein], dtype=torch.int64)[None]
+    if isinstance(labels, list):
+        labels = torch.tensor([t for protein in labels for t in protein], dtype=torch.int64)[None]
+    return PackedBatch(input_ids, labels, cu_seq_lens, max(lengths))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _PackedStream:
+    """Sharding, epoch order, greedy packing and resume state shared by `MLMStream` and `ClassificationStream`.
+
+    Subclasses load their sequences with `_add` and make one protein's `(tokens, labels)` in `_example`.
+    """
+
+    def __init__(
+        self, stream_index: int, num_streams: int, token_budget: int, max_length: int, seed: int, shuffle: bool
+    ) -> None:
+        if not 0 <= stream_index < num_streams:
+            raise ValueError(f"stream_index {stream_index} is outside [0, num_streams={num_streams}).")
+        if max_length < 1:
+            raise ValueError(f"max_length must be positive, got {max_length}.")
+        if token_budget < max_length:
+            raise ValueError(
+                f"token_budget ({token_budget}) must be at least max_length ({max_length}): a cropped protein must fit."
+            )
+        self.stream_index, self.num_streams = stream_index, num_streams
+        self.token_budget, self.max_length, self.seed, self.shuffle = token_budget, max_length, seed, shuffle
+        self._parts: list[bytes] | None = []
+        self._residues = b""
+        self._offsets = array("q", [0])
+        self._epoch = self._position = 0
+        self._order_epoch, self._order = -1, []
+
+    # Loading ----------------------------------------------------------------------------------------------------
+
+    def _add(self, sequence: str, source: str | Path, record: str) -> None:
+        """Keep one of this stream's sequences as residue ids; errors name `source` and `record`."""
+        try:
+            ids = _residue_ids(sequence)
+        except ValueError as error:
+            raise ValueError(f"{source}, {record}: {error}") from None
+        if not ids:
+            raise ValueError(f"{source}, {record}: empty sequence.")
+        self._parts.append(ids)
+        self._offsets.append(self._offsets[-1] + len(ids))
+
+    def _finish_loading(self, source: str) -> None:
+        if not self._parts:
+            raise ValueError(
+                f"{source} has no sequences for stream {self.stream_index} of {self.num_streams} "
+                "(fewer sequences than streams?)."
+            )
+        self._residues, self._parts = b"".join(self._parts), None
+
+    def __len__(self) -> int:
+        """Proteins per epoch in this stream."""
+        return len(self._offsets) - 1
+
+    def global_index(self, local_index: int) -> int:
+        return self.stream_index + local_index * self.num_streams
+
+    def _tokens(self, local_index: int) -> list[int]:
+        return [CLS, *self._residues[self._offsets[local_index] : self._offsets[local_index + 1]], EOS]
+
+    def _generator(self, local_index: int) -> random.Random:
+        """The randomness of one protein in the current epoch (string-hash free, so identical in every process)."""
+        key = (self.seed * _RNG_STRIDE + self._epoch) * _RNG_STRIDE + self.global_index(local_index)
+        return random.Random(key)
+
+    def _example(self, local_index: int) -> tuple[list[int], list[int] | float | int]:
+        raise NotImplementedError
+
+    def _collate(self, tokens: list[list[int]], labels: list) -> PackedBatch:
+        return _packed_batch(tokens, labels)
+
+    # Iteration --------------------------------------------------------------------------------------------------
+
+    def _epoch_order(self) -> list[int]:
+        """This epoch's visiting order of local indices: `random.Random(seed + epoch).shuffle`, or sorted."""
+        if self._order_epoch != self._epoch:
+            self._order = list(range(len(self)))
+            if self.shuffle:
+                random.Random(self.seed + self._epoch).shuffle(self._order)
+            self._order_epoch = self._epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        tokens, labels, used = [], [], 0
+        while True:
+            local_index = self._epoch_order()[self._position]
+            length = min(self._offsets[local_index + 1] - self._offsets[local_index] + 2, self.max_length)
+            if tokens and used + length > self.token_budget:
+                return self._collate(tokens, labels)
+            protein, label = self._example(local_index)
+            tokens.append(protein)
+            labels.append(label)
+            used += length
+            self._position += 1
+            if self._position == len(self):
+                self._epoch, self._position = self._epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """`{"epoch", "position"}`: the first protein not yet in an emitted batch (index into the epoch's order)."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self):
+            raise ValueError(f"invalid stream state {state} for a stream of {len(self)} proteins.")
+        self._epoch, self._position = (epoch + 1, 0) if position == len(self) else (epoch, position)
+
+
+class MLMStream(_PackedStream):
+    """One data-parallel stream of masked-language-model batches from FASTA/.txt/.parquet `files`.
+
+    Proteins are tokenized, cropped to a random window of `max_length` tokens, masked (`mask_tokens` with
+    `mask_prob`) and packed into micro-batches of at most `token_budget` tokens; labels are `[1, T]`. Infinite.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        stream_index: int,
+        num_streams: int,
+        token_budget: int,
+        max_length: int = 1024,
+        mask_prob: float = 0.15,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
+        if isinstance(files, (str, Path)):
+            files = [files]
+        self.files, self.mask_prob = [Path(f) for f in files], mask_prob
+        self.file_counts: list[int] = []  # sequences per file (all streams)
+        global_index = 0
+        for path in self.files:
+            count = 0
+            for count, sequence in enumerate(read_sequences(path), 1):
+                if global_index % num_streams == stream_index:
+                    self._add(sequence, path, f"sequence {count - 1} (0-based)")
+                global_index += 1
+            self.file_counts.append(count)
+        self._finish_loading(", ".join(map(str, self.files)))
+
+    def _example(self, local_index: int) -> tuple[list[int], list[int]]:
+        generator = self._generator(local_index)
+        tokens = crop(self._tokens(local_index), self.max_length, generator)
+        return mask_tokens(tokens, generator, self.mask_prob)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fine-tuning data
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_labelled_csv(path: str | Path, task: str) -> tuple[list[str], list, list[str] | None]:
+    """`(sequences, labels, label alphabet)` of a CSV with a header.
+
+    task "sequence": columns `sequence,label`, numeric labels (all integers: class ids; any float: regression);
+    alphabet None. task "token": columns `sequence,labels`, one label character per residue; labels are lists of
+    characters and the alphabet is their sorted set.
+    """
+    if task not in ("sequence", "token"):
+        raise ValueError(f"task must be 'sequence' or 'token', got {task!r}.")
+    label_column = "label" if task == "sequence" else "labels"
+    sequences, raw_labels = [], []
+    with open(path, newline="") as file:
+        reader = csv.DictReader(file)
+        missing = {"sequence", label_column} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: the header needs columns sequence,{label_column}; missing {sorted(missing)}.")
+        for row_number, row in enumerate(reader, 1):
+            where = f"{path}, row {row_number} (line {reader.line_num})"
+            sequence = "".join((row["sequence"] or "").split()).upper()
+            label = "".join((row[label_column] or "").split())
+            if not sequence or not label:
+                raise ValueError(f"{where}: empty sequence or {label_column}.")
+            try:
+                tokenize(sequence)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
+            if task == "token" and len(label) != len(sequence):
+                raise ValueError(f"{where}: {len(label)} labels for {len(sequence)} residues.")
+            sequences.append(sequence)
+            raw_labels.append(label)
+    if not sequences:
+        raise ValueError(f"{path}: no rows.")
+    if task == "token":
+        return sequences, [list(label) for label in raw_labels], sorted(set("".join(raw_labels)))
+    try:
+        return sequences, [int(label) for label in raw_labels], None
+    except ValueError:
+        pass
+    labels = []
+    for row_number, label in enumerate(raw_labels, 1):
+        try:
+            labels.append(float(label))
+        except ValueError:
+            raise ValueError(f"{path}, row {row_number}: label {label!r} is not a number.") from None
+    return sequences, labels, None
+
+
+class ClassificationStream(_PackedStream):
+    """One data-parallel stream of a labelled CSV (`read_labelled_csv`), packed like `MLMStream`, no masking.
+
+    task "token": labels `[1, T]` int64, label ids at residues and -100 at CLS/EOS. task "sequence": labels `[N]`,
+    int64 class ids or float32 regression targets. Proteins longer than `max_length` get a random window.
+    `num_labels` is the number of classes (1 for regression); `label_names` the token alphabet or the class ids
+    as strings (None for regression). Pass the training set's `label_names` when reading a validation set.
+    """
+
+    def __init__(
+        self,
+        csv_path: str | Path,
+        task: str,
+        stream_index: int,
+        num_streams: int,
+        token_budget: int,
+        max_length: int = 1024,
+        seed: int = 0,
+        shuffle: bool = True,
+        label_names: list[str] | None = None,
+    ) -> None:
+        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
+        sequences, labels, alphabet = read_labelled_csv(csv_path, task)
+        self.task, self.regression = task, task == "sequence" and isinstance(labels[0], float)
+        if self.regression:
+            if label_names is not None:
+                raise ValueError(f"{csv_path}: label_names given, but the labels are regression targets.")
+            self.num_labels, self.label_names = 1, None
+        elif task == "sequence":
+            if min(labels) < 0:
+                raise ValueError(f"{csv_path}: class ids must be non-negative, got {min(labels)}.")
+            self.label_names = label_names if label_names is not None else [str(k) for k in range(max(labels) + 1)]
+            self.num_labels = len(self.label_names)
+            if max(labels) >= self.num_labels:
+                raise ValueError(f"{csv_path}: class id {max(labels)} but only {self.num_labels} label names.")
+        else:
+            self.label_names = label_names if label_names is not None else alphabet
+            self.num_labels = len(self.label_names)
+            unknown = set(alphabet) - set(self.label_names)
+            if unknown:
+                raise ValueError(f"{csv_path}: labels {sorted(unknown)} are not in label_names {self.label_names}.")
+        label_ids = {name: index for index, name in enumerate(self.label_names or ())}
+        self._labels: list = []
+        for row, (sequence, label) in enumerate(zip(sequences, labels)):
+            if row % num_streams == stream_index:
+                self._add(sequence, csv_path, f"row {row + 1}")
+                self._labels.append(bytes(label_ids[c] for c in label) if task == "token" else label)
+        self._finish_loading(str(csv_path))
+
+    def _example(self, local_index: int) -> tuple[list[int], list[int] | float | int]:
+        tokens = self._tokens(local_index)
+        start = _crop_start(len(tokens), self.max_length, self._generator(local_index))
+        tokens = tokens[start : start + self.max_length]
+        if self.task == "sequence":
+            return tokens, self._labels[local_index]
+        labels = [IGNORE_INDEX, *self._labels[local_index], IGNORE_INDEX]
+        return tokens, labels[start : start + self.max_length]
+
+    def _collate(self, tokens: list[list[int]], labels: list) -> PackedBatch:
+        if self.task == "token":
+            return _packed_batch(tokens, labels)
+        return _packed_batch(tokens, torch.tensor(labels, dtype=torch.float32 if self.regression else torch.int64))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A rank's micro-batches
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Batches:
+    """A rank's micro-batches: round-robin over its `streams` (micro-batch k comes from `streams[k % len]`).
+
+    With gradient accumulation A and world size W, rank r owns streams `r * A .. r * A + A - 1` of `W * A`, so the
+    global batch of a step is the same set of proteins for any (W, A) with equal W * A.
+    """
+
+    def __init__(self, streams: list[_PackedStream]) -> None:
+        if not streams:
+            raise ValueError("Batches needs at least one stream.")
+        self.streams, self.micro_step = streams, 0
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        batch = next(self.streams[self.micro_step % len(self.streams)])
+        self.micro_step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"micro_step": self.micro_step, "streams": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["streams"]) != len(self.streams):
+            raise ValueError(f"state has {len(state['streams'])} streams, this rank has {len(self.streams)}.")
+        self.micro_step = int(state["micro_step"])
+        for stream, stream_state in zip(self.streams, state["streams"]):
+            stream.load_state_dict(stream_state)
+
+
+def rank_streams(files: Sequence[str | Path], rank: int, world_size: int, grad_accum: int, **stream_kwargs) -> Batches:
+    """Rank `rank`'s `Batches` of MLM streams `rank * grad_accum + j` of `world_size * grad_accum`."""
+    num_streams = world_size * grad_accum
+    return Batches([MLMStream(files, rank * grad_accum + j, num_streams, **stream_kwargs) for j in range(grad_accum)])

@@ -1,0 +1,176 @@
+"""recipes/train.py on CPU: 2-process gloo runs of the FSDP2 loop with the PyTorch twin, checkpoint resume, export.
+
+The runs are real `torchrun` launches (a few seconds each) of the tiny ESM-2 shape on the demo FASTA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_CHECKPOINT
+from convert_checkpoint import convert_hf_to_nv
+from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
+from recipes import train
+
+DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
+SECONDARY_STRUCTURE = ROOT / "recipes" / "demo_data" / "secondary_structure.csv"
+TINY_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+    command += [str(ROOT / "recipes" / "train.py"), "--out", str(out), "--backend", "torch", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fields = json.loads((ROOT / "config.json").read_text())
+    fields.update(TINY_SHAPE)
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+@pytest.fixture(scope="module")
+def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
+    convert_hf_to_nv(TINY_CHECKPOINT, out)
+    return out
+
+
+def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:
+    return ["--config", str(config), "--data", str(DEMO_FASTA), "--steps", str(steps), "--token-budget", "1024",
+            "--max-length", "256", "--lr", "3e-3", "--seed", "3", *extra]  # fmt: skip
+
+
+def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_config: Path, tmp_path: Path) -> None:
+    """Same global batch (W=2, A=1 vs W=1, A=2), same fresh init: same losses. A run stopped at step 3 and resumed
+    gives exactly the unbroken run's losses, and the loss goes down."""
+    steps = 8
+    run_recipe(tmp_path / "one", *mlm_args(tiny_config, steps, "--grad-accum", "2", "--no-export"), ranks=1)
+    run_recipe(tmp_path / "two", *mlm_args(tiny_config, steps, "--no-export"))
+    run_recipe(tmp_path / "resumed", *mlm_args(tiny_config, steps, "--stop-at-step", "3", "--no-export"))
+    assert sorted(losses(tmp_path / "resumed")) == [1, 2, 3]
+    refused = run_recipe(tmp_path / "resumed", *mlm_args(tiny_config, steps, "--no-export"), check=False)
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+    run_recipe(tmp_path / "resumed", *mlm_args(tiny_config, steps, "--resume", "--no-export"))
+
+    one, two, resumed = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "resumed")
+    assert sorted(one) == sorted(two) == sorted(resumed) == list(range(1, steps + 1))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
+        assert resumed[step] == two[step], step  # bit-exact: same shards, data positions, RNG, optimizer state
+    assert sum(list(two.values())[-3:]) < sum(list(two.values())[:3])
+
+
+def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, tmp_path: Path) -> None:
+    """Start from a converted checkpoint with lr 0: the exported Hub folder holds exactly the starting weights
+    (per-rank row slices read from safetensors, DCP save, consolidation); the folder loads with from_pretrained."""
+    args = ["--model", str(nv_tiny), "--data", str(DEMO_FASTA), "--steps", "2", "--lr", "0", "--token-budget", "1024"]
+    run_recipe(tmp_path / "run", *args, "--max-length", "256", "--weight-decay", "0")
+    exported, original = (
+        load_file(tmp_path / "run" / "final" / "model.safetensors"),
+        load_file(nv_tiny / "model.safetensors"),
+    )
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        torch.testing.assert_close(exported[name], tensor.float(), rtol=0, atol=0, msg=name)
+    model = NVEsmForMaskedLM.from_pretrained(tmp_path / "run" / "final")
+    assert model.config.backend == "auto"
+    for name in ("config.json", "modeling_nv_esm.py", "configuration_nv_esm.py", "vocab.txt", "LICENSE", "README.md"):
+        assert (tmp_path / "run" / "final" / name).exists(), name
+
+
+def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    args = ["--model", str(nv_tiny), "--task", "token", "--data", str(SECONDARY_STRUCTURE), "--steps", "6"]
+    args += ["--lora-rank", "4", "--lr", "1e-2", "--token-budget", "1024", "--max-length", "256"]
+    run_recipe(tmp_path / "lora", *args)
+    history = losses(tmp_path / "lora")
+    assert len(history) == 6 and all(torch.isfinite(torch.tensor(list(history.values()))))
+    model = NVEsmForTokenClassification.from_pretrained(tmp_path / "lora" / "final")
+    assert model.config.num_labels == 3
+    exported = load_file(tmp_path / "lora" / "final" / "model.safetensors")
+    assert not any("lora" in name for name in exported)
+    original = load_file(nv_tiny / "model.safetensors")
+    qkv = "esm.encoder.layers.0.self_attention.layernorm_qkv.weight"
+    assert not torch.equal(exported[qkv], original[qkv].float())  # the trained adapter is merged in
+    untouched = "esm.encoder.layers.0.layernorm_mlp.fc1_weight"
+    torch.testing.assert_close(exported[untouched], original[untouched].float(), rtol=0, atol=0)
+
+
+def test_lora_merge_reproduces_the_adapted_model(nv_tiny: Path) -> None:
+    """export_weights merges W + alpha/r B A; the merged plain model gives the PEFT model's logits."""
+    pytest.importorskip("peft")
+    import argparse
+
+    base = NVEsmForTokenClassification.from_pretrained(nv_tiny, num_labels=3, backend="torch").eval()
+    args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, task="token")
+    adapted = train.add_lora(base, args).eval()
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                parameter.normal_(0, 0.3)
+    merged = NVEsmForTokenClassification(base.config).eval()
+    merged.load_state_dict(train.export_weights(adapted.state_dict(), base.config, 8.0), strict=True)
+    input_ids = torch.randint(4, 24, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids).logits, adapted(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", [0, 4, 9, 10, 55, 99])
+def test_learning_rate_schedule(step: int) -> None:
+    import argparse
+
+    args = argparse.Namespace(warmup_steps=10, steps=100, decay="cosine", min_lr_ratio=0.1)
+    factor = train.learning_rate_factor(step, args)
+    if step < 10:
+        assert factor == pytest.approx((step + 1) / 10)
+    else:
+        import math
+
+        progress = (step - 10) / 90
+        assert factor == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
+    """fresh_tensor (used on meta-built shards) matches NVEsmPreTrainedModel._init_weights in kind and scale."""
+    from configuration_nv_esm import NVEsmConfig
+
+    fields = {k: v for k, v in json.loads(tiny_config.read_text()).items() if k not in ("auto_map", "architectures")}
+    fields.pop("model_type", None)
+    config = NVEsmConfig(**{**fields, "backend": "torch"})
+    reference = NVEsmForMaskedLM(config)
+    for index, (name, parameter) in enumerate(reference.named_parameters()):
+        fresh = train.fresh_tensor(name, tuple(parameter.shape), config, index, torch.device("cpu"))
+        if torch.all(parameter == parameter.flatten()[0]):
+            torch.testing.assert_close(fresh, parameter.detach(), msg=name)  # ones / zeros
+        else:
+            assert fresh.std() == pytest.approx(parameter.std().item(), rel=0.3), name
+            assert torch.equal(fresh == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
+
+
+def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path: Path) -> None:
+    result = run_recipe(
+        tmp_path / "run", "--model", str(TINY_CHECKPOINT), "--data", str(DEMO_FASTA), "--steps", "1", ranks=1,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "convert_checkpoint.py hf-to-te" in result.stderr

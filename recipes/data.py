@@ -2,8 +2,8 @@
 
 A stream is one data-parallel shard: the sequences whose global index i (counting across the files in order)
 satisfies `i % num_streams == stream_index`. Each epoch visits them in a seeded shuffled order and packs them
-greedily into micro-batches of at most `token_budget` tokens; a batch may continue into the next epoch, so every
-batch but the last of a protein-short stream is nearly full. All randomness of a protein (crop window, masking)
+greedily into micro-batches of at most `token_budget` tokens; a batch may continue into the next epoch (no short
+batch at epoch ends). All randomness of a protein (crop window, masking)
 comes from `random.Random(seed * S**2 + epoch * S + global_index)`, S = 1_000_003 (no salted `hash()`), and an
 epoch's order from `random.Random(seed + epoch)`, so a stream's `{"epoch", "position"}` resumes it exactly.
 `Batches` round-robins a rank's streams: with world size W and gradient accumulation A, rank r owns streams

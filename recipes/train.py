@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     run.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step, e.g. for job limits")
     run.add_argument("--no-export", action="store_true", help="skip the consolidated Hub folder at the end")
-    run.add_argument("--log-every", type=int, default=1)
+    run.add_argument("--log-every", type=int, default=10, help="steps between logs (each waits for the GPU)")
     run.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
     return parser
 
@@ -187,7 +187,8 @@ def model_config(args: argparse.Namespace, world: Dist, num_labels: int | None) 
         raise ValueError("--lora-rank needs --backend torch: PEFT cannot wrap Transformer Engine's fused layers.")
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
     fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(args.fp8, num_layers))
-    fields.update(fp8_recipe=args.fp8_recipe)
+    # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
+    fields.update(fp8_recipe=args.fp8_recipe, check_inputs=False)
     if num_labels is not None:
         fields["num_labels"] = num_labels
     return NVEsmConfig(**fields)
@@ -447,9 +448,13 @@ def learning_rate_factor(step: int, args: argparse.Namespace) -> float:
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    tokens: int
+    """One step's numbers, left on the device (reading them would wait for the GPU) until they are logged.
+
+    `sums` holds the global summed loss, label count and token count; `grad_norm` the global gradient norm."""
+
+    sums: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
     flops: float
 
 
@@ -463,42 +468,33 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch of the step, then clip and step. The loss is the global mean over the
     step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
-    scaled by the world size because FSDP averages gradients over ranks."""
-    counts = torch.tensor(
-        [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)],
-        device=world.device,
-        dtype=torch.float64,
-    )
-    dist.all_reduce(counts)
-    num_labels, num_tokens = counts.tolist()
-    total = torch.zeros((), device=world.device)
+    scaled by the world size because FSDP averages gradients over ranks. Nothing here waits for the GPU."""
+    counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
+    sums = torch.tensor([0.0, *counts], device=world.device, dtype=torch.float64)
+    dist.all_reduce(sums)
+    scale = world.world_size / sums[1].clamp(min=1)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         loss = summed_loss(model, batch.to(world.device), args.task)
-        (loss * (world.world_size / max(num_labels, 1))).backward()
-        total += loss.detach()
+        (loss * scale).backward()
+        sums[0] += loss.detach()
     grad_norm = clip_gradients(model, args.clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(total)
-    step_flops = sum(
-        flops.model_flops(
-            config.hidden_size,
-            config.num_hidden_layers,
-            config.intermediate_size,
-            b.cu_seq_lens.diff().tolist(),
-            training=True,
-        )
-        for b in micro_batches
-    )
-    return StepResult(total.item() / max(num_labels, 1), grad_norm, int(num_tokens), step_flops)
+    local_loss = sums[0].clone()
+    dist.all_reduce(local_loss)
+    sums[0] = local_loss
+    lengths = [b.cu_seq_lens.diff().tolist() for b in micro_batches]  # CPU tensors: no sync
+    shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size)
+    step_flops = sum(flops.model_flops(*shape, ls, training=True) for ls in lengths)
+    return StepResult(sums, grad_norm, optimizer.param_groups[0]["lr"], step_flops)
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> float:
-    """Global gradient norm over all shards (clipped to `max_norm` unless 0)."""
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all shards (clipped to `max_norm` unless 0), as a device tensor."""
     parameters = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -610,6 +606,7 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         config_dict = nv_config_dict(config)
         # Inference defaults: whichever backend is there, no FP8 (training-time settings are in train_state.json).
         config_dict.update(architectures=[MODEL_CLASSES[task].__name__], backend="auto", layer_precision=None)
+        config_dict["check_inputs"] = True
         config_dict["dtype"] = "float32"
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         write_esm_tokenizer(staging)
@@ -685,33 +682,38 @@ class MetricsLog:
 
             self.tensorboard = SummaryWriter(out / "tensorboard")
 
-    def log(self, step: int, result: StepResult, seconds: float, lr: float) -> None:
+    def log(self, first_step: int, results: list[StepResult], started: float) -> None:
+        """Write the steps `first_step`, `first_step + 1`, ... of `results`, launched since `started`
+        (`time.perf_counter()`). One wait for the GPU per call; throughput is the interval's."""
         memory = torch.tensor([self.memory_gb()], device=self.world.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-        tflops = result.flops * self.world.world_size / seconds / 1e12
-        record = dict(
-            step=step,
-            loss=result.loss,
-            lr=lr,
-            grad_norm=result.grad_norm,
-            tokens=result.tokens,
-            tokens_per_s=result.tokens / seconds,
-            tokens_per_s_per_gpu=result.tokens / seconds / self.world.world_size,
-            tflops_per_gpu=tflops / self.world.world_size,
-            mfu=None if self.peak is None else tflops / self.world.world_size / self.peak,
+        values = torch.stack([torch.cat([r.sums.float(), r.grad_norm.reshape(1).float()]) for r in results]).tolist()
+        seconds = time.perf_counter() - started
+        tokens = sum(v[2] for v in values)
+        tflops_per_gpu = sum(r.flops for r in results) / seconds / 1e12
+        interval = dict(
+            tokens_per_s=tokens / seconds,
+            tokens_per_s_per_gpu=tokens / seconds / self.world.world_size,
+            tflops_per_gpu=tflops_per_gpu,
+            mfu=None if self.peak is None else tflops_per_gpu / self.peak,
             max_memory_gb=memory.item(),
-            step_seconds=seconds,
+            step_seconds=seconds / len(results),
         )
-        self.bar.update(1)
+        self.bar.update(len(results))
         if not self.world.is_main:
             return
-        self.bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-        self.file.write(json.dumps(record) + "\n")
+        for step, result, (loss_sum, labels, step_tokens, grad_norm) in zip(
+            range(first_step, first_step + len(results)), results, values
+        ):
+            record = dict(step=step, loss=loss_sum / max(labels, 1), lr=result.lr, grad_norm=grad_norm)
+            record.update(tokens=int(step_tokens), **interval)
+            self.file.write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                for key, value in record.items():
+                    if key != "step" and value is not None:
+                        self.tensorboard.add_scalar(key, value, step)
         self.file.flush()
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self.tensorboard.add_scalar(key, value, step)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
 
     def memory_gb(self) -> float:
         return torch.cuda.max_memory_allocated() / 2**30 if self.world.device.type == "cuda" else 0.0
@@ -795,18 +797,22 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
     metrics = MetricsLog(out, args, world, step)
     model.train()
     checkpoint = resume_from
+    pending: list[StepResult] = []
+    interval_start = time.perf_counter()
     while step < last:
         micro_batches = [next(feed) for _ in range(args.grad_accum)]
-        lr = args.lr * learning_rate_factor(step, args)
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        start = time.perf_counter()
-        result = train_step(model, optimizer, micro_batches, args, world, config)
+            group["lr"] = args.lr * learning_rate_factor(step, args)
+        pending.append(train_step(model, optimizer, micro_batches, args, world, config))
         step += 1
-        if step % args.log_every == 0 or step == last:
-            metrics.log(step, result, time.perf_counter() - start, lr)
-        if (args.save_every and step % args.save_every == 0) or step == last:
+        saving = (args.save_every and step % args.save_every == 0) or step == last
+        if step % args.log_every == 0 or saving:
+            metrics.log(step - len(pending) + 1, pending, interval_start)
+            pending = []
+        if saving:
             checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, args.keep, run_info)
+        if not pending:
+            interval_start = time.perf_counter()
     metrics.close()
     if world.is_main and step == args.steps and not args.no_export and checkpoint is not None:
         final = export(checkpoint, out / "final", force=True)

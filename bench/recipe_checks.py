@@ -66,6 +66,18 @@ def throughput(records: list[dict]) -> dict:
     )
 
 
+def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: str) -> dict:
+    """Tokens/s per GPU with one micro-batch of `budget` tokens per GPU and step, on 2 GPUs vs 1."""
+    config = write_config(out, shape)
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "5", *extra]
+    tag = f"weak_{shape}_{budget}{''.join(extra).replace('--', '_')}"
+    launch(out / f"{tag}_1gpu", 1, config, *common)
+    launch(out / f"{tag}_2gpu", 2, config, *common)
+    one, two = throughput(metrics(out / f"{tag}_1gpu")), throughput(metrics(out / f"{tag}_2gpu"))
+    efficiency = two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+    return dict(shape=shape, token_budget=budget, options=extra, one_gpu=one, two_gpus=two, efficiency=efficiency)
+
+
 def check_scaling(out: Path, shape: str, steps: int, budget: int) -> dict:
     """Losses: 1 GPU with 2 micro-batches per step vs 2 GPUs with 1 each (same proteins per step, same init).
     Weak scaling: tokens/s per GPU with one micro-batch per GPU and step, on 2 GPUs vs 1."""
@@ -151,19 +163,25 @@ def check_fp8(out: Path, shape: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("scaling", "resume", "fp8"))
+    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8"))
+    parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
+    parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", choices=("150M", "650M"), default=None)
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.check == "scaling":
-        result = check_scaling(args.out, args.shape or "650M", args.steps or 50, budget=16384)
+        result = check_scaling(args.out, args.shape or "650M", args.steps or 50, args.budget)
+    elif args.check == "weak":
+        extra = ("--keep-gathered",) if args.keep_gathered else ()
+        result = check_weak_scaling(args.out, args.shape or "650M", args.steps or 30, args.budget, *extra)
     elif args.check == "resume":
         result = check_resume(args.out, args.shape or "150M", args.steps or 20, kill_after=10)
     else:
         result = check_fp8(args.out, args.shape or "150M", args.steps or 200)
-    (args.out / f"{args.check}.json").write_text(json.dumps(result, indent=1))
+    name = args.check if args.check != "weak" else f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("losses")}, indent=1))
 
 

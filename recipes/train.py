@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--fp8-recipe", choices=("delayed", "current", "block"), default="delayed")
     model.add_argument("--activation-checkpointing", action="store_true")
+    model.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="keep layers gathered between forward and backward (FSDP2 "
+        "reshard_after_forward=False): one all-gather less per layer and step, more memory",
+    )
     model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
     model.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (PEFT) and the head")
     model.add_argument("--lora-alpha", type=float, default=16.0)
@@ -217,7 +223,7 @@ def build_model(args: argparse.Namespace, config: NVEsmConfig, world: Dist) -> n
             raise ValueError("--compile is for --backend torch; Transformer Engine layers are fused already.")
         for layer in layers:
             layer.compile()
-    shard(model, layers, world, compute_dtype(args, world))
+    shard(model, layers, world, compute_dtype(args, world), reshard_after_forward=not args.keep_gathered)
     model.to_empty(device=world.device)
     source = CheckpointReader(Path(args.model)) if args.model else None
     materialise(model, config, source, args.seed, world)
@@ -233,14 +239,16 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     return list(next(m for name, m in model.named_modules() if name.endswith("encoder.layers")))
 
 
-def shard(model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype) -> None:
+def shard(
+    model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype, reshard_after_forward: bool
+) -> None:
     """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=world.mesh, mp_policy=policy)
-    fully_shard(model, mesh=world.mesh, mp_policy=policy)
+        fully_shard(layer, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 class CheckpointReader:

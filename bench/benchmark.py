@@ -9,6 +9,8 @@ Variants (random weights of the ESM-2 shape):
   nv_thd_unchecked  nv_thd with check_inputs=False (no device sync per forward; trusted training pipelines)
   nv_inmodel    NVEsm on TE, padded batch unpadded inside the model (attn_input_format="thd")
   nv_thd_fp8    nv_thd_unchecked with every layer in FP8 (DelayedScaling)
+  nv_thd_bf16w  nv_thd_unchecked training on bf16 weights with fp32 master copies in the optimizer and no autocast
+                (what the FSDP2 recipe does); same numerics class as autocast, fewer casts and no autocast dispatch
 
 Each variant runs in its own process (Transformer Engine's torch.compile'd helpers and cuDNN caches are not
 shared between variants). `--max-batch` also searches, by doubling, the most proteins per training step that fit.
@@ -61,9 +63,11 @@ VARIANT_CONFIGS = {
     "nv_thd_unchecked": dict(check_inputs=False),
     "nv_inmodel": dict(),
     "nv_thd_fp8": dict(check_inputs=False, fp8=True),
+    "nv_thd_bf16w": dict(check_inputs=False),
 }
 VARIANTS = ("transformers", *VARIANT_CONFIGS)
-PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8"}
+PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8", "nv_thd_bf16w"}
+MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = flops.PEAK_BF16_TFLOPS["H100"]
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
@@ -133,20 +137,49 @@ def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
         if options.pop("fp8", False):
             options["layer_precision"] = ["fp8"] * shape["num_hidden_layers"]
         model = NVEsmForMaskedLM(NVEsmConfig(**shape, backend="te", **options))
-    return model.cuda().to(torch.float32 if training else torch.bfloat16).train(training)
+    fp32 = training and variant not in MASTER_WEIGHT_VARIANTS
+    return model.cuda().to(torch.float32 if fp32 else torch.bfloat16).train(training)
+
+
+class MasterWeightAdamW:
+    """Fused AdamW on fp32 master copies of a bf16 model's weights: gradients are cast up, the step runs in fp32 and
+    the weights are cast back, each with one multi-tensor copy."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        self.weights = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float() for p in self.weights]
+        for master in self.master:
+            master.grad = torch.zeros_like(master)
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, fused=True)
+
+    def step(self) -> None:
+        torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.weights])
+        self.optimizer.step()
+        torch._foreach_copy_(self.weights, self.master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for weight in self.weights:
+            weight.grad = None
+
+
+def make_optimizer(variant: str, model: torch.nn.Module) -> torch.optim.Optimizer | MasterWeightAdamW:
+    if variant in MASTER_WEIGHT_VARIANTS:
+        return MasterWeightAdamW(model, lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
 def inputs_for(variant: str, tokens, labels) -> dict:
     return packed(tokens, labels) if variant in PACKED_VARIANTS else padded(tokens, labels)
 
 
-def step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None) -> None:
-    """One training step (forward, backward, AdamW under bf16 autocast) or, without optimizer, one inference."""
+def step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, autocast: bool = True) -> None:
+    """One training step (forward, backward, AdamW; under bf16 autocast unless the weights are bf16 already) or,
+    without optimizer, one inference."""
     if optimizer is None:
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
         return
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
     optimizer.step()
@@ -162,13 +195,13 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
     result = {"variant": variant, "shape": shape_name, "proteins": proteins, "mode": "train" if training else "infer"}
     try:
         model = build(variant, shape, training)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
+        optimizer = make_optimizer(variant, model) if training else None
         prepared = [inputs_for(variant, tokens, labels) for tokens, labels in batches]
         for index, batch in enumerate(prepared):
             if index == warmup:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-            step(model, batch, optimizer)
+            step(model, batch, optimizer, autocast=variant not in MASTER_WEIGHT_VARIANTS)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / steps
     except torch.OutOfMemoryError:

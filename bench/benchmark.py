@@ -146,14 +146,15 @@ class MasterWeightAdamW:
     the weights are cast back, each with one multi-tensor copy."""
 
     def __init__(self, model: torch.nn.Module, lr: float) -> None:
-        self.weights = [p for p in model.parameters() if p.requires_grad]
+        self.weights = [p for name, p in model.named_parameters() if p.requires_grad and "contact_head" not in name]
         self.master = [p.detach().float() for p in self.weights]
         for master in self.master:
             master.grad = torch.zeros_like(master)
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, fused=True)
 
     def step(self) -> None:
-        torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.weights])
+        used = [(m, p) for m, p in zip(self.master, self.weights) if p.grad is not None]  # not the contact head
+        torch._foreach_copy_([m.grad for m, _ in used], [p.grad for _, p in used])
         self.optimizer.step()
         torch._foreach_copy_(self.weights, self.master)
 

@@ -152,6 +152,7 @@ class MasterWeightAdamW:
             master.grad = torch.zeros_like(master)
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, fused=True)
 
+    @torch.no_grad()
     def step(self) -> None:
         used = [(m, p) for m, p in zip(self.master, self.weights) if p.grad is not None]  # not the contact head
         torch._foreach_copy_([m.grad for m, _ in used], [p.grad for _, p in used])

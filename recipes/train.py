@@ -673,7 +673,7 @@ The weights are float32, in the nv-esm layout (`convert_checkpoint.py te-to-hf` 
 
 
 class MetricsLog:
-    """metrics.jsonl (rank 0), a tqdm bar on rank 0, optional TensorBoard; memory is the max over ranks."""
+    """metrics.jsonl (rank 0), a tqdm bar on rank 0, optional TensorBoard; peak GPU memory of every rank."""
 
     def __init__(self, out: Path, args: argparse.Namespace, world: Dist, first_step: int) -> None:
         from tqdm.auto import tqdm
@@ -693,8 +693,8 @@ class MetricsLog:
     def log(self, first_step: int, results: list[StepResult], started: float) -> None:
         """Write the steps `first_step`, `first_step + 1`, ... of `results`, launched since `started`
         (`time.perf_counter()`). One wait for the GPU per call; throughput is the interval's."""
-        memory = torch.tensor([self.memory_gb()], device=self.world.device)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        memory = [torch.zeros(1, device=self.world.device) for _ in range(self.world.world_size)]
+        dist.all_gather(memory, torch.tensor([self.memory_gb()], device=self.world.device))
         values = torch.stack([torch.cat([r.sums.float(), r.grad_norm.reshape(1).float()]) for r in results]).tolist()
         seconds = time.perf_counter() - started
         tokens = sum(v[2] for v in values)
@@ -704,7 +704,8 @@ class MetricsLog:
             tokens_per_s_per_gpu=tokens / seconds / self.world.world_size,
             tflops_per_gpu=tflops_per_gpu,
             mfu=None if self.peak is None else tflops_per_gpu / self.peak,
-            max_memory_gb=memory.item(),
+            max_memory_gb=max(m.item() for m in memory),
+            memory_gb_per_rank=[round(m.item(), 2) for m in memory],
             step_seconds=seconds / len(results),
         )
         self.bar.update(len(results))
@@ -718,7 +719,7 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             if self.tensorboard is not None:
                 for key, value in record.items():
-                    if key != "step" and value is not None:
+                    if key != "step" and isinstance(value, (int, float)):
                         self.tensorboard.add_scalar(key, value, step)
         self.file.flush()
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)

@@ -451,7 +451,8 @@ class ClassificationStream(_PackedStream):
     """One data-parallel stream of a labelled CSV (`read_labelled_csv`), packed like `MLMStream`, no masking.
 
     task "token": labels `[1, T]` int64, label ids at residues and -100 at CLS/EOS. task "sequence": labels `[N]`,
-    int64 class ids or float32 regression targets. Proteins longer than `max_length` get a random window.
+    int64 class ids or float32 regression targets. Proteins longer than `max_length` get a random window (for the
+    sequence task a window of residues between their own <cls> and <eos>, which the classification head reads).
     `num_labels` is the number of classes (1 for regression); `label_names` the token alphabet or the class ids
     as strings (None for regression). Pass the training set's `label_names` when reading a validation set.
     """
@@ -498,10 +499,13 @@ class ClassificationStream(_PackedStream):
 
     def _example(self, local_index: int) -> tuple[list[int], list[int] | float | int]:
         tokens = self._tokens(local_index)
+        if self.task == "sequence":  # the head reads <cls>: crop the residues, keep <cls> and <eos>
+            residues = tokens[1:-1]
+            window = self.max_length - 2
+            start = _crop_start(len(residues), window, self._generator(local_index))
+            return [tokens[0], *residues[start : start + window], tokens[-1]], self._labels[local_index]
         start = _crop_start(len(tokens), self.max_length, self._generator(local_index))
         tokens = tokens[start : start + self.max_length]
-        if self.task == "sequence":
-            return tokens, self._labels[local_index]
         labels = [IGNORE_INDEX, *self._labels[local_index], IGNORE_INDEX]
         return tokens, labels[start : start + self.max_length]
 

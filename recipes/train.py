@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch and rank")
     data.add_argument("--max-length", type=int, default=1024, help="crop proteins to this many tokens")
     data.add_argument("--mask-prob", type=float, default=0.15)
-    data.add_argument("--data-workers", type=int, default=1, help="processes preparing batches ahead (0: none)")
+    data.add_argument(
+        "--data-workers", type=int, choices=(0, 1), default=1, help="1: a process prepares batches ahead; 0: none"
+    )
 
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--steps", type=int, required=True, help="optimizer steps of the schedule")
@@ -175,7 +177,7 @@ def init_distributed() -> Dist:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def model_config(args: argparse.Namespace, world: Dist, num_labels: int | None) -> NVEsmConfig:
+def model_config(args: argparse.Namespace, world: Dist, labels: dict[str, Any]) -> NVEsmConfig:
     source = Path(args.model or args.config)
     path = source / "config.json" if source.is_dir() else source
     fields = json.loads(path.read_text())
@@ -195,8 +197,7 @@ def model_config(args: argparse.Namespace, world: Dist, num_labels: int | None) 
     fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(args.fp8, num_layers))
     # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
     fields.update(fp8_recipe=args.fp8_recipe, check_inputs=False)
-    if num_labels is not None:
-        fields["num_labels"] = num_labels
+    fields.update(labels)
     return NVEsmConfig(**fields)
 
 
@@ -377,13 +378,13 @@ def lora_layer_norm_linear_class() -> type[nn.Module]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def make_batches(args: argparse.Namespace, world: Dist) -> tuple[Batches, int | None]:
-    """This rank's micro-batches, and the number of labels of a classification task."""
+def make_batches(args: argparse.Namespace, world: Dist) -> tuple[Batches, dict[str, Any]]:
+    """This rank's micro-batches, and the config fields of a classification task's labels."""
     common = dict(token_budget=args.token_budget, max_length=args.max_length, seed=args.seed)
     if args.task == "mlm":
         return rank_streams(
             args.data, world.rank, world.world_size, args.grad_accum, mask_prob=args.mask_prob, **common
-        ), None
+        ), {}
     if len(args.data) != 1:
         raise ValueError(f"--task {args.task} reads one labelled CSV, got {len(args.data)} files.")
     num_streams = world.world_size * args.grad_accum
@@ -391,7 +392,20 @@ def make_batches(args: argparse.Namespace, world: Dist) -> tuple[Batches, int | 
         ClassificationStream(args.data[0], args.task, world.rank * args.grad_accum + j, num_streams, **common)
         for j in range(args.grad_accum)
     ]
-    return Batches(streams), streams[0].num_labels
+    return Batches(streams), label_fields(streams[0])
+
+
+def label_fields(stream: ClassificationStream) -> dict[str, Any]:
+    """num_labels, the label names (so the exported config names the classes) and the problem type."""
+    if stream.regression:
+        return dict(num_labels=1, problem_type="regression")
+    names = dict(enumerate(stream.label_names))
+    return dict(
+        num_labels=stream.num_labels,
+        id2label=names,
+        label2id={name: index for index, name in names.items()},
+        problem_type="single_label_classification",
+    )
 
 
 class DataFeed:
@@ -554,10 +568,18 @@ def save_checkpoint(
     return final
 
 
+def resume_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The options that decide which data a step sees and its learning rate: a resume must not change them."""
+    names = ("task", "seed", "token_budget", "max_length", "mask_prob", "grad_accum", "steps", "warmup_steps")
+    names += ("lr", "min_lr_ratio", "decay")
+    return {"data": [str(p) for p in args.data], **{name: getattr(args, name) for name in names}}
+
+
 def load_checkpoint(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, world: Dist
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, world: Dist, run_info: dict
 ) -> int:
-    """Restore what `save_checkpoint` wrote; returns the step it was taken after."""
+    """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
+    returns the step it was taken after."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -567,12 +589,16 @@ def load_checkpoint(
             f"{folder} was written by {state['world_size']} ranks; resume it with the same number of ranks "
             f"(got {world.world_size})."
         )
+    saved = state["run"]["settings"]
+    changed = {k: (saved.get(k), v) for k, v in run_info["settings"].items() if saved.get(k) != v}
+    if changed:
+        listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")
     model_state, optim_state = get_state_dict(model, optimizer)
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     batches.load_state_dict(state["data"][world.rank])
-    set_rng_state(torch.load(folder / f"rng_rank{world.rank}.pt", weights_only=False))
     return state["step"]
 
 
@@ -741,7 +767,7 @@ class MetricsLog:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "grad_accum", "token_budget", "max_length"):
+    for name in ("steps", "grad_accum", "token_budget", "max_length", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
     if args.warmup_steps >= args.steps:
@@ -778,8 +804,8 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
     resume_from = prepare_out(out, args.resume, world)
     random.seed(args.seed + world.rank)
     torch.manual_seed(args.seed + world.rank)
-    batches, num_labels = make_batches(args, world)
-    config = model_config(args, world, num_labels)
+    batches, labels = make_batches(args, world)
+    config = model_config(args, world, labels)
     model = build_model(args, config, world)
     for name, parameter in model.named_parameters():
         if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state
@@ -792,8 +818,6 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
         weight_decay=args.weight_decay,
         fused=world.device.type == "cuda",
     )
-    step = load_checkpoint(resume_from, model, optimizer, batches, world) if resume_from else 0
-    feed = DataFeed(batches, args.data_workers)
     run_info = dict(
         task=args.task,
         config=config.to_dict(),
@@ -801,7 +825,12 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
         start=args.model or "scratch",
         data=[str(p) for p in args.data],
         steps=args.steps,
+        settings=resume_settings(args),
     )
+    step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0
+    feed = DataFeed(batches, args.data_workers)  # before restoring the RNG: the DataLoader draws from it
+    if resume_from:
+        set_rng_state(torch.load(resume_from / f"rng_rank{world.rank}.pt", weights_only=False))
     last = min(args.steps, args.stop_at_step or args.steps)
     metrics = MetricsLog(out, args, world, step)
     model.train()

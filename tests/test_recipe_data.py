@@ -473,3 +473,18 @@ def test_demo_data_generator_is_deterministic(tmp_path: Path) -> None:
     make_demo_data.main(tmp_path)
     for name in ("demo.fasta", "secondary_structure.csv", "solubility.csv"):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
+
+
+def test_sequence_task_crops_keep_cls_and_eos(tmp_path) -> None:
+    """The sequence head reads each protein's first token: long proteins keep <cls> first and <eos> last."""
+    from recipes.data import ClassificationStream
+
+    path = tmp_path / "long.csv"
+    rows = ["sequence,label"] + [f"{'ACDEFGHIKLMNPQRSTVWY' * (3 + k)},{k % 2}" for k in range(6)]
+    path.write_text("\n".join(rows) + "\n")
+    stream = ClassificationStream(path, "sequence", 0, 1, token_budget=64, max_length=32, seed=1)
+    for _ in range(6):
+        batch = next(stream)
+        starts, ends = batch.cu_seq_lens[:-1].long(), batch.cu_seq_lens[1:].long() - 1
+        assert batch.input_ids[0, starts].eq(0).all() and batch.input_ids[0, ends].eq(2).all()
+        assert int(batch.cu_seq_lens.diff().max()) == 32

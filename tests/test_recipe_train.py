@@ -71,6 +71,10 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_con
     assert sorted(losses(tmp_path / "resumed")) == [1, 2, 3]
     refused = run_recipe(tmp_path / "resumed", *mlm_args(tiny_config, steps, "--no-export"), check=False)
     assert refused.returncode != 0 and "--resume" in refused.stderr
+    changed = run_recipe(
+        tmp_path / "resumed", *mlm_args(tiny_config, steps, "--resume", "--no-export"), "--seed", "4", check=False
+    )
+    assert changed.returncode != 0 and "--seed 3 -> 4" in changed.stderr
     run_recipe(tmp_path / "resumed", *mlm_args(tiny_config, steps, "--resume", "--no-export"))
 
     one, two, resumed = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "resumed")
@@ -107,7 +111,7 @@ def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path,
     history = losses(tmp_path / "lora")
     assert len(history) == 6 and all(torch.isfinite(torch.tensor(list(history.values()))))
     model = NVEsmForTokenClassification.from_pretrained(tmp_path / "lora" / "final")
-    assert model.config.num_labels == 3
+    assert model.config.num_labels == 3 and model.config.id2label == {0: "C", 1: "E", 2: "H"}
     exported = load_file(tmp_path / "lora" / "final" / "model.safetensors")
     assert not any("lora" in name for name in exported)
     original = load_file(nv_tiny / "model.safetensors")
@@ -158,13 +162,15 @@ def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
     fields = {k: v for k, v in json.loads(tiny_config.read_text()).items() if k not in ("auto_map", "architectures")}
     fields.pop("model_type", None)
     config = NVEsmConfig(**{**fields, "backend": "torch"})
+    torch.manual_seed(0)
     reference = NVEsmForMaskedLM(config)
     for index, (name, parameter) in enumerate(reference.named_parameters()):
         fresh = train.fresh_tensor(name, tuple(parameter.shape), config, index, torch.device("cpu"))
         if torch.all(parameter == parameter.flatten()[0]):
             torch.testing.assert_close(fresh, parameter.detach(), msg=name)  # ones / zeros
-        else:
-            assert fresh.std() == pytest.approx(parameter.std().item(), rel=0.3), name
+        else:  # scale checked where there are enough values for a stable std (not the 8-value contact head)
+            if parameter.numel() >= 1000:
+                assert fresh.std() == pytest.approx(parameter.std().item(), rel=0.3), name
             assert torch.equal(fresh == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
 
 

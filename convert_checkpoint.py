@@ -1069,14 +1069,33 @@ class VerificationFailed(RuntimeError):
 
 def read_fasta(path: Path) -> list[tuple[str, str]]:
     """(first word of the header, sequence) of each record."""
-    records: list[tuple[str, list[str]]] = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
+    with open(path) as lines:
+        return [(header.split()[0], sequence) for header, sequence in iter_fasta(lines, path)]
+
+
+def iter_fasta(lines: Iterable[str], path: Path) -> Iterator[tuple[str, str]]:
+    """(header, sequence) of each FASTA record of `lines`, read from `path` (named in errors). Records may span
+    lines; `;` lines are comments. A sequence line before the first header or an empty record raises ValueError."""
+    header, parts = None, []
+    for number, line in enumerate(lines, 1):
+        if line.startswith(";"):
+            continue
         if line.startswith(">"):
-            records.append((line[1:].split()[0], []))
-        elif line and not line.startswith(";") and records:
-            records[-1][1].append(line)
-    return [(name, "".join(parts)) for name, parts in records]
+            if header is not None:
+                yield header, _fasta_sequence(header, parts, path)
+            header, parts = line[1:].strip(), []
+        elif line.strip():
+            if header is None:
+                raise ValueError(f"{path}, line {number}: sequence before the first '>' header.")
+            parts.append("".join(line.split()))
+    if header is not None:
+        yield header, _fasta_sequence(header, parts, path)
+
+
+def _fasta_sequence(header: str, parts: list[str], path: Path) -> str:
+    if not parts:
+        raise ValueError(f"{path}: FASTA record '>{header}' has an empty sequence.")
+    return "".join(parts)
 
 
 def default_atol(dtype_name: str, uses_te: bool) -> float:
@@ -1432,10 +1451,20 @@ def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: 
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     write_tokenizer(out, source)
     if direction.to_nv:
-        for name in REMOTE_CODE_FILES:
-            shutil.copy2(HERE / name, out / name)
+        copy_remote_code(out)
+    write_license(out, with_code=direction.to_nv)
+
+
+def copy_remote_code(out: Path) -> None:
+    """The two files that `trust_remote_code=True` loads."""
+    for name in REMOTE_CODE_FILES:
+        shutil.copy2(HERE / name, out / name)
+
+
+def write_license(out: Path, with_code: bool) -> None:
+    """ESM-2's MIT license for the weights, naming this project's remote code when the folder holds it."""
     code = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm.py)."
-    (out / "LICENSE").write_text(MIT_LICENSE.format(code_copyright=code if direction.to_nv else ""))
+    (out / "LICENSE").write_text(MIT_LICENSE.format(code_copyright=code if with_code else ""))
 
 
 def convert_hf_to_nv(

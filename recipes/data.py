@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from convert_checkpoint import ESM_VOCAB  # noqa: E402
+from convert_checkpoint import ESM_VOCAB, iter_fasta  # noqa: E402
 
 CLS, PAD, EOS, UNK, MASK = (ESM_VOCAB.index(t) for t in ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>"))
 RESIDUE_TO_ID = {token: index for index, token in enumerate(ESM_VOCAB) if len(token) == 1}  # 20 standard + XBUZO.-
@@ -83,26 +83,8 @@ def _read_text(lines: IO[str]) -> Iterator[str]:
 
 
 def _read_fasta(lines: IO[str], path: Path) -> Iterator[str]:
-    header, parts = None, []
-    for number, line in enumerate(lines, 1):
-        if line.startswith(";"):
-            continue
-        if line.startswith(">"):
-            if header is not None:
-                yield _fasta_record(header, parts, path)
-            header, parts = line[1:].strip(), []
-        elif line.strip():
-            if header is None:
-                raise ValueError(f"{path}, line {number}: sequence before the first '>' header.")
-            parts.append("".join(line.split()))
-    if header is not None:
-        yield _fasta_record(header, parts, path)
-
-
-def _fasta_record(header: str, parts: list[str], path: Path) -> str:
-    if not parts:
-        raise ValueError(f"{path}: FASTA record '>{header}' has an empty sequence.")
-    return "".join(parts).upper()
+    for _, sequence in iter_fasta(lines, path):
+        yield sequence.upper()
 
 
 def _read_parquet(path: Path, column: str) -> Iterator[str]:
@@ -551,7 +533,12 @@ class Batches:
             stream.load_state_dict(stream_state)
 
 
+def rank_stream_indices(rank: int, world_size: int, grad_accum: int) -> tuple[range, int]:
+    """The streams of rank `rank`, `rank * grad_accum + j` for j < grad_accum, and the number of streams."""
+    return range(rank * grad_accum, (rank + 1) * grad_accum), world_size * grad_accum
+
+
 def rank_streams(files: Sequence[str | Path], rank: int, world_size: int, grad_accum: int, **stream_kwargs) -> Batches:
-    """Rank `rank`'s `Batches` of MLM streams `rank * grad_accum + j` of `world_size * grad_accum`."""
-    num_streams = world_size * grad_accum
-    return Batches([MLMStream(files, rank * grad_accum + j, num_streams, **stream_kwargs) for j in range(grad_accum)])
+    """Rank `rank`'s `Batches` of MLM streams (`rank_stream_indices`)."""
+    indices, num_streams = rank_stream_indices(rank, world_size, grad_accum)
+    return Batches([MLMStream(files, index, num_streams, **stream_kwargs) for index in indices])

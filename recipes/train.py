@@ -46,14 +46,14 @@ sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "bench")) if p not in sys.path
 import flops  # noqa: E402
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
 from convert_checkpoint import (  # noqa: E402
-    MIT_LICENSE,
-    REMOTE_CODE_FILES,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     check_out,
+    copy_remote_code,
     nv_config_dict,
     staging_folder,
     write_esm_tokenizer,
+    write_license,
 )
 from modeling_nv_esm import (  # noqa: E402
     NVEsmForMaskedLM,
@@ -63,7 +63,7 @@ from modeling_nv_esm import (  # noqa: E402
     NVEsmRotaryEmbedding,
     transformer_engine_available,
 )
-from recipes.data import Batches, ClassificationStream, PackedBatch, rank_streams  # noqa: E402
+from recipes.data import Batches, ClassificationStream, PackedBatch, rank_stream_indices, rank_streams  # noqa: E402
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -387,11 +387,8 @@ def make_batches(args: argparse.Namespace, world: Dist) -> tuple[Batches, dict[s
         ), {}
     if len(args.data) != 1:
         raise ValueError(f"--task {args.task} reads one labelled CSV, got {len(args.data)} files.")
-    num_streams = world.world_size * args.grad_accum
-    streams = [
-        ClassificationStream(args.data[0], args.task, world.rank * args.grad_accum + j, num_streams, **common)
-        for j in range(args.grad_accum)
-    ]
+    indices, num_streams = rank_stream_indices(world.rank, world.world_size, args.grad_accum)
+    streams = [ClassificationStream(args.data[0], args.task, index, num_streams, **common) for index in indices]
     return Batches(streams), label_fields(streams[0])
 
 
@@ -492,24 +489,23 @@ def train_step(
     step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
     scaled by the world size because FSDP averages gradients over ranks. Nothing here waits for the GPU."""
     counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
-    sums = torch.tensor([0.0, *counts], device=world.device, dtype=torch.float64)
-    dist.all_reduce(sums)
-    scale = world.world_size / sums[1].clamp(min=1)
+    counts = torch.tensor(counts, device=world.device, dtype=torch.float64)
+    dist.all_reduce(counts)
+    scale = world.world_size / counts[0].clamp(min=1)
+    loss_sum = torch.zeros(1, device=world.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         loss = summed_loss(model, batch.to(world.device), args.task)
         (loss * scale).backward()
-        sums[0] += loss.detach()
+        loss_sum += loss.detach()
     grad_norm = clip_gradients(model, args.clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    local_loss = sums[0].clone()
-    dist.all_reduce(local_loss)
-    sums[0] = local_loss
+    dist.all_reduce(loss_sum)
     lengths = [b.cu_seq_lens.diff().tolist() for b in micro_batches]  # CPU tensors: no sync
     shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size)
     step_flops = sum(flops.model_flops(*shape, ls, training=True) for ls in lengths)
-    return StepResult(sums, grad_norm, optimizer.param_groups[0]["lr"], step_flops)
+    return StepResult(torch.cat([loss_sum, counts]), grad_norm, optimizer.param_groups[0]["lr"], step_flops)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -628,7 +624,7 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     run = json.loads((checkpoint / TRAIN_STATE).read_text())["run"]
-    config, task = NVEsmConfig.from_dict(run["config"]), run["task"]
+    config, task = NVEsmConfig.from_dict(run["config"]), run["settings"]["task"]
     check_out(out, force)
     with staging_folder(out, force) as staging:
         consolidated = staging / "consolidated.pt"
@@ -644,10 +640,8 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         config_dict["dtype"] = "float32"
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         write_esm_tokenizer(staging)
-        for name in REMOTE_CODE_FILES:
-            shutil.copy2(ROOT / name, staging / name)
-        code = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm.py)."
-        (staging / "LICENSE").write_text(MIT_LICENSE.format(code_copyright=code))
+        copy_remote_code(staging)
+        write_license(staging, with_code=True)
         (staging / "README.md").write_text(export_card(checkpoint, run, weights))
     return out
 
@@ -667,12 +661,12 @@ def export_weights(model_state: dict[str, Any], config: NVEsmConfig, lora_alpha:
 
 def export_card(checkpoint: Path, run: dict, weights: dict[str, torch.Tensor]) -> str:
     """A short model card: what was trained, from what, on what, for how long."""
-    config = run["config"]
+    config, settings = run["config"], run["settings"]
     parameters = sum(t.numel() for t in weights.values())
     return f"""---
 license: mit
 library_name: transformers
-pipeline_tag: {"fill-mask" if run["task"] == "mlm" else "text-classification"}
+pipeline_tag: {"fill-mask" if settings["task"] == "mlm" else "text-classification"}
 tags: [esm, esm2, protein, biology, transformer-engine, nv-esm]
 ---
 
@@ -680,8 +674,8 @@ tags: [esm, esm2, protein, biology, transformer-engine, nv-esm]
 
 ESM-2-shaped protein language model ({parameters / 1e6:.1f}M parameters: {config["num_hidden_layers"]} layers,
 hidden size {config["hidden_size"]}, {config["num_attention_heads"]} heads) exported from `{checkpoint.name}` of a
-`recipes/train.py` run (task `{run["task"]}`, started from `{run["start"]}`, data {run["data"]}, {run["steps"]}
-scheduled steps). Load it with
+`recipes/train.py` run (task `{settings["task"]}`, started from `{run["start"]}`, data {settings["data"]},
+{settings["steps"]} scheduled steps). Load it with
 
 ```python
 from transformers import AutoModel
@@ -819,12 +813,9 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
         fused=world.device.type == "cuda",
     )
     run_info = dict(
-        task=args.task,
         config=config.to_dict(),
         lora_alpha=args.lora_alpha,
         start=args.model or "scratch",
-        data=[str(p) for p in args.data],
-        steps=args.steps,
         settings=resume_settings(args),
     )
     step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0

@@ -146,6 +146,7 @@ class MasterWeightAdamW:
     the weights are cast back, each with one multi-tensor copy."""
 
     def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        # Every trained weight gets a gradient each step; the contact head takes no part in the MLM loss.
         self.weights = [p for name, p in model.named_parameters() if p.requires_grad and "contact_head" not in name]
         self.master = [p.detach().float() for p in self.weights]
         for master in self.master:
@@ -154,8 +155,7 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        used = [(m, p) for m, p in zip(self.master, self.weights) if p.grad is not None]  # not the contact head
-        torch._foreach_copy_([m.grad for m, _ in used], [p.grad for _, p in used])
+        torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.weights])
         self.optimizer.step()
         torch._foreach_copy_(self.weights, self.master)
 

@@ -3,6 +3,8 @@
     python bench/recipe_checks.py scaling --out $OUT/recipe   # 1 vs 2 GPUs, same global batch: losses, tokens/s
     python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
     python bench/recipe_checks.py fp8 --out $OUT/recipe       # FP8 vs bf16 over 200 steps from the same init
+    python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 GPUs
+    python bench/recipe_checks.py fit --shape 15B --activation-checkpointing --out $OUT/recipe   # a big model, 2 GPUs
 
 Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
 their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
@@ -25,11 +27,19 @@ DATA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 WARMUP_STEPS = 10
 
 
+# ESM-2 shapes other than the repo's config.json (650M).
+SHAPES = {
+    "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
+    "650M": {},
+    "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
+    "15B": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, intermediate_size=20480),
+}
+
+
 def write_config(out: Path, shape: str) -> Path:
-    """config.json of an ESM-2 shape (650M is the repo's config.json)."""
+    """config.json of an ESM-2 shape."""
     fields = json.loads((ROOT / "config.json").read_text())
-    if shape == "150M":
-        fields.update(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560)
+    fields.update(SHAPES[shape])
     path = out / f"config_{shape}.json"
     path.write_text(json.dumps(fields))
     return path
@@ -69,13 +79,46 @@ def throughput(records: list[dict]) -> dict:
 def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: str) -> dict:
     """Tokens/s per GPU with one micro-batch of `budget` tokens per GPU and step, on 2 GPUs vs 1."""
     config = write_config(out, shape)
-    common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "5", *extra]
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "5", "--no-checkpoint", *extra]
     tag = f"weak_{shape}_{budget}{''.join(extra).replace('--', '_')}"
     launch(out / f"{tag}_1gpu", 1, config, *common)
     launch(out / f"{tag}_2gpu", 2, config, *common)
     one, two = throughput(metrics(out / f"{tag}_1gpu")), throughput(metrics(out / f"{tag}_2gpu"))
     efficiency = two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
     return dict(shape=shape, token_budget=budget, options=extra, one_gpu=one, two_gpus=two, efficiency=efficiency)
+
+
+def check_profile(out: Path, shape: str, budget: int) -> dict:
+    """Traces of 3 steps (after 10) on 1 and on 2 GPUs with `budget` tokens per GPU, summarised per rank."""
+    import trace_summary
+
+    config = write_config(out, shape)
+    summaries = {}
+    for gpus in (1, 2):
+        run = out / f"profile_{shape}_{budget}_{gpus}gpu"
+        common = ["--steps", "13", "--token-budget", str(budget), "--profile-steps", "3", "--no-checkpoint"]
+        launch(run, gpus, config, *common)
+        traces = sorted((run / "profile").glob("rank*.json.gz"))
+        summaries[f"{gpus}gpu"] = [trace_summary.summarise(trace, top=12) for trace in traces]
+    return dict(shape=shape, token_budget=budget, **summaries)
+
+
+def check_fit(out: Path, shape: str, steps: int, budget: int, *extra: str) -> dict:
+    """`shape` trained from scratch on 2 GPUs: losses, tokens/s, MFU and peak memory of every rank."""
+    config = write_config(out, shape)
+    run = out / f"fit_{shape}_{budget}{''.join(extra).replace('--', '_')}"
+    allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "2", "--no-checkpoint", *extra]
+    launch(run, 2, config, *common, env=allocator)
+    records = metrics(run)
+    return dict(
+        shape=shape,
+        token_budget=budget,
+        options=extra,
+        losses=[r["loss"] for r in records],
+        memory_gb_per_rank=max((r["memory_gb_per_rank"] for r in records), key=max),
+        **throughput(records),
+    )
 
 
 def check_scaling(out: Path, shape: str, steps: int, budget: int) -> dict:
@@ -108,12 +151,14 @@ def check_scaling(out: Path, shape: str, steps: int, budget: int) -> dict:
     return result
 
 
-def check_resume(out: Path, shape: str, steps: int, kill_after: int) -> dict:
+def check_resume(out: Path, shape: str, steps: int, kill_after: int, *extra: str) -> dict:
     """An unbroken run vs one killed (SIGKILL) once checkpoint `kill_after` exists and resumed with --resume."""
     config = write_config(out, shape)
     common = ["--steps", str(steps), "--save-every", str(kill_after), "--token-budget", "8192", "--log-every", "1"]
-    launch(out / "resume_unbroken", 2, config, *common)
-    broken = out / "resume_killed"
+    common += extra
+    tag = "".join(extra).replace("--", "_").replace(" ", "")
+    launch(out / f"resume{tag}_unbroken", 2, config, *common)
+    broken = out / f"resume{tag}_killed"
     process = launch(broken, 2, config, *common, wait=False)
     marker = broken / "checkpoints" / f"step_{kill_after:07d}"
     while not marker.exists() and process.poll() is None:
@@ -122,11 +167,12 @@ def check_resume(out: Path, shape: str, steps: int, kill_after: int) -> dict:
     process.wait()
     killed_at = len(metrics(broken))
     launch(broken, 2, config, *common, "--resume")
-    unbroken, resumed = metrics(out / "resume_unbroken"), metrics(broken)
+    unbroken, resumed = metrics(out / f"resume{tag}_unbroken"), metrics(broken)
     after = {r["step"]: r["loss"] for r in resumed if r["step"] > kill_after}
     differences = [abs(after[r["step"]] - r["loss"]) for r in unbroken if r["step"] in after]
     return dict(
         shape=shape,
+        options=extra,
         steps=steps,
         checkpoint_step=kill_after,
         steps_logged_before_kill=killed_at,
@@ -163,11 +209,15 @@ def check_fp8(out: Path, shape: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8"))
+    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit"))
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
+    parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=("150M", "650M"), default=None)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
+    )
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,10 +227,20 @@ def main() -> None:
         extra = ("--keep-gathered",) if args.keep_gathered else ()
         result = check_weak_scaling(args.out, args.shape or "650M", args.steps or 30, args.budget, *extra)
     elif args.check == "resume":
-        result = check_resume(args.out, args.shape or "150M", args.steps or 20, kill_after=10)
+        extra = ("--fp8", "all") if args.fp8 else ()
+        result = check_resume(args.out, args.shape or "150M", args.steps or 20, 10, *extra)
+    elif args.check == "fit":
+        extra = ("--activation-checkpointing",) if args.activation_checkpointing else ()
+        result = check_fit(args.out, args.shape or "3B", args.steps or 12, args.budget, *extra)
+    elif args.check == "profile":
+        result = check_profile(args.out, args.shape or "650M", args.budget)
     else:
         result = check_fp8(args.out, args.shape or "150M", args.steps or 200)
-    name = args.check if args.check != "weak" else f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
+    name = args.check + ("_fp8" if args.fp8 else "")
+    if args.check == "weak":
+        name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
+    if args.check == "fit":
+        name = f"fit_{result['shape']}_{args.budget}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("losses")}, indent=1))
 

@@ -185,9 +185,12 @@ class PackedBatch:
     cu_seq_lens: torch.Tensor
     max_length: int
 
-    def to(self, device: torch.device | str) -> PackedBatch:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """The batch on `device`; `non_blocking` copies from pinned memory without waiting for the GPU."""
         tensors = (self.input_ids, self.labels, self.cu_seq_lens)
-        return PackedBatch(*(t.to(device) for t in tensors), self.max_length)
+        if non_blocking and torch.device(device).type == "cuda":
+            tensors = tuple(t.pin_memory() for t in tensors)
+        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in tensors), self.max_length)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the NVEsm models' packed forward (labels excluded)."""

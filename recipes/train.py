@@ -1,6 +1,7 @@
 """Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pretraining and fine-tuning.
 
-    torchrun --nproc-per-node 2 recipes/train.py --model assets/esm2_tiny \
+    python convert_checkpoint.py hf-to-te assets/esm2_tiny runs/esm2_tiny_nv
+    torchrun --nproc-per-node 2 recipes/train.py --model runs/esm2_tiny_nv \
         --data recipes/demo_data/demo.fasta --steps 100 --out runs/demo
 
 Each transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16
@@ -14,9 +15,9 @@ same proteins for any W and A with the same product; the loss of a step is the s
 by their global count, so the gradients are those of one big batch whatever the split.
 
 Checkpoints (`torch.distributed.checkpoint`, every `--save-every` steps, in OUT/checkpoints/step_NNNNNNN) hold the
-sharded model and optimizer, the step, every data stream's position and every rank's RNG; `--resume` continues
-exactly where the latest one stopped. `python recipes/train.py export CHECKPOINT OUT` (also run at the end of
-training) writes a consolidated Hub folder in the converter's layout.
+sharded model and optimizer, the step, every data stream's position, every rank's RNG and FP8 scaling history
+(delayed scaling); `--resume` continues exactly where the latest one stopped. `python recipes/train.py export
+CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub folder in the converter's layout.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ MODEL_CLASSES = {
 }
 CHECKPOINT_PREFIX = "step_"
 TRAIN_STATE = "train_state.json"
+TE_PICKLE_OPT_IN = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -131,8 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     run.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step, e.g. for job limits")
     run.add_argument("--no-export", action="store_true", help="skip the consolidated Hub folder at the end")
+    run.add_argument(
+        "--no-checkpoint", action="store_true", help="write no checkpoint, hence no export (throughput tests)"
+    )
     run.add_argument("--log-every", type=int, default=10, help="steps between logs (each waits for the GPU)")
     run.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
+    run.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="trace this many steps after the first --log-every ones (torch.profiler, OUT/profile/rank*.json.gz; "
+        "summarise with bench/trace_summary.py); their interval's tokens/s includes the tracing",
+    )
     return parser
 
 
@@ -243,13 +255,18 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
 def shard(
     model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype, reshard_after_forward: bool
 ) -> None:
-    """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group."""
+    """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group; each layer
+    prefetches its neighbour's gather explicitly (FSDP2's implicit prefetch waits for the CPU to reach a layer)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # Gather layer i+1 while layer i computes (and i-1 during i's backward), even when the CPU is not ahead.
+    for previous, current in zip(layers, layers[1:]):
+        previous.set_modules_to_forward_prefetch([current])
+        current.set_modules_to_backward_prefetch([previous])
 
 
 class CheckpointReader:
@@ -489,13 +506,13 @@ def train_step(
     step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
     scaled by the world size because FSDP averages gradients over ranks. Nothing here waits for the GPU."""
     counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
-    counts = torch.tensor(counts, device=world.device, dtype=torch.float64)
+    counts = to_device(torch.tensor(counts, dtype=torch.float64), world.device)
     dist.all_reduce(counts)
     scale = world.world_size / counts[0].clamp(min=1)
     loss_sum = torch.zeros(1, device=world.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        loss = summed_loss(model, batch.to(world.device), args.task)
+        loss = summed_loss(model, batch.to(world.device, non_blocking=True), args.task)
         (loss * scale).backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, args.clip_grad)
@@ -506,6 +523,13 @@ def train_step(
     shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size)
     step_flops = sum(flops.model_flops(*shape, ls, training=True) for ls in lengths)
     return StepResult(torch.cat([loss_sum, counts]), grad_norm, optimizer.param_groups[0]["lr"], step_flops)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy to `device` without waiting for the GPU to drain (pinned host memory, asynchronous copy)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -537,8 +561,9 @@ def save_checkpoint(
     keep: int,
     run_info: dict,
 ) -> Path:
-    """Sharded model + optimizer (DCP), every stream's position and every rank's RNG; written to a `.partial`
-    folder that is renamed when complete, so a kill mid-save never leaves a checkpoint that looks whole."""
+    """Sharded model + optimizer (DCP), every stream's position, every rank's RNG and FP8 scaling history; written
+    to a `.partial` folder that is renamed when complete, so a kill mid-save never leaves a checkpoint that looks
+    whole."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -553,6 +578,9 @@ def save_checkpoint(
     streams: list[Any] = [None] * world.world_size
     dist.all_gather_object(streams, batches.state_dict())
     torch.save(rng_state(), partial / f"rng_rank{world.rank}.pt")
+    scaling = fp8_scaling_state(model)
+    if scaling:
+        torch.save(scaling, partial / f"fp8_rank{world.rank}.pt")
     dist.barrier()
     if world.is_main:
         state = {"step": step, "world_size": world.world_size, "data": streams, "run": run_info}
@@ -595,7 +623,41 @@ def load_checkpoint(
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     batches.load_state_dict(state["data"][world.rank])
+    scaling = folder / f"fp8_rank{world.rank}.pt"
+    if scaling.exists():
+        fp8_settings = ("layer_precision", "fp8_recipe")
+        if all(state["run"]["config"].get(k) == run_info["config"].get(k) for k in fp8_settings):
+            set_fp8_scaling_state(model, torch.load(scaling, weights_only=True))
+        elif world.is_main:
+            print(f"FP8 settings changed since {folder.name}: its FP8 scaling history is not restored.", flush=True)
     return state["step"]
+
+
+def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Transformer Engine's per-module FP8 state (delayed scaling's amax history and scales; this rank's own,
+    as amaxes are not reduced across ranks), serialised by TE as uint8 tensors; empty without FP8 state."""
+    states = {
+        name: module.get_extra_state()
+        for name, module in model.named_modules()
+        if type(module).get_extra_state is not nn.Module.get_extra_state
+    }
+    return {name: state for name, state in states.items() if isinstance(state, torch.Tensor) and state.numel()}
+
+
+def set_fp8_scaling_state(model: nn.Module, states: dict[str, torch.Tensor]) -> None:
+    """Restore `fp8_scaling_state`. TE unpickles it only with its opt-in for trusted checkpoints, which a run's
+    own checkpoint is (resuming already trusts the folder: DCP's metadata is a pickle too)."""
+    modules = dict(model.named_modules())
+    previous = os.environ.get(TE_PICKLE_OPT_IN)
+    os.environ[TE_PICKLE_OPT_IN] = "1"
+    try:
+        for name, state in states.items():
+            modules[name].set_extra_state(state)
+    finally:
+        if previous is None:
+            del os.environ[TE_PICKLE_OPT_IN]
+        else:
+            os.environ[TE_PICKLE_OPT_IN] = previous
 
 
 def rng_state() -> dict:
@@ -755,6 +817,40 @@ class MetricsLog:
             self.tensorboard.close()
 
 
+class StepProfiler:
+    """torch.profiler over steps `first .. first + count - 1` (CPU ops and GPU kernels); each rank writes
+    OUT/profile/rank{r}.json.gz (a Chrome/Perfetto trace; one `record_function` span per step)."""
+
+    def __init__(self, out: Path, first: int, count: int, world: Dist) -> None:
+        self.path = out / "profile" / f"rank{world.rank}.json.gz"
+        self.first, self.last = first, first + count - 1
+        self.profiler = None
+
+    def step(self, step: int) -> Any:
+        """A context manager around step `step`: starts the trace before the first, writes it after the last."""
+        from contextlib import nullcontext
+
+        if not self.first <= step <= self.last:
+            return nullcontext()
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+        return torch.profiler.record_function(f"train_step_{step}")
+
+    def finish(self, step: int) -> None:
+        if self.profiler is None or step != self.last:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.profiler.export_chrome_trace(str(self.path))
+        self.profiler = None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------------------
@@ -764,6 +860,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "grad_accum", "token_budget", "max_length", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    if args.profile_steps and args.log_every + args.profile_steps > args.steps:
+        raise ValueError("--profile-steps traces the steps after the first --log-every ones: raise --steps.")
     if args.warmup_steps >= args.steps:
         raise ValueError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({args.steps}).")
     for path in args.data:
@@ -824,6 +922,7 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
         set_rng_state(torch.load(resume_from / f"rng_rank{world.rank}.pt", weights_only=False))
     last = min(args.steps, args.stop_at_step or args.steps)
     metrics = MetricsLog(out, args, world, step)
+    profiler = StepProfiler(out, step + args.log_every, args.profile_steps, world)
     model.train()
     checkpoint = resume_from
     pending: list[StepResult] = []
@@ -832,10 +931,12 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
         micro_batches = [next(feed) for _ in range(args.grad_accum)]
         for group in optimizer.param_groups:
             group["lr"] = args.lr * learning_rate_factor(step, args)
-        pending.append(train_step(model, optimizer, micro_batches, args, world, config))
+        with profiler.step(step):
+            pending.append(train_step(model, optimizer, micro_batches, args, world, config))
+        profiler.finish(step)
         step += 1
-        saving = (args.save_every and step % args.save_every == 0) or step == last
-        if step % args.log_every == 0 or saving:
+        saving = not args.no_checkpoint and ((args.save_every and step % args.save_every == 0) or step == last)
+        if step % args.log_every == 0 or step == last or saving:
             metrics.log(step - len(pending) + 1, pending, interval_start)
             pending = []
         if saving:

@@ -10,7 +10,7 @@ import torch
 from transformers import EsmForMaskedLM
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "assets")]
+sys.path[:0] = [str(ROOT), str(ROOT / "assets"), str(ROOT / "bench")]
 
 from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf  # noqa: E402
 from make_tiny_checkpoint import esm2_config  # noqa: E402

@@ -225,3 +225,29 @@ def test_gradient_checkpointing_with_te(hf_fp32):
             worst = max(worst, relative_error(b.grad, a.grad))
             assert relative_error(b.grad, a.grad) <= 1e-3, name
     print(f"\n[te checkpointing] worst relative gradient difference {worst:.2e}")
+
+
+def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
+    """recipes/train.py saves TE's delayed-scaling state per rank: a restored model quantises like the original,
+    a model without it (fresh amax history) does not."""
+    from recipes.train import fp8_scaling_state, set_fp8_scaling_state
+
+    layers = hf_fp32.config.num_hidden_layers
+    fp8 = dict(attn_input_format="thd", layer_precision=["fp8"] * layers, fp8_recipe="delayed")
+    batches = [pack_batch(random_proteins([120, 7, 300, 1], seed=110 + i, mask_fraction=0.15)) for i in range(4)]
+    batches = [{k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    trained = te_model(hf_fp32, **fp8)
+    for batch in batches[:3]:
+        trained(**batch, labels=batch["input_ids"]).loss.backward()
+    state = fp8_scaling_state(trained)
+    assert len(state) >= 2 * layers  # attention and MLP modules of every layer
+    restored, fresh = te_model(hf_fp32, **fp8), te_model(hf_fp32, **fp8)
+    set_fp8_scaling_state(restored, state)
+    with torch.no_grad():
+        loss = {
+            name: model(**batches[3], labels=batches[3]["input_ids"]).loss.item()
+            for name, model in (("trained", trained), ("restored", restored), ("fresh", fresh))
+        }
+    print(f"\n[fp8 scaling state] next-batch loss {loss}")
+    assert abs(loss["restored"] - loss["trained"]) <= 1e-6 * loss["trained"]
+    assert abs(loss["fresh"] - loss["trained"]) > 1e-4 * loss["trained"]

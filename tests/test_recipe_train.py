@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import trace_summary
 from conftest import ROOT, TINY_CHECKPOINT
 from convert_checkpoint import convert_hf_to_nv
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
@@ -197,3 +199,36 @@ def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tm
         assert checkpointed[step] == pytest.approx(plain[step], rel=1e-6), step
     model = NVEsmForSequenceClassification.from_pretrained(tmp_path / "checkpointed" / "final")
     assert model.config.num_labels == 2
+
+
+def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path) -> None:
+    run_recipe(tmp_path / "run", *mlm_args(tiny_config, 6, "--log-every", "2", "--profile-steps", "3"))
+    traces = sorted((tmp_path / "run" / "profile").glob("rank*.json.gz"))
+    assert [t.name for t in traces] == ["rank0.json.gz", "rank1.json.gz"]
+    for summary in map(trace_summary.summarise, traces, [5, 5]):
+        assert summary["steps"] == 3
+        assert summary["ms_per_step"]["cpu_step_spans"] > 0
+
+
+def test_profile_steps_must_fit_in_the_run(tmp_path: Path, tiny_config: Path) -> None:
+    result = run_recipe(
+        tmp_path / "run", *mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), check=False
+    )
+    assert result.returncode != 0 and "--profile-steps" in result.stderr
+
+
+def test_interval_union_and_overlap_match_a_brute_force_count() -> None:
+    generator = random.Random(0)
+    for _ in range(50):
+        a = [(s, s + generator.randint(1, 30)) for s in (generator.randint(0, 100) for _ in range(6))]
+        b = [(s, s + generator.randint(1, 30)) for s in (generator.randint(0, 100) for _ in range(6))]
+        covered_a = {t for start, end in a for t in range(start, end)}
+        covered_b = {t for start, end in b for t in range(start, end)}
+        assert trace_summary.union_length(a) == len(covered_a)
+        assert trace_summary.overlap_length(a, b) == len(covered_a & covered_b)
+
+
+def test_no_checkpoint_logs_every_step_and_writes_no_checkpoint(tmp_path: Path, tiny_config: Path) -> None:
+    run_recipe(tmp_path / "run", *mlm_args(tiny_config, 5, "--log-every", "2", "--no-checkpoint"))
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()

@@ -1,0 +1,92 @@
+"""Where the time of a traced training step goes: `recipes/train.py --profile-steps K` traces, one per rank.
+
+    python bench/trace_summary.py RUN/profile/rank*.json.gz [--json OUT.json]
+
+Per rank, over the traced steps: wall time per step (first to last GPU kernel), time the GPU ran compute kernels,
+NCCL kernels, both at once, and none (idle: waiting for the CPU or for another rank), the CPU time of the steps'
+`train_step_*` spans, host-device synchronisations, and the kernels that took the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by `(start, end)` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
+def summarise(path: Path, top: int) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as file:
+        events = json.load(file)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("train_step_")]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+    timeline = nccl + compute or spans  # a CPU run has no kernels: its wall time is that of the step spans
+    wall = max(end for _, end in timeline) - min(start for start, _ in timeline)
+    busy = union_length(nccl + compute)
+    runtime = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", ""):
+            runtime[e["name"]][0] += 1
+            runtime[e["name"]][1] += e.get("dur", 0) / 1e3
+    by_kernel = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_kernel[e["name"][:120]][0] += 1
+        by_kernel[e["name"][:120]][1] += e["dur"] / 1e3
+    count = max(1, len(steps))
+    per_step = lambda microseconds: round(microseconds / 1e3 / count, 2)  # noqa: E731
+    return dict(
+        trace=str(path),
+        steps=len(steps),
+        ms_per_step=dict(
+            wall=per_step(wall),
+            cpu_step_spans=per_step(sum(e["dur"] for e in steps)),
+            gpu_busy=per_step(busy),
+            gpu_idle=per_step(wall - busy),
+            compute_kernels=per_step(union_length(compute)),
+            compute_kernel_sum=per_step(sum(end - start for start, end in compute)),
+            nccl_kernels=per_step(union_length(nccl)),
+            nccl_overlapped_with_compute=per_step(overlap_length(nccl, compute)),
+        ),
+        kernels_per_step=round(len(kernels) / count),
+        synchronisations={name: dict(calls=c, ms=round(ms, 2)) for name, (c, ms) in runtime.items()},
+        top_kernels_ms_per_step=[
+            dict(name=name, calls=calls // count, ms=round(ms / count, 2))
+            for name, (calls, ms) in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:top]
+        ],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--top", type=int, default=15, help="kernels listed")
+    parser.add_argument("--json", type=Path, help="also write the summaries here")
+    args = parser.parse_args()
+    summaries = [summarise(path, args.top) for path in args.traces]
+    text = json.dumps(summaries, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -185,12 +185,10 @@ class PackedBatch:
     cu_seq_lens: torch.Tensor
     max_length: int
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        """The batch on `device`; `non_blocking` copies from pinned memory without waiting for the GPU."""
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch on `device` (see `to_device`)."""
         tensors = (self.input_ids, self.labels, self.cu_seq_lens)
-        if non_blocking and torch.device(device).type == "cuda":
-            tensors = tuple(t.pin_memory() for t in tensors)
-        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in tensors), self.max_length)
+        return PackedBatch(*(to_device(t, torch.device(device)) for t in tensors), self.max_length)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the NVEsm models' packed forward (labels excluded)."""
@@ -216,6 +214,14 @@ class PackedBatch:
         if self.labels.dim() == 1:
             return self.labels.numel()
         return int((self.labels != IGNORE_INDEX).sum())
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; to a GPU through pinned memory without waiting for the GPU (a plain copy from pageable
+    memory would first let the GPU run empty)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _packed_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:

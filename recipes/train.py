@@ -64,7 +64,14 @@ from modeling_nv_esm import (  # noqa: E402
     NVEsmRotaryEmbedding,
     transformer_engine_available,
 )
-from recipes.data import Batches, ClassificationStream, PackedBatch, rank_stream_indices, rank_streams  # noqa: E402
+from recipes.data import (  # noqa: E402
+    Batches,
+    ClassificationStream,
+    PackedBatch,
+    rank_stream_indices,
+    rank_streams,
+    to_device,
+)
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -512,7 +519,7 @@ def train_step(
     loss_sum = torch.zeros(1, device=world.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        loss = summed_loss(model, batch.to(world.device, non_blocking=True), args.task)
+        loss = summed_loss(model, batch.to(world.device), args.task)
         (loss * scale).backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, args.clip_grad)
@@ -523,13 +530,6 @@ def train_step(
     shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size)
     step_flops = sum(flops.model_flops(*shape, ls, training=True) for ls in lengths)
     return StepResult(torch.cat([loss_sum, counts]), grad_norm, optimizer.param_groups[0]["lr"], step_flops)
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy to `device` without waiting for the GPU to drain (pinned host memory, asynchronous copy)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -51,12 +51,7 @@ import flops  # noqa: E402
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
 from make_tiny_checkpoint import esm2_config  # noqa: E402
 
-SHAPES = {
-    "8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
-    "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
-    "650M": dict(hidden_size=1280, num_hidden_layers=33, num_attention_heads=20, intermediate_size=5120),
-    "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
-}
+SHAPES = flops.ESM2_SHAPES
 VARIANT_CONFIGS = {
     "nv_bshd": dict(attn_input_format="bshd"),
     "nv_thd": dict(),

@@ -1,4 +1,4 @@
-"""Model FLOPs of ESM-2, shared by the benchmarks and the training recipe.
+"""ESM-2 shapes and model FLOPs, shared by the benchmarks and the training recipe.
 
 MFU = model FLOP/s / peak dense bf16 FLOP/s of the GPU. Model FLOPs count every matmul of a step, 2 FLOPs per
 multiply-add: per token and layer QKV + output projection (4 h^2) and the MLP (2 h i), the LM head dense layer and
@@ -11,6 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM
+# The published ESM-2 sizes (config fields that differ between them).
+ESM2_SHAPES = {
+    "8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
+    "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
+    "650M": dict(hidden_size=1280, num_hidden_layers=33, num_attention_heads=20, intermediate_size=5120),
+    "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
+    "15B": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, intermediate_size=20480),
+}
 
 
 def model_flops(

@@ -22,24 +22,17 @@ import sys
 import time
 from pathlib import Path
 
+import flops
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 WARMUP_STEPS = 10
 
 
-# ESM-2 shapes other than the repo's config.json (650M).
-SHAPES = {
-    "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
-    "650M": {},
-    "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
-    "15B": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, intermediate_size=20480),
-}
-
-
 def write_config(out: Path, shape: str) -> Path:
     """config.json of an ESM-2 shape."""
     fields = json.loads((ROOT / "config.json").read_text())
-    fields.update(SHAPES[shape])
+    fields.update(flops.ESM2_SHAPES[shape])
     path = out / f"config_{shape}.json"
     path.write_text(json.dumps(fields))
     return path
@@ -62,6 +55,11 @@ def launch(run: Path, gpus: int, config: Path, *extra: str, wait: bool = True, e
     return process
 
 
+def option_tag(extra: tuple[str, ...]) -> str:
+    """A file-name suffix for recipe options: ("--fp8", "all") -> "_fp8all"."""
+    return "".join(extra).replace("--", "_")
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -80,7 +78,7 @@ def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: s
     """Tokens/s per GPU with one micro-batch of `budget` tokens per GPU and step, on 2 GPUs vs 1."""
     config = write_config(out, shape)
     common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "5", "--no-checkpoint", *extra]
-    tag = f"weak_{shape}_{budget}{''.join(extra).replace('--', '_')}"
+    tag = f"weak_{shape}_{budget}{option_tag(extra)}"
     launch(out / f"{tag}_1gpu", 1, config, *common)
     launch(out / f"{tag}_2gpu", 2, config, *common)
     one, two = throughput(metrics(out / f"{tag}_1gpu")), throughput(metrics(out / f"{tag}_2gpu"))
@@ -106,7 +104,7 @@ def check_profile(out: Path, shape: str, budget: int) -> dict:
 def check_fit(out: Path, shape: str, steps: int, budget: int, *extra: str) -> dict:
     """`shape` trained from scratch on 2 GPUs: losses, tokens/s, MFU and peak memory of every rank."""
     config = write_config(out, shape)
-    run = out / f"fit_{shape}_{budget}{''.join(extra).replace('--', '_')}"
+    run = out / f"fit_{shape}_{budget}{option_tag(extra)}"
     allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "2", "--no-checkpoint", *extra]
     launch(run, 2, config, *common, env=allocator)
@@ -156,7 +154,7 @@ def check_resume(out: Path, shape: str, steps: int, kill_after: int, *extra: str
     config = write_config(out, shape)
     common = ["--steps", str(steps), "--save-every", str(kill_after), "--token-budget", "8192", "--log-every", "1"]
     common += extra
-    tag = "".join(extra).replace("--", "_").replace(" ", "")
+    tag = option_tag(extra)
     launch(out / f"resume{tag}_unbroken", 2, config, *common)
     broken = out / f"resume{tag}_killed"
     process = launch(broken, 2, config, *common, wait=False)
@@ -214,7 +212,7 @@ def main() -> None:
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--shape", choices=sorted(flops.ESM2_SHAPES), default=None)
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )

@@ -32,9 +32,11 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -648,16 +650,9 @@ def set_fp8_scaling_state(model: nn.Module, states: dict[str, torch.Tensor]) -> 
     """Restore `fp8_scaling_state`. TE unpickles it only with its opt-in for trusted checkpoints, which a run's
     own checkpoint is (resuming already trusts the folder: DCP's metadata is a pickle too)."""
     modules = dict(model.named_modules())
-    previous = os.environ.get(TE_PICKLE_OPT_IN)
-    os.environ[TE_PICKLE_OPT_IN] = "1"
-    try:
+    with mock.patch.dict(os.environ, {TE_PICKLE_OPT_IN: "1"}):
         for name, state in states.items():
             modules[name].set_extra_state(state)
-    finally:
-        if previous is None:
-            del os.environ[TE_PICKLE_OPT_IN]
-        else:
-            os.environ[TE_PICKLE_OPT_IN] = previous
 
 
 def rng_state() -> dict:
@@ -826,29 +821,27 @@ class StepProfiler:
         self.first, self.last = first, first + count - 1
         self.profiler = None
 
-    def step(self, step: int) -> Any:
-        """A context manager around step `step`: starts the trace before the first, writes it after the last."""
-        from contextlib import nullcontext
-
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around step `step`: starts the trace before the first traced step, writes it after the last."""
         if not self.first <= step <= self.last:
-            return nullcontext()
+            yield
+            return
         if step == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
-        return torch.profiler.record_function(f"train_step_{step}")
-
-    def finish(self, step: int) -> None:
-        if self.profiler is None or step != self.last:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.profiler.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.profiler.export_chrome_trace(str(self.path))
-        self.profiler = None
+        with torch.profiler.record_function(f"train_step_{step}"):
+            yield
+        if step == self.last:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
+            self.profiler = None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -933,7 +926,6 @@ def _train(args: argparse.Namespace, world: Dist) -> None:
             group["lr"] = args.lr * learning_rate_factor(step, args)
         with profiler.step(step):
             pending.append(train_step(model, optimizer, micro_batches, args, world, config))
-        profiler.finish(step)
         step += 1
         saving = not args.no_checkpoint and ((args.save_every and step % args.save_every == 0) or step == last)
         if step % args.log_every == 0 or step == last or saving:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,39 +108,55 @@ def make_fp8_recipe(name: str) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class PackedSequences:
-    """Where the tokens of N proteins lie when packed (THD) and when padded (BSHD).
+    """Where the tokens of N proteins lie when packed (THD) and in a padded view `[B, S]` of them.
+
+    The padded view is either the layout a padded input came in (`from_attention_mask`: any padding on the left
+    and/or right of each row) or the right-padded `[N, max_length]` layout (`right_padded`), in which the PyTorch
+    attention and padded (BSHD) layers run.
 
     Attributes:
         cu_seq_lens: `[N + 1]` int32; protein i is packed tokens `cu_seq_lens[i]:cu_seq_lens[i + 1]`.
         max_length: Length of the longest protein (or more), in tokens.
+        num_tokens: T, the number of packed tokens.
         padded_shape: `(B, S)` of the padded view.
-        token_index: `[T]` int64; index of each packed token in the flattened padded view `[B * S]`.
     """
 
-    cu_seq_lens: torch.Tensor
-    max_length: int
-    padded_shape: tuple[int, int]
-    token_index: torch.Tensor
+    def __init__(
+        self,
+        cu_seq_lens: torch.Tensor,
+        max_length: int,
+        num_tokens: int,
+        padded_shape: tuple[int, int],
+        token_index: torch.Tensor | None = None,
+    ) -> None:
+        self.cu_seq_lens = cu_seq_lens
+        self.max_length = max_length
+        self.num_tokens = num_tokens
+        self.padded_shape = padded_shape
+        self._token_index = token_index
 
     @classmethod
     def from_attention_mask(cls, attention_mask: torch.Tensor, max_length: int) -> PackedSequences:
-        """Describe the tokens that `attention_mask [B, S]` keeps (1 = token, 0 = padding)."""
+        """Describe the tokens that `attention_mask [B, S]` keeps (1 = token, 0 = padding) in that layout."""
         lengths = attention_mask.sum(dim=1, dtype=torch.int32)
         cu_seq_lens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         token_index = attention_mask.flatten().nonzero().squeeze(1)
-        return cls(cu_seq_lens, max_length, tuple(attention_mask.shape), token_index)
+        return cls(cu_seq_lens, max_length, token_index.numel(), tuple(attention_mask.shape), token_index)
 
     @classmethod
-    def from_cu_seq_lens(cls, cu_seq_lens: torch.Tensor, max_length: int, num_tokens: int) -> PackedSequences:
-        """Describe packed proteins; the padded view is `[N, max_length]`."""
-        cu_seq_lens = cu_seq_lens.to(torch.int32)
-        num_sequences = cu_seq_lens.numel() - 1
-        sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
-        position = torch.arange(num_tokens, device=cu_seq_lens.device) - cu_seq_lens[sequence_index]
-        token_index = sequence_index * max_length + position
-        return cls(cu_seq_lens, max_length, (num_sequences, max_length), token_index)
+    def right_padded(cls, cu_seq_lens: torch.Tensor, max_length: int, num_tokens: int) -> PackedSequences:
+        """Describe packed proteins whose padded view is `[N, max_length]`, each protein at the start of its row."""
+        return cls(cu_seq_lens.to(torch.int32), max_length, num_tokens, (cu_seq_lens.numel() - 1, max_length))
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        """`[T]` int64; index of each packed token in the flattened padded view `[B * S]` (computed on first use)."""
+        if self._token_index is None:
+            sequence_index = sequence_index_of_tokens(self.cu_seq_lens, self.num_tokens)
+            position = torch.arange(self.num_tokens, device=self.cu_seq_lens.device) - self.cu_seq_lens[sequence_index]
+            self._token_index = sequence_index * self.max_length + position
+        return self._token_index
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -162,8 +179,8 @@ class PackedSequences:
         return flat.index_copy(0, self.token_index, packed).view(batch, length, *packed.shape[1:])
 
     def key_mask(self) -> torch.Tensor:
-        """`[B, S]` bool, True where the padded view holds a token."""
-        positions = torch.arange(self.padded_shape[1], device=self.cu_seq_lens.device)
+        """`[N, max_length]` bool, True where the right-padded view holds a token."""
+        positions = torch.arange(self.max_length, device=self.cu_seq_lens.device)
         return positions < self.lengths[:, None]
 
 
@@ -618,8 +635,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         r"""Encode proteins.
 
         Padded (BSHD): `input_ids [B, S]` (or `inputs_embeds [B, S, hidden]`), optional `attention_mask [B, S]`
-        (1 = token, 0 = padding; right padding). Outputs are `[B, S, ...]`, zeros at padding when the layers run
-        packed.
+        (1 = token, 0 = padding, on the left and/or right of each protein). Outputs are `[B, S, ...]`, zeros at
+        padding.
 
         Packed (THD): `input_ids [1, T]` or `[T]`, with `cu_seq_lens_q [N + 1]` (int32, as
         `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives; `cu_seq_lens_k` must equal it) and
@@ -645,9 +662,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             max_length_k,
         )
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
-        hidden_states, inputs, num_real_tokens = self._to_run_layout(hidden_states, batch)
+        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch)
         last_hidden_state, all_hidden_states = self.encoder(hidden_states, inputs, output_hidden_states)
-        restore = functools.partial(self._to_input_layout, batch=batch, num_real_tokens=num_real_tokens)
         output = NVEsmModelOutput(
             last_hidden_state=restore(last_hidden_state),
             hidden_states=None if all_hidden_states is None else tuple(map(restore, all_hidden_states)),
@@ -725,7 +741,9 @@ class NVEsmModel(NVEsmPreTrainedModel):
     ) -> InputBatch:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-        device = (input_ids if input_ids is not None else inputs_embeds).device
+        name, tokens = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+        _check_tensor(name, tokens, None)
+        device = tokens.device
         if self.backend == "te" and device.type != "cuda":
             raise ValueError(
                 f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
@@ -744,48 +762,63 @@ class NVEsmModel(NVEsmPreTrainedModel):
     def _embed(
         self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, batch: InputBatch
     ) -> torch.Tensor:
-        """Embeddings in the input layout: `[B, S, hidden]` or `[T, hidden]`."""
-        if inputs_embeds is not None:
-            embeddings = inputs_embeds.reshape(batch.tokens_shape + inputs_embeds.shape[-1:])
-        else:
-            sequence_index = batch.packed.sequence_index if batch.input_is_packed else None
-            embeddings = self.embeddings(input_ids.reshape(batch.tokens_shape), batch.lengths, sequence_index)
-        if batch.attention_mask is not None:  # transformers zeroes the padding positions
-            embeddings = (embeddings * batch.attention_mask.unsqueeze(-1)).to(embeddings.dtype)
-        return embeddings
+        """Embeddings of the tokens alone, packed `[T, hidden]`; `[B, S, hidden]` for a padded batch without padding
+        whose layers run padded (`batch.packed` is None). Padding positions are never read."""
+        packing = batch.packed
+        if packing is None:
+            return inputs_embeds if input_ids is None else self.embeddings(input_ids, batch.lengths, None)
+        if input_ids is None:
+            return (
+                inputs_embeds.reshape(-1, inputs_embeds.shape[-1])
+                if batch.input_is_packed
+                else packing.pack(inputs_embeds)
+            )
+        token_ids = input_ids.reshape(-1) if batch.input_is_packed else packing.pack(input_ids)
+        return self.embeddings(token_ids, batch.lengths, packing.sequence_index)
 
-    def _to_run_layout(self, hidden_states: torch.Tensor, batch: InputBatch) -> tuple[torch.Tensor, EncoderInputs, int]:
-        """Move embeddings to `config.attn_input_format`, padding the token count for FP8 if needed.
+    def _to_run_layout(
+        self, hidden_states: torch.Tensor, batch: InputBatch
+    ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
+        """Move embeddings from `_embed`'s layout to the layout the layers run in (`config.attn_input_format`).
 
-        Returns the states, the per-layer inputs and the number of real tokens (or padded length) to keep.
+        Packed runs take `[T, hidden]`. Padded runs take the right-padded view `[N, max_length, hidden]`: a padded
+        input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
+        sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
+        `FP8_TOKEN_MULTIPLE`.
+
+        Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
+        input layout: `[B, S, ...]` with zeros at padding for padded inputs, `[1, T, ...]` for packed ones.
         """
-        run_packed = self.config.attn_input_format == "thd"
-        if run_packed:
-            packed = batch.packed
-            if not batch.input_is_packed:
-                hidden_states = packed.pack(hidden_states)
-            num_real = hidden_states.shape[0]
-            if self.encoder.fp8_recipe is not None and num_real % FP8_TOKEN_MULTIPLE:
-                hidden_states, packed = _pad_packed_for_fp8(hidden_states, packed)
-            angles = self.rotary_embeddings(packed.max_length)
-            return hidden_states, EncoderInputs(angles, packed=packed), num_real
-        key_mask = batch.key_mask
+        packing = batch.packed
+        if packing is None:  # a padded input without padding, run padded: nothing moves
+            return self._padded_run(hidden_states, None, lambda states: states)
         if batch.input_is_packed:
-            hidden_states, key_mask = batch.packed.unpack(hidden_states), batch.packed.key_mask()
+            run, to_input = packing, lambda states: states.unsqueeze(0)
+        else:
+            run = PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
+            to_input = packing.unpack
+        if self.config.attn_input_format == "bshd":
+            return self._padded_run(
+                run.unpack(hidden_states), run.key_mask(), lambda states: to_input(run.pack(states))
+            )
+        num_tokens = run.num_tokens
+        if self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
+            hidden_states, run = _pad_packed_for_fp8(hidden_states, run)
+        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run)
+        return hidden_states, inputs, lambda states: to_input(states[:num_tokens])
+
+    def _padded_run(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        to_input: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
+        """`_to_run_layout` for right-padded states `[B, L, hidden]` with `key_mask [B, L]` (None: no padding)."""
         length = hidden_states.shape[1]
         if self.encoder.fp8_recipe is not None and (hidden_states.shape[0] * length) % FP8_TOKEN_MULTIPLE:
             hidden_states, key_mask = _pad_padded_for_fp8(hidden_states, key_mask)
-        angles = self.rotary_embeddings(hidden_states.shape[1])
-        return hidden_states, EncoderInputs(angles, key_mask=key_mask), length
-
-    def _to_input_layout(self, hidden_states: torch.Tensor, batch: InputBatch, num_real_tokens: int) -> torch.Tensor:
-        """Inverse of `_to_run_layout` for an output: `[B, S, ...]` for padded inputs, `[1, T, ...]` for packed."""
-        run_packed = self.config.attn_input_format == "thd"
-        if run_packed:
-            hidden_states = hidden_states[:num_real_tokens]
-            return hidden_states.unsqueeze(0) if batch.input_is_packed else batch.packed.unpack(hidden_states)
-        hidden_states = hidden_states[:, :num_real_tokens]
-        return batch.packed.pack(hidden_states).unsqueeze(0) if batch.input_is_packed else hidden_states
+        inputs = EncoderInputs(self.rotary_embeddings(hidden_states.shape[1]), key_mask=key_mask)
+        return hidden_states, inputs, lambda states: to_input(states[:, :length])
 
 
 def _length_sorted_batches(token_lists: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -821,8 +854,8 @@ def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) ->
     extra = -hidden_states.shape[0] % FP8_TOKEN_MULTIPLE
     hidden_states = F.pad(hidden_states, (0, 0, 0, extra))
     cu_seq_lens = torch.cat([packed.cu_seq_lens, packed.cu_seq_lens[-1:] + extra])
-    return hidden_states, PackedSequences(
-        cu_seq_lens, max(packed.max_length, extra), packed.padded_shape, packed.token_index
+    return hidden_states, PackedSequences.right_padded(
+        cu_seq_lens, max(packed.max_length, extra), packed.num_tokens + extra
     )
 
 
@@ -843,19 +876,14 @@ class InputBatch:
 
     Attributes:
         input_is_packed: Inputs came packed (`[1, T]`); else padded (`[B, S]`).
-        tokens_shape: `(T,)` for packed inputs, `(B, S)` for padded ones.
         lengths: `[N]` tokens per protein (float32, for token-dropout ratios).
-        packed: The packing of the batch; None for padded inputs when the layers run padded.
-        attention_mask: Padded inputs with padding: `[B, S]` of 0/1 in the embedding dtype's domain.
-        key_mask: Padded inputs with padding: `[B, S]` bool, True for tokens.
+        packed: Where the tokens lie in the input; None for a padded input without attention_mask when the
+            layers run padded.
     """
 
     input_is_packed: bool
-    tokens_shape: tuple[int, ...]
     lengths: torch.Tensor
     packed: PackedSequences | None = None
-    attention_mask: torch.Tensor | None = None
-    key_mask: torch.Tensor | None = None
 
     @classmethod
     def padded_from(
@@ -872,6 +900,8 @@ class InputBatch:
                 f"{tuple(tokens.shape)}; packed inputs need cu_seq_lens_q or position_ids."
             )
         batch, length = tokens.shape
+        if batch == 0 or length == 0:
+            raise ValueError(f"The batch holds no tokens: input shape {tuple(tokens.shape)}.")
         checks = _token_id_checks(config, input_ids)
         if attention_mask is None:
             if length > config.max_position_embeddings:
@@ -881,8 +911,9 @@ class InputBatch:
             packed = None
             if config.attn_input_format == "thd":
                 cu_seq_lens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=tokens.device)
-                packed = PackedSequences.from_cu_seq_lens(cu_seq_lens, length, batch * length)
-            return cls(False, (batch, length), lengths, packed)
+                packed = PackedSequences.right_padded(cu_seq_lens, length, batch * length)
+            return cls(False, lengths, packed)
+        _check_tensor("attention_mask", attention_mask, tokens.device)
         if attention_mask.shape != tokens.shape:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} and the input {tuple(tokens.shape)}; "
@@ -891,17 +922,21 @@ class InputBatch:
         key_mask = attention_mask.bool()
         counts = key_mask.sum(-1)
         longest = counts.max()
+        # One run of tokens per row: padding on the left, the right or both, never inside a protein.
+        run_starts = key_mask[:, 0].int() + (key_mask[:, 1:] & ~key_mask[:, :-1]).sum(-1)
         checks += [
             (((attention_mask == 0) | (attention_mask == 1)).all(), "attention_mask must hold only 0 and 1."),
             ((counts > 0).all(), "Every row of attention_mask must keep at least one token."),
+            (
+                (run_starts <= 1).all(),
+                "attention_mask must keep one contiguous run of tokens per row (padding on the left and/or right "
+                "of each protein, none inside it).",
+            ),
             (longest <= config.max_position_embeddings, _too_long_message(config)),
         ]
         raise_on_failed_checks(checks, config.check_inputs)
-        packed = None
-        if config.attn_input_format == "thd":
-            packed = PackedSequences.from_attention_mask(key_mask, int(longest))
-        mask_values = attention_mask.to(inputs_embeds.dtype if inputs_embeds is not None else torch.float32)
-        return cls(False, (batch, length), counts.float(), packed, mask_values, key_mask)
+        packed = PackedSequences.from_attention_mask(key_mask, int(longest))
+        return cls(False, counts.float(), packed)
 
     @classmethod
     def packed_from(
@@ -928,6 +963,9 @@ class InputBatch:
         num_tokens = tokens.shape[0]
         if num_tokens == 0:
             raise ValueError("Packed input holds no tokens.")
+        for name, value in [("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q)]:
+            if value is not None:
+                _check_tensor(name, value, tokens.device)
         checks = _token_id_checks(config, input_ids)
         if position_ids is not None:
             checks += _position_id_checks(position_ids, num_tokens)
@@ -941,7 +979,8 @@ class InputBatch:
         else:
             cu_seq_lens = cu_seq_lens_q
             checks += _cu_seq_lens_checks(cu_seq_lens, cu_seq_lens_k, num_tokens)
-        if max_length_q is not None and max_length_k is not None and int(max_length_q) != int(max_length_k):
+        max_length_q, max_length_k = _as_length("max_length_q", max_length_q), _as_length("max_length_k", max_length_k)
+        if max_length_q is not None and max_length_k is not None and max_length_q != max_length_k:
             raise ValueError(f"max_length_q ({max_length_q}) and max_length_k ({max_length_k}) must be equal.")
         max_length = max_length_q if max_length_q is not None else max_length_k
         lengths = cu_seq_lens.diff()
@@ -958,9 +997,9 @@ class InputBatch:
             )
             checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
         raise_on_failed_checks(checks, config.check_inputs)
-        max_length = int(longest) if max_length is None else int(max_length)
-        packed = PackedSequences.from_cu_seq_lens(cu_seq_lens, max_length, num_tokens)
-        return cls(True, (num_tokens,), lengths.float(), packed)
+        max_length = int(longest) if max_length is None else max_length
+        packed = PackedSequences.right_padded(cu_seq_lens, max_length, num_tokens)
+        return cls(True, lengths.float(), packed)
 
 
 def _token_id_checks(config: NVEsmConfig, input_ids: torch.Tensor | None) -> list[tuple[torch.Tensor, str]]:
@@ -984,10 +1023,10 @@ def _position_id_checks(position_ids: torch.Tensor, num_tokens: int) -> list[tup
 def _cu_seq_lens_checks(
     cu_seq_lens: torch.Tensor, cu_seq_lens_k: torch.Tensor | None, num_tokens: int
 ) -> list[tuple[torch.Tensor, str]]:
-    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2 or cu_seq_lens.dtype.is_floating_point:
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2 or cu_seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"cu_seq_lens_q must be a 1-D integer tensor [num_proteins + 1], got {cu_seq_lens.dtype} "
-            f"of shape {tuple(cu_seq_lens.shape)}."
+            f"cu_seq_lens_q must be a 1-D integer tensor [num_proteins + 1] of dtype int32 (or int64), got "
+            f"{cu_seq_lens.dtype} of shape {tuple(cu_seq_lens.shape)}."
         )
     checks = [
         (cu_seq_lens[0] == 0, "cu_seq_lens_q must start at 0."),
@@ -995,12 +1034,34 @@ def _cu_seq_lens_checks(
         (cu_seq_lens[-1] == num_tokens, f"cu_seq_lens_q must end at the number of tokens ({num_tokens})."),
     ]
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens:
+        _check_tensor("cu_seq_lens_k", cu_seq_lens_k, cu_seq_lens.device)
         if cu_seq_lens_k.shape != cu_seq_lens.shape:
             raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention).")
         checks.append(
             ((cu_seq_lens_k == cu_seq_lens).all(), "cu_seq_lens_k must equal cu_seq_lens_q (self-attention).")
         )
     return checks
+
+
+def _check_tensor(name: str, value: Any, device: torch.device | None) -> None:
+    """Raise ValueError unless `value` is a tensor (on `device`, when given)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device} and the input tokens on {device}; put them on one device.")
+
+
+def _as_length(name: str, value: Any) -> int | None:
+    """`max_length_q`/`max_length_k` as a Python int (a 0-d integer tensor is accepted)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer, got a {value.dtype} tensor of shape {tuple(value.shape)}.")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return value
 
 
 def _too_long_message(config: NVEsmConfig) -> str:

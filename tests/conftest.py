@@ -108,3 +108,38 @@ def pack_batch(proteins: list[torch.Tensor]) -> dict[str, torch.Tensor | int]:
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+PADDING_SIDES = ("right", "left", "both")
+PADDING_WIDTHS = ("longest", "multiple_of_16", "wider")
+
+
+def random_padded_batch(
+    proteins: list[torch.Tensor], side: str, width: str, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids [B, W]` and `attention_mask [B, W]` holding each protein in one row, as tokenizers and
+    collators pad: on the `side` "right" or "left" of every row, or "both" (a random offset per row); `width`
+    "longest" (W = longest protein, `padding=True`), "multiple_of_16" (`pad_to_multiple_of=16`) or "wider"
+    (a random W past the longest, as `padding="max_length"`). Padding positions hold random token ids too, so
+    a model that reads them gives itself away."""
+    longest = max(len(p) for p in proteins)
+    columns = {
+        "longest": longest,
+        "multiple_of_16": -(-longest // 16) * 16,
+        "wider": longest + int(torch.randint(1, 40, (), generator=generator)),
+    }[width]
+    input_ids = torch.randint(0, 33, (len(proteins), columns), generator=generator)
+    attention_mask = torch.zeros((len(proteins), columns), dtype=torch.long)
+    for row, protein in enumerate(proteins):
+        room = columns - len(protein)
+        start = {"right": 0, "left": room, "both": int(torch.randint(0, room + 1, (), generator=generator))}[side]
+        input_ids[row, start : start + len(protein)] = protein
+        attention_mask[row, start : start + len(protein)] = 1
+    return input_ids, attention_mask
+
+
+def random_lengths(generator: torch.Generator, count: int, longest: int = 60) -> list[int]:
+    """`count` protein lengths in tokens, uniform in [1, longest], with a length-1 protein among them."""
+    lengths = torch.randint(1, longest + 1, (count,), generator=generator).tolist()
+    lengths[int(torch.randint(0, count, (), generator=generator))] = 1
+    return lengths

@@ -14,7 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+from conftest import (
+    PADDING_SIDES,
+    PADDING_WIDTHS,
+    make_hf_model,
+    make_nv_model,
+    pack_batch,
+    pad_batch,
+    random_lengths,
+    random_padded_batch,
+    random_proteins,
+)
 from convert_checkpoint import nv_to_hf_state_dict
 from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
 
@@ -88,6 +98,44 @@ def test_forward_fp32_te_matches_transformers_and_packed_matches_padded(hf_fp32,
     errors = {"te_padded_fp32": max_err(padded, reference), "te_packed_fp32": max_err(thd, reference)}
     print(f"\n[fp32 forward {attn_input_format}] max |logit - transformers fp32|: {errors}")
     assert max(errors.values()) <= TE_FP32_ATOL
+
+
+@pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_padding_layouts_give_each_protein_its_own_outputs_on_te(hf_fp32, attn_input_format, dtype):
+    """Padding on the left, right or both sides, batches as wide as the longest protein, a multiple of 16 or
+    wider: each protein's logits equal what TE gives it alone and what transformers gives it alone in fp32, within
+    TE's fp32 tolerance (a batch and a lone protein already differ by ~1e-3 in fp32 on an H100: other GEMM shapes),
+    or in bf16 within the floor and no worse than transformers' own bf16 error. A misplaced position or mask moves
+    logits by 0.1 or more."""
+    model = te_model(hf_fp32, dtype, attn_input_format=attn_input_format)
+    reference = hf_on_gpu(hf_fp32, torch.float32)
+    hf_bf16 = hf_on_gpu(hf_fp32, torch.bfloat16)
+    generator = torch.Generator().manual_seed(120)
+    worst_vs_alone = worst_vs_transformers = 0.0
+    for side in PADDING_SIDES:
+        for width in PADDING_WIDTHS:
+            proteins = random_proteins(random_lengths(generator, 5, longest=300), seed=121, mask_fraction=0.15)
+            input_ids, attention_mask = random_padded_batch(proteins, side, width, generator)
+            with torch.no_grad():
+                batch = model(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA), output_hidden_states=True)
+                for row, protein in enumerate(proteins):
+                    keep = attention_mask[row].bool().to(CUDA)
+                    ids = protein[None].to(CUDA)
+                    ours, expected = batch.logits[row, keep], reference(ids).logits[0]
+                    vs_alone, vs_transformers = max_err(ours, model(ids).logits[0]), max_err(ours, expected)
+                    assert torch.count_nonzero(batch.hidden_states[-1][row, ~keep]) == 0
+                    if dtype == torch.float32:
+                        assert vs_alone <= TE_FP32_ATOL and vs_transformers <= TE_FP32_ATOL, (side, width, row)
+                    else:
+                        bound = BF16_FACTOR * max_err(hf_bf16(ids).logits[0], expected) + BF16_FLOOR
+                        assert vs_alone <= BF16_FLOOR and vs_transformers <= bound, (side, width, row)
+                    worst_vs_alone = max(worst_vs_alone, vs_alone)
+                    worst_vs_transformers = max(worst_vs_transformers, vs_transformers)
+    print(
+        f"\n[padding layouts {attn_input_format} {dtype}] max |logit diff| batch vs alone {worst_vs_alone:.2e}, "
+        f"vs transformers fp32 alone {worst_vs_transformers:.2e}"
+    )
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import modeling_nv_esm
 from configuration_nv_esm import NVEsmConfig
 from conftest import ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
@@ -106,6 +107,26 @@ BAD_PACKED_INPUTS = {
         "token ids in \\[0, 33\\)",
     ),
     "negative token id": (lambda b: with_changes(b, input_ids=-b["input_ids"] - 1), "token ids in"),
+    "cu_seq_lens as a list": (lambda b: with_changes(b, cu_seq_lens_q=[0, 5, 8], cu_seq_lens_k=None), "torch.Tensor"),
+    "cu_seq_lens_k as a list": (lambda b: with_changes(b, cu_seq_lens_k=[0, 5, 8]), "torch.Tensor"),
+    "cu_seq_lens uint8": (
+        lambda b: with_changes(b, cu_seq_lens_q=b["cu_seq_lens_q"].to(torch.uint8), cu_seq_lens_k=None),
+        "dtype int32",
+    ),
+    "cu_seq_lens on another device": (
+        lambda b: with_changes(b, cu_seq_lens_q=b["cu_seq_lens_q"].to("meta"), cu_seq_lens_k=None),
+        "is on meta",
+    ),
+    "position_ids as a list": (
+        lambda b: {"input_ids": b["input_ids"], "position_ids": b["position_ids"].tolist()},
+        "position_ids must be a torch.Tensor",
+    ),
+    "max_length a float": (lambda b: with_changes(b, max_length_q=5.0, max_length_k=None), "positive integer"),
+    "max_length zero": (lambda b: with_changes(b, max_length_q=0, max_length_k=None), "positive integer"),
+    "no tokens": (
+        lambda b: with_changes(b, input_ids=b["input_ids"][:, :0], position_ids=None, cu_seq_lens_q=None),
+        "holds no tokens",
+    ),
 }
 
 
@@ -134,6 +155,14 @@ def test_bad_padded_inputs_raise(model):
         model(torch.full((1, 4), 33))
     with pytest.raises(ValueError, match="max_length_q/max_length_k describe packed inputs"):
         model(input_ids, max_length_q=6)
+    with pytest.raises(ValueError, match=r"holds no tokens: input shape \(0, 6\)"):
+        model(input_ids[:0], attention_mask=attention_mask[:0])
+    with pytest.raises(ValueError, match=r"holds no tokens: input shape \(1, 0\)"):
+        model(torch.zeros((1, 0), dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids must be a torch.Tensor"):
+        model(input_ids.tolist())
+    with pytest.raises(ValueError, match="attention_mask must be a torch.Tensor"):
+        model(input_ids, attention_mask=attention_mask.tolist())
     with pytest.raises(ValueError, match="output_attentions"):
         model(input_ids, output_attentions=True)
     with pytest.raises(TypeError, match="Unexpected inputs"):
@@ -151,13 +180,20 @@ def test_protein_longer_than_max_position_embeddings_raises(model, layout):
             model(input_ids, attention_mask=attention_mask if layout == "padded_mask" else None)
 
 
-def test_asking_for_te_without_it_says_how_to_install():
-    error = ImportError if torch.cuda.is_available() else RuntimeError
-    with pytest.raises((error, ImportError), match="Transformer Engine"):
+@pytest.mark.parametrize("cuda", [True, False])
+def test_asking_for_te_without_it_says_how_to_install(monkeypatch, cuda):
+    """backend="te" where Transformer Engine does not import (with or without a GPU): an error that says how to
+    install it. TE and CUDA are hidden, so this runs the same on a CPU machine and on a GPU machine with TE."""
+    monkeypatch.setattr(modeling_nv_esm, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ImportError if cuda else RuntimeError, match="Transformer Engine"):
         make_nv_model(make_hf_model("tiny", seed=34), backend="te")
 
 
-def test_auto_backend_is_torch_without_te_or_cuda():
+@pytest.mark.parametrize("te,cuda", [(False, True), (True, False), (False, False)])
+def test_auto_backend_is_torch_without_te_or_cuda(monkeypatch, te, cuda):
+    monkeypatch.setattr(modeling_nv_esm, "transformer_engine_available", lambda: te)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     model = make_nv_model(make_hf_model("tiny", seed=35), backend="auto")
     assert model.esm.backend == "torch"
     assert model.config.backend == "auto"  # the saved config keeps the user's choice

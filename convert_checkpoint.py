@@ -7,6 +7,8 @@ time, so converting a checkpoint needs memory for its largest layer, not for the
 SRC is a local folder (single or sharded safetensors), a Hugging Face Hub id, or, for hf-to-te, an original
 fair-esm checkpoint (`esm2_t33_650M_UR50D.pt`; its `-contact-regression.pt` is read when it lies beside it).
 OUT is written in a temporary folder next to it and moved into place only when everything succeeded.
+`verify SRC OUT` checks an existing conversion: every tensor of SRC mapped through `RULES` must equal OUT's bit for
+bit, and both models' logits must agree on real proteins.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ import os
 import pickle
 import re
 import shutil
+import signal
+import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import huggingface_hub
@@ -41,7 +46,10 @@ from configuration_nv_esm import NVEsmConfig
 HERE = Path(__file__).resolve().parent
 PROTEINS_FASTA = HERE / "assets" / "proteins.fasta"
 REMOTE_CODE_FILES = ("configuration_nv_esm.py", "modeling_nv_esm.py")
-TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# What the output's tokenizer takes from a source folder's tokenizer files; nothing else of them is written
+# (an `auto_map` there would make AutoTokenizer(..., trust_remote_code=True) run code from another repository).
+SPECIAL_TOKENS = ("cls_token", "pad_token", "eos_token", "unk_token", "mask_token")
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 AUTO_MAP = {
@@ -609,7 +617,7 @@ def open_source(spec: str | Path, revision: str | None = None) -> Source:
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ValueError(f"{folder} holds no config.json; it is not a transformers or NVEsm checkpoint.")
-    config = json.loads(config_path.read_text())
+    config = read_json(config_path)
     kind = {"esm": "transformers", NVEsmConfig.model_type: "nvesm"}.get(config.get("model_type"))
     if kind is None:
         raise ValueError(
@@ -618,6 +626,17 @@ def open_source(spec: str | Path, revision: str | None = None) -> Source:
         )
     hub_id = None if path.is_dir() else spec
     return Source(spec, folder, kind, config, SafetensorsStore(weight_files(folder)), hub_id or hub_id_of(folder))
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`; ValueError naming the file when it holds something else."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object.")
+    return data
 
 
 def hub_id_of(folder: Path) -> str | None:
@@ -632,7 +651,19 @@ def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder (single file or sharded with an index)."""
     index = folder / WEIGHTS_INDEX_NAME
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(v, str) for v in weight_map.values())
+        ):
+            raise ValueError(f"{index} has no 'weight_map' (tensor name -> file name); the index is broken.")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not shard.endswith(".safetensors") or PurePath(shard).is_absolute() or ".." in PurePath(shard).parts:
+                raise ValueError(f"{index} names the file {shard!r}, not a .safetensors file inside {folder}; refused.")
+            if not (folder / shard).is_file():
+                raise ValueError(f"{index} names {shard}, which is not in {folder}.")
         return [folder / shard for shard in shards]
     single = folder / WEIGHTS_NAME
     if not single.exists():
@@ -665,21 +696,32 @@ def load_torch_file(path: Path) -> dict:
 def open_fair_esm(path: Path) -> Source:
     """An original fair-esm ESM-2 checkpoint (`{"model": state dict, "cfg": {"model": args}}`)."""
     data = load_torch_file(path)
-    if not isinstance(data, dict) or "model" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ValueError(f"{path} is not a fair-esm checkpoint (expected a dict with a 'model' state dict).")
     if "cfg" not in data:
         arch = getattr(data.get("args"), "arch", None)
         raise ValueError(f"{path} is not an ESM-2 checkpoint (no 'cfg'; args.arch={arch!r}: ESM-1 and MSA models).")
+    cfg = data["cfg"]
+    model_args = cfg.get("model") if isinstance(cfg, dict) else getattr(cfg, "model", None)
+    if model_args is None:
+        raise ValueError(
+            f"{path}: its 'cfg' has no 'model' (the model's arguments); is it a fair-esm ESM-2 checkpoint?"
+        )
     state = dict(data["model"])
     regression = path.with_name(path.stem + "-contact-regression.pt")
     if regression.exists():
-        state.update(load_torch_file(regression)["model"])
+        regression_data = load_torch_file(regression)
+        if not isinstance(regression_data, dict) or not isinstance(regression_data.get("model"), dict):
+            raise ValueError(
+                f"{regression} is not a contact-regression file (expected a dict with a 'model' state dict)."
+            )
+        state.update(regression_data["model"])
     if not any("contact_head.regression" in key for key in state):
         raise ValueError(
             f"{path} holds no contact-regression weights and {regression.name} is not beside it; put fair-esm's "
             f"{regression.name} (from the same release as the model) in {path.parent}."
         )
-    config = hf_config_from_fair_esm(data["cfg"]["model"])
+    config = hf_config_from_fair_esm(model_args)
     return Source(str(path), path, "fair-esm", config, StateDictStore(state))
 
 
@@ -934,11 +976,42 @@ def check_not_source(out: Path, source: Source) -> None:
         raise ValueError(f"{out} holds the source checkpoint {source.path}; choose another output folder.")
 
 
+# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the converting process), so a later run can
+# tell those of runs that died (kill -9, a crash, a power cut) from those of runs still going.
+STAGING_NAME = re.compile(r"\..*\.partial-(?P<host>[\w.-]*)-(?P<pid>\d+)-[a-z0-9_]{8}")
+
+
+def _host() -> str:
+    return re.sub(r"[^\w.-]", "_", socket.gethostname())
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(parent: Path) -> None:
+    """Delete the staging folders in `parent` whose converting process, on this host, has ended."""
+    for path in parent.iterdir():
+        match = STAGING_NAME.fullmatch(path.name)
+        if match and match["host"] == _host() and path.is_dir() and not _process_alive(int(match["pid"])):
+            print(f"removing {path}, left by an interrupted run (process {match['pid']})", file=sys.stderr)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staging_folder(out: Path, force: bool) -> Iterator[Path]:
-    """A new folder next to `out`, moved to `out` when the block succeeds and deleted when it fails."""
+    """A new folder next to `out`, moved to `out` when the block succeeds and deleted when it fails; staging
+    folders of ended runs in the same parent are deleted first."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_stale_staging(out.parent)
+    prefix = f".{out.name}.partial-{_host()}-{os.getpid()}-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     staging.chmod(0o777 & ~umask)
@@ -967,24 +1040,52 @@ def replace_folder(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_tokenizer(out: Path, source: Source) -> None:
-    """Copy the source's tokenizer files, or write ESM-2's (fair-esm checkpoints carry none)."""
+def write_tokenizer(out: Path, source: Source, vocab_size: int) -> None:
+    """An `EsmTokenizer` with the source folder's vocabulary and settings, checked (fair-esm checkpoints carry no
+    tokenizer: ESM-2's). The source's tokenizer files are read, never copied: only `SPECIAL_TOKENS` and
+    `model_max_length` are taken from them."""
     folder = source.folder
-    if folder is not None and all((folder / name).exists() for name in TOKENIZER_FILES[:2]):
-        for name in TOKENIZER_FILES:
-            if (folder / name).exists():
-                shutil.copy2(folder / name, out / name)
+    if folder is None or not (folder / "vocab.txt").exists():
+        write_esm_tokenizer(out)
         return
-    write_esm_tokenizer(out)
+    vocab = read_vocab(folder / "vocab.txt", vocab_size)
+    settings: dict[str, Any] = {}
+    for path in (folder / name for name in TOKENIZER_SETTINGS_FILES if (folder / name).exists()):
+        data = read_json(path)
+        for key in (*SPECIAL_TOKENS, "model_max_length"):
+            value = data.get(key)
+            if isinstance(value, dict):  # an AddedToken's fields
+                value = value.get("content")
+            if value is None:
+                continue
+            special = key in SPECIAL_TOKENS
+            if (value not in vocab) if special else (type(value) is not int or value < 1):
+                raise ValueError(f"{path}: {key} {value!r} is not {'a token of vocab.txt' if special else 'a count'}.")
+            settings[key] = value
+    write_esm_tokenizer(out, vocab, **settings)
 
 
-def write_esm_tokenizer(folder: Path) -> None:
-    """vocab.txt of the ESM-2 alphabet and the `EsmTokenizer` files that AutoTokenizer loads."""
+def read_vocab(path: Path, vocab_size: int) -> list[str]:
+    """The tokens of a vocab.txt, one a line, as `EsmTokenizer` reads them; ValueError unless they are distinct
+    words without spaces whose ids fit the model's `vocab_size`."""
+    tokens = [line.strip() for line in path.read_text().splitlines()]
+    bad = [token for token in tokens if not token or len(token.split()) != 1]
+    if bad or len(set(tokens)) != len(tokens) or not 0 < len(tokens) <= vocab_size:
+        raise ValueError(
+            f"{path} is not a vocabulary of this model: {len(tokens)} lines ({len(set(tokens))} distinct, "
+            f"{len(bad)} empty or with spaces) for vocab_size {vocab_size}."
+        )
+    return tokens
+
+
+def write_esm_tokenizer(folder: Path, vocab: list[str] = ESM_VOCAB, **settings: Any) -> None:
+    """vocab.txt (default: the ESM-2 alphabet) and the `EsmTokenizer` files that AutoTokenizer loads; `settings`
+    are `EsmTokenizer` arguments (special tokens, `model_max_length`)."""
     from transformers import EsmTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n")
-    EsmTokenizer(str(folder / "vocab.txt")).save_pretrained(folder)
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    EsmTokenizer(str(folder / "vocab.txt"), **settings).save_pretrained(folder)
 
 
 def weights_dtype_name(steps: list[Step]) -> str:
@@ -1105,31 +1206,59 @@ def default_atol(dtype_name: str, uses_te: bool) -> float:
     return DEFAULT_VERIFY_ATOL.get(dtype_name, DEFAULT_VERIFY_ATOL["float32"])
 
 
+VERIFY_DEVICES = ("auto", "cpu", "cuda")
+
+
+def verify_device(name: str) -> str:
+    """The device that a `--verify-device` (see `VERIFY_DEVICES`) names; "auto" is the GPU when there is one."""
+    if name not in VERIFY_DEVICES:
+        raise ValueError(f"verify device {name!r}: expected one of {', '.join(VERIFY_DEVICES)}.")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--verify-device cuda: no CUDA GPU is visible to PyTorch.")
+    return name
+
+
+def verifiable_dtype(name: str) -> torch.dtype:
+    """The dtype of converted weights named as config.json names it; ValueError for those --verify does not run."""
+    if name not in DTYPES:
+        raise ValueError(
+            f"verifying runs float32, bfloat16 or float16 weights; these are {name}: convert with --dtype float32."
+        )
+    return DTYPES[name]
+
+
 def verify(
-    source: Source, out: Path, direction: Direction, atol: float | None = None, proteins: Path = PROTEINS_FASTA
+    source: Source,
+    out: Path,
+    direction: Direction,
+    atol: float | None = None,
+    proteins: Path = PROTEINS_FASTA,
+    device: str = "auto",
 ) -> VerifyReport:
     """Run the source model (float32) and the converted one (its own dtype) on real proteins and compare logits.
 
     hf-to-te: source with transformers' `EsmForMaskedLM`, OUT with `AutoModelForMaskedLM` + remote code;
-    te-to-hf: the reverse, OUT with plain transformers. On the GPU when there is one (Transformer Engine if it
-    is installed), else on the CPU with the PyTorch backend. The models are loaded one after the other.
+    te-to-hf: the reverse, OUT with plain transformers. `device` (see `VERIFY_DEVICES`) "auto" runs on the GPU
+    when there is one (Transformer Engine if it is installed), else on the CPU; on the CPU the NVEsm model uses
+    the PyTorch backend. The models are loaded one after the other.
     """
     from transformers import EsmTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = verify_device(device)
     if device == "cuda":
         _import_transformer_engine_early()
     if not proteins.exists():
         raise ValueError(f"{proteins} is missing; --verify runs from a checkout of nv-esm, which ships it.")
+    out_dtype = read_json(out / "config.json").get("dtype", "float32")
+    dtype = verifiable_dtype(out_dtype)
     records = read_fasta(proteins)
     tokenizer = EsmTokenizer.from_pretrained(out)
     inputs = [tokenizer(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
-    out_dtype = json.loads((out / "config.json").read_text()).get("dtype", "float32")
     load_reference, load_converted = (_load_source_hf, _load_nv) if direction.to_nv else (_load_source_nv, _load_hf)
     reference, reference_name, reference_te = _run(lambda: load_reference(source, device), inputs, device)
-    converted, converted_name, converted_te = _run(
-        lambda: load_converted(out, DTYPES[out_dtype], device), inputs, device
-    )
+    converted, converted_name, converted_te = _run(lambda: load_converted(out, dtype, device), inputs, device)
     uses_te = reference_te or converted_te
     atol = default_atol(out_dtype, uses_te) if atol is None else atol
     checks = [_compare(name, ids[0], a, b) for (name, _), ids, a, b in zip(records, inputs, reference, converted)]
@@ -1184,9 +1313,44 @@ def _load_source_nv(source: Source, device: str) -> tuple[Any, str]:
 def _load_nv(folder: Path, dtype: torch.dtype, device: str, label: str = "OUT") -> tuple[Any, str]:
     from transformers import AutoModelForMaskedLM
 
-    model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype, backend=_backend(device))
+    with remote_code_folder(folder) as alias:
+        model = AutoModelForMaskedLM.from_pretrained(
+            alias, trust_remote_code=True, dtype=dtype, backend=_backend(device)
+        )
     name = f"NVEsm AutoModelForMaskedLM {str(dtype).removeprefix('torch.')} backend {model.esm.backend} ({label})"
     return model.to(device).eval(), name
+
+
+@contextlib.contextmanager
+def remote_code_folder(folder: Path) -> Iterator[Path]:
+    """`folder` under a new name (a symlink), for loading with `trust_remote_code=True`; afterwards the copy of its
+    code that transformers puts in its modules cache (HF_MODULES_CACHE) under that name is deleted, and with it
+    the cache folders that loading created, so that verifying leaves nothing behind."""
+    from transformers import dynamic_module_utils
+
+    cache = Path(dynamic_module_utils.HF_MODULES_CACHE)
+    package = cache / dynamic_module_utils.TRANSFORMERS_DYNAMIC_MODULE_NAME
+    created = [path for path in (cache, package) if not path.exists()]
+    in_sys_path = str(cache) in sys.path
+    name = f"nvesm_verify_{os.getpid()}_{os.urandom(4).hex()}"  # a valid module name, new in the cache
+    with tempfile.TemporaryDirectory() as links:
+        alias = Path(links) / name
+        alias.symlink_to(folder.resolve(), target_is_directory=True)
+        try:
+            yield alias
+        finally:
+            shutil.rmtree(package / name, ignore_errors=True)
+            for path in reversed(created):  # unless another process has put modules there meanwhile
+                with contextlib.suppress(OSError):
+                    if {entry.name for entry in path.iterdir()} <= {"__init__.py", "__pycache__"}:
+                        shutil.rmtree(path)
+            if not in_sys_path and not cache.exists() and str(cache) in sys.path:
+                sys.path.remove(str(cache))
+            ours = f"{package.name}.{name}"
+            for module in [module for module in sys.modules if module == ours or module.startswith(ours + ".")]:
+                del sys.modules[module]
+            if package in created and not package.exists():
+                sys.modules.pop(package.name, None)
 
 
 def _load_hf(folder: Path, dtype: torch.dtype, device: str) -> tuple[Any, str]:
@@ -1364,6 +1528,7 @@ class ConvertOptions:
         force: Replace a non-empty OUT.
         verify: Compare source and converted models on real proteins before OUT is put in place.
         verify_atol: Tolerance of --verify (None: by dtype, see `default_atol`).
+        verify_device: Where --verify runs: "auto" (the GPU when there is one), "cpu" or "cuda".
         progress: Show progress bars (None: only on a terminal).
         hub_repo_id: Where the folder will be uploaded, for the model card's examples.
     """
@@ -1374,6 +1539,7 @@ class ConvertOptions:
     force: bool = False
     verify: bool = False
     verify_atol: float | None = None
+    verify_device: str = "auto"
     progress: bool | None = None
     hub_repo_id: str | None = None
 
@@ -1413,10 +1579,15 @@ def convert(
     check_not_source(out, opened)
     config = source_config(opened, direction, config_overrides or {})
     steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
+    if options.verify:  # refuse what verifying would refuse before converting
+        verifiable_dtype(weights_dtype_name(steps))
+        verify_device(options.verify_device)
     with staging_folder(out, options.force) as staging:
         shards = write_weights(staging, steps, opened, config, direction, options.max_shard_size, options.progress)
         write_companions(staging, opened, config, direction, steps)
-        report = verify(opened, staging, direction, options.verify_atol) if options.verify else None
+        report = None
+        if options.verify:
+            report = verify(opened, staging, direction, options.verify_atol, device=options.verify_device)
         if report is not None and not report.passed:
             raise VerificationFailed(report)
         if direction.to_nv:
@@ -1449,7 +1620,7 @@ def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: 
     config_dict = nv_config_dict(config) if direction.to_nv else hf_config_from_nv(config)
     config_dict["dtype"] = weights_dtype_name(steps)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out, source)
+    write_tokenizer(out, source, config.vocab_size)
     if direction.to_nv:
         copy_remote_code(out)
     write_license(out, with_code=direction.to_nv)
@@ -1477,6 +1648,117 @@ def convert_hf_to_nv(
 def convert_nv_to_hf(source: Path | str, out: Path, *, options: ConvertOptions | None = None) -> NVEsmConfig:
     """Convert an NVEsm folder back into a transformers ESM-2 folder; returns the NVEsm config."""
     return convert(TE_TO_HF, source, out, options).config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checking an existing conversion (`verify SRC OUT`)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FolderCheck:
+    """OUT compared with SRC: config fields and tensors (bit for bit), then the logit table."""
+
+    direction: Direction
+    dtype: str
+    compared: int
+    mismatches: list[str]
+    report: VerifyReport
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches and self.report.passed
+
+    @property
+    def differences(self) -> str:
+        count = len(self.mismatches)
+        return f"{count} difference{'s' * (count != 1)}" if count else "all identical"
+
+    def text(self) -> str:
+        """What `verify` prints: the tensor check (a line per difference), then the logit table."""
+        lines = [
+            f"tensors: {self.compared} of SRC mapped through the rules ({self.direction.name}, {self.dtype}) and "
+            f"compared with OUT bit for bit: {self.differences}",
+            *(f"  DIFFERS {mismatch}" for mismatch in self.mismatches),
+        ]
+        return "\n".join([*lines, "", self.report.table()])
+
+
+def verify_folder(
+    source_spec: str | Path,
+    out: Path,
+    revision: str | None = None,
+    atol: float | None = None,
+    device: str = "auto",
+) -> FolderCheck:
+    """Check OUT, a folder converted from SRC (either direction, told by what the two are): see `compare_tensors`,
+    then the logit table of `verify`."""
+    out = Path(out)
+    if not out.is_dir():
+        raise ValueError(f"{out}: no such folder.")
+    source, converted = open_source(source_spec, revision), open_source(out)
+    if source.kind != "nvesm" and converted.kind == "nvesm":
+        direction = HF_TO_TE
+    elif source.kind == "nvesm" and converted.kind == "transformers":
+        direction = TE_TO_HF
+    else:
+        raise ValueError(
+            f"verify compares SRC with the folder converted from it (transformers or fair-esm SRC and NVEsm OUT, or "
+            f"NVEsm SRC and transformers OUT); {source.spec} is {source.kind} and {out} is {converted.kind}."
+        )
+    dtype_name = read_json(out / "config.json").get("dtype", "float32")
+    verifiable_dtype(dtype_name)
+    verify_device(device)
+    compared, mismatches = compare_tensors(source, converted, direction)
+    return FolderCheck(direction, dtype_name, compared, mismatches, verify(source, out, direction, atol, device=device))
+
+
+def compare_tensors(source: Source, out: Source, direction: Direction) -> tuple[int, list[str]]:
+    """Map each tensor of `source` through `RULES`, cast as the converter casts to the dtype of `out`'s weights, and
+    compare it bit for bit with `out`'s, one rule at a time (memory for one rule's tensors). Also compares the
+    config fields the two formats share. Returns how many tensors were compared and a line per difference."""
+    other_way = TE_TO_HF if direction.to_nv else HF_TO_TE
+    out_config = source_config(out, other_way, {})
+    overrides = {"padded_vocab_size": out_config.padded_vocab_size} if direction.to_nv else {}
+    config = source_config(source, direction, overrides)
+    mismatches = [
+        f"config.json {name}: {getattr(out_config, name)!r}, from SRC {getattr(config, name)!r}"
+        for name in SHARED_CONFIG_FIELDS
+        if getattr(out_config, name) != getattr(config, name)
+    ]
+    stored = canonical_keys(out.store.info, out.canonical)
+    embedding = direction.targets(RULES[0])[0]
+    dtype = out.store.info[stored[embedding]].dtype if embedding in stored else None
+    steps = plan_steps(source, config, direction, dtype)
+    expected = {name for step in steps for name, _ in step.outputs}
+    mismatches += [f"{name}: missing in OUT" for name in sorted(expected - stored.keys())]
+    mismatches += [f"{stored[name]}: in OUT, not made from SRC" for name in sorted(stored.keys() - expected)]
+    for step in steps:
+        for (name, info), tensor in zip(step.outputs, run_step(step, source, config, direction)):
+            if name not in stored:
+                continue
+            found = out.store.info[stored[name]]
+            if found != info:
+                mismatches.append(
+                    f"{name}: {list(found.shape)} {found.dtype}, from SRC {list(info.shape)} {info.dtype}"
+                )
+                continue
+            differ, largest = count_differences(out.store.load(stored[name]), tensor)
+            if differ:
+                mismatches.append(
+                    f"{name}: {differ} of {tensor.numel()} values differ, largest |difference| {largest:.3g}"
+                )
+    return len(expected), mismatches
+
+
+def count_differences(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """How many elements of two tensors of one shape and dtype differ in their bits, and the largest |a - b|."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a, b = a.reshape(-1), b.reshape(-1)
+    differ = a.view(bits) != b.view(bits)
+    if not differ.any():
+        return 0, 0.0
+    return int(differ.sum()), (a[differ].double() - b[differ].double()).abs().max().item()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1519,20 +1801,38 @@ EPILOG = f"""examples:
   # back to a folder plain transformers loads (EsmForMaskedLM), replacing an older one
   python convert_checkpoint.py te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --force
 
+  # check an existing conversion: every tensor bit for bit through the mapping table, then the logit table (CPU)
+  python convert_checkpoint.py verify facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify-device cpu
+
   # list what would be uploaded; nothing is sent
   python convert_checkpoint.py hf-to-te facebook/esm2_t6_8M_UR50D ./esm2_8M_te --push-to-hub me/esm2_8M_te --dry-run
 
 Hub downloads and uploads use the usual huggingface_hub settings (HF_TOKEN or `hf auth login`, HF_HOME,
-HF_HUB_OFFLINE). --verify runs on the GPU when there is one (Transformer Engine if installed), else on the CPU
-with the PyTorch backend; default tolerances on max |logit difference| against the float32 source: float32
-{DEFAULT_VERIFY_ATOL["float32"]:g} ({TE_FP32_VERIFY_ATOL:g} when Transformer Engine runs: its GELU is the tanh \
-approximation), bfloat16 {DEFAULT_VERIFY_ATOL["bfloat16"]:g}, float16 {DEFAULT_VERIFY_ATOL["float16"]:g}.
+HF_HUB_OFFLINE). `verify SRC OUT` takes the direction from what SRC and OUT are; it maps every tensor of SRC
+through the table (cast to OUT's dtype, as converting does) and compares it with OUT's bit for bit, naming each
+one that differs, then prints the logit table. The logit table (--verify, verify) runs on the GPU when there is
+one (--verify-device auto; Transformer Engine if installed), else on the CPU with the PyTorch backend; default
+tolerances on max |logit difference| against the float32 source: float32 {DEFAULT_VERIFY_ATOL["float32"]:g} \
+({TE_FP32_VERIFY_ATOL:g} when Transformer Engine runs: its GELU is the tanh approximation), bfloat16 \
+{DEFAULT_VERIFY_ATOL["bfloat16"]:g}, float16 {DEFAULT_VERIFY_ATOL["float16"]:g}.
 
-exit status: 0 done; 1 conversion or upload error (OUT untouched); 2 usage error;
-3 --verify over tolerance (table printed, OUT not written)."""
+Staging folders (.OUT.partial-*) are removed on errors, Ctrl-C and SIGTERM; those of runs killed otherwise are
+removed by the next run into the same parent folder.
+
+exit status: 0 done; 1 conversion, verify or upload error (OUT untouched); 2 usage error;
+3 --verify over tolerance (table printed, OUT not written) or verify found a difference;
+130/143 interrupted by Ctrl-C/SIGTERM (OUT untouched)."""
+COMMANDS = {
+    "hf-to-te": "transformers/fair-esm -> NVEsm",
+    "te-to-hf": "back",
+    "verify": "check an existing OUT against SRC",
+}
+# Options that only conversions take (verify reads, writes nothing).
+CONVERT_ONLY = ("dtype", "max_shard_size", "force", "verify", "push_to_hub", "private", "commit_message", "dry_run")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (see EPILOG)."""
     parser = argparse.ArgumentParser(
         prog="convert_checkpoint.py",
         description=__doc__,
@@ -1540,19 +1840,29 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "direction", choices=sorted(DIRECTIONS), help="hf-to-te: transformers/fair-esm -> NVEsm; te-to-hf: back"
+        "command", choices=list(COMMANDS), help="; ".join(f"{name}: {text}" for name, text in COMMANDS.items())
     )
     parser.add_argument("source", metavar="SRC", help="checkpoint folder, Hub id (org/name) or fair-esm .pt file")
-    parser.add_argument("out", metavar="OUT", type=Path, help="output folder (absent or empty unless --force)")
+    parser.add_argument(
+        "out",
+        metavar="OUT",
+        type=Path,
+        help="output folder (absent or empty unless --force); verify: the converted one",
+    )
     parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of SRC")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as SRC)")
     parser.add_argument(
-        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=parse_size, metavar="SIZE",
+        "--max-shard-size", type=parse_size, metavar="SIZE",
         help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     parser.add_argument("--verify", action="store_true", help="compare both models' logits on assets/proteins.fasta")
-    parser.add_argument("--verify-atol", type=float, metavar="ATOL", help="tolerance of --verify (default: by dtype)")
+    parser.add_argument(
+        "--verify-atol", type=float, metavar="ATOL", help="logit tolerance of --verify and verify (default: by dtype)"
+    )
+    parser.add_argument(
+        "--verify-device", choices=VERIFY_DEVICES, help="where --verify and verify run the models (default: auto)"
+    )
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub model repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository private")
     parser.add_argument("--commit-message", help="commit message of the upload")
@@ -1560,25 +1870,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the process to stop; raised like Ctrl-C's KeyboardInterrupt so that staging is cleaned up."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises `Interrupted`, as Ctrl-C raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, needs in (("private", "push_to_hub"), ("commit_message", "push_to_hub"), ("dry_run", "push_to_hub"),
-                        ("verify_atol", "verify")):  # fmt: skip
-        if getattr(args, flag) not in (None, False) and not getattr(args, needs):
-            parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")
-    options = ConvertOptions(
-        revision=args.revision,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        force=args.force,
-        verify=args.verify,
-        verify_atol=args.verify_atol,
-        hub_repo_id=args.push_to_hub,
-    )
+    given = {flag for flag, value in vars(args).items() if value not in (None, False)}
+    if args.command == "verify":
+        for flag in sorted(given & set(CONVERT_ONLY)):
+            parser.error(f"--{flag.replace('_', '-')} does not apply to verify (it writes nothing)")
+    for flag, needed in (("private", "push_to_hub"), ("commit_message", "push_to_hub"), ("dry_run", "push_to_hub"),
+                         ("verify_atol", "verify"), ("verify_device", "verify")):  # fmt: skip
+        if flag in given and needed not in given and args.command != "verify":
+            parser.error(f"--{flag.replace('_', '-')} needs --{needed.replace('_', '-')}")
     try:
-        result = convert(DIRECTIONS[args.direction], args.source, args.out, options)
+        with sigterm_as_interrupt():
+            if args.command == "verify":
+                return _main_verify(args)
+            options = ConvertOptions(
+                revision=args.revision,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size or parse_size(DEFAULT_MAX_SHARD_SIZE),
+                force=args.force,
+                verify=args.verify,
+                verify_atol=args.verify_atol,
+                verify_device=args.verify_device or "auto",
+                hub_repo_id=args.push_to_hub,
+            )
+            result = convert(DIRECTIONS[args.command], args.source, args.out, options)
     except VerificationFailed as failure:
         print(failure.report.table(), file=sys.stderr)
         print(f"error: {failure}; {args.out} was not written.", file=sys.stderr)
@@ -1586,17 +1929,32 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, SafetensorError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:
+        signum = interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT
+        untouched = "" if args.command == "verify" else f"; {args.out} was not written"
+        print(f"error: interrupted ({signal.Signals(signum).name}){untouched}.", file=sys.stderr)
+        return 128 + signum
     if result.report is not None:
         print(result.report.table())
     print(result.summary())
     if args.push_to_hub:
-        message = args.commit_message or f"Upload {args.out.name} ({args.direction} of {args.source})"
+        message = args.commit_message or f"Upload {args.out.name} ({args.command} of {args.source})"
         try:
             push_to_hub(args.out, args.push_to_hub, args.private, message, args.dry_run)
         except Exception as error:
             print(f"error: upload to {args.push_to_hub} failed ({args.out} is complete): {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _main_verify(args: argparse.Namespace) -> int:
+    check = verify_folder(args.source, args.out, args.revision, args.verify_atol, args.verify_device or "auto")
+    print(check.text())
+    if check.passed:
+        return 0
+    verdict = "PASSED" if check.report.passed else "FAILED"
+    print(f"error: verify failed: tensors {check.differences}; logit table {verdict}.", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ GFP = (  # UniProt P42212
     "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --verify on the CPU: the exact PyTorch path on every machine (with a GPU, "auto" runs Transformer Engine, whose
+# tanh GELU moves float32 logits by ~3e-3; tests/test_gpu.py covers that path).
+VERIFY_CPU = ("--verify", "--verify-device", "cpu")
 NV_FILES = {
     "config.json",
     "configuration_nv_esm.py",
@@ -192,7 +196,7 @@ def test_fair_esm_checkpoint_converts_and_verifies(tmp_path, capsys, regression_
     original = make_hf_model("wide_heads", seed=21)
     path = tmp_path / "esm2_t3_random_UR50D.pt"
     write_fair_esm_checkpoint(original, path, regression_beside)
-    status, out, err = run(capsys, "hf-to-te", path, tmp_path / "te", "--verify")
+    status, out, err = run(capsys, "hf-to-te", path, tmp_path / "te", *VERIFY_CPU)
     assert status == 0, err
     assert "PASSED" in out
     assert run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back")[0] == 0
@@ -230,7 +234,7 @@ def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
 
 
 def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
-    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify")
+    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0
     proteins = convert_checkpoint.read_fasta(ROOT / "assets" / "proteins.fasta")
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| protein")]
@@ -239,13 +243,13 @@ def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny
     assert "PASSED" in out
     card = (tmp_path / "te" / "README.md").read_text()
     assert all(row in card for row in rows) and "PASSED" in card
-    status, out, _ = run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back", "--verify")
+    status, out, _ = run(capsys, "te-to-hf", tmp_path / "te", tmp_path / "back", *VERIFY_CPU)
     assert status == 0 and "PASSED" in out and "transformers EsmForMaskedLM" in out
 
 
 def test_verify_bf16_passes_with_default_tolerance(tmp_path, capsys):
     source = save_hf(make_hf_model("tiny", seed=8), tmp_path / "src")
-    status, out, err = run(capsys, "hf-to-te", source, tmp_path / "te", "--dtype", "bfloat16", "--verify")
+    status, out, err = run(capsys, "hf-to-te", source, tmp_path / "te", "--dtype", "bfloat16", *VERIFY_CPU)
     assert status == 0, out + err
     assert f"tolerance {convert_checkpoint.DEFAULT_VERIFY_ATOL['bfloat16']:g}" in out and "bfloat16" in out
 
@@ -269,7 +273,7 @@ def nudge_one_bias_logit(real):
 )
 def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, tiny_source, target, corrupt):
     monkeypatch.setattr(convert_checkpoint, target, corrupt(getattr(convert_checkpoint, target)))
-    status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify")
+    status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 3
     assert "FAILED" in err and "| P42212 | 238 |" in err and "was not written" in err
     assert not (tmp_path / "te").exists()
@@ -278,10 +282,136 @@ def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, t
 
 def test_verify_atol_sets_the_tolerance(tmp_path, capsys, monkeypatch, tiny_source):
     monkeypatch.setattr(convert_checkpoint, "pad_vocab", nudge_one_bias_logit(convert_checkpoint.pad_vocab))
-    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify", "--verify-atol", "0.01")
+    status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU, "--verify-atol", "0.01")
     assert status == 0 and "tolerance 0.01" in out
     largest = float(re.search(r"largest max abs Δlogit ([0-9.e+-]+)", out).group(1))
     assert abs(largest - 1e-3) < 1e-5  # exactly the nudge of one bias
+
+
+def test_verify_device_cpu_runs_the_exact_path_even_when_a_gpu_is_visible(tmp_path, capsys, monkeypatch, tiny_source):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine reports
+    assert convert_checkpoint.verify_device("auto") == "cuda"
+    status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
+    assert status == 0, err
+    assert "device cpu" in out and "backend torch" in out and "tolerance 0.0001" in out
+
+
+def test_verify_device_cuda_without_a_gpu_is_refused_before_converting(tmp_path, capsys, monkeypatch, tiny_source):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, _, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", "--verify", "--verify-device", "cuda")
+    assert status == 1 and "no CUDA GPU" in err and not tmp_path.joinpath("te").exists()
+
+
+# ---- verify SRC OUT: an existing conversion, tensor by tensor, then the logit table ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory, tiny_source) -> Path:
+    """tiny_source converted to NVEsm (float32 and bfloat16) and back to transformers."""
+    folder = tmp_path_factory.mktemp("conversions")
+    for argv in (
+        ("hf-to-te", tiny_source, folder / "te"),
+        ("hf-to-te", tiny_source, folder / "te_bf16", "--dtype", "bfloat16"),
+        ("te-to-hf", folder / "te", folder / "back"),
+    ):
+        assert main([str(arg) for arg in argv]) == 0
+    return folder
+
+
+def test_verify_command_passes_on_untouched_conversions(tmp_path, capsys, tiny_source, conversions):
+    path = tmp_path / "esm2_t3_random_UR50D.pt"
+    write_fair_esm_checkpoint(make_hf_model("wide_heads", seed=21), path, regression_beside=True)
+    assert run(capsys, "hf-to-te", path, tmp_path / "from_pt")[0] == 0
+    for source, out, label in (
+        (tiny_source, conversions / "te", "hf-to-te, float32"),
+        (tiny_source, conversions / "te_bf16", "hf-to-te, bfloat16"),  # compared with the source cast the same way
+        (conversions / "te", conversions / "back", "te-to-hf, float32"),
+        (path, tmp_path / "from_pt", "hf-to-te, float32"),
+    ):
+        status, out_text, err = run(capsys, "verify", source, out, "--verify-device", "cpu")
+        assert status == 0, out_text + err
+        assert f"({label}) and compared with OUT bit for bit: all identical" in out_text and "PASSED" in out_text
+
+
+def nudge(tensor: torch.Tensor) -> torch.Tensor:
+    """The same tensor with its first element one float step larger."""
+    tensor = tensor.clone()
+    first = tensor.view(-1)[:1]
+    first.copy_(torch.nextafter(first, torch.full_like(first, torch.inf)))
+    return tensor
+
+
+def pad_row(tensor: torch.Tensor) -> torch.Tensor:
+    """A vocabulary padding row (past vocab_size 33) set non-zero."""
+    tensor = tensor.clone()
+    tensor[40] = 0.5
+    return tensor
+
+
+@pytest.mark.parametrize(
+    "folder,name,edit",
+    [
+        ("te", "esm.contact_head.regression.weight", lambda t: t + 0.5),
+        ("back", "esm.contact_head.regression.bias", lambda t: t - 0.5),
+        ("te", "esm.embeddings.word_embeddings.weight", pad_row),
+        ("te", "lm_head.decoder.bias", pad_row),
+        ("te", "esm.encoder.layers.1.layernorm_mlp.fc2_bias", nudge),  # moves logits far below the tolerance
+    ],
+    ids=["contact-head", "contact-head-te-to-hf", "embedding-padding-row", "decoder-padding-row", "one-ulp"],
+)
+def test_verify_command_names_each_changed_tensor(tmp_path, capsys, tiny_source, conversions, folder, name, edit):
+    out = shutil.copytree(conversions / folder, tmp_path / folder)
+    state = read_folder(out)
+    state[name] = edit(state[name])
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    source = tiny_source if folder == "te" else conversions / "te"
+    status, out_text, err = run(capsys, "verify", source, out, "--verify-device", "cpu")
+    assert status == 3 and "verify failed: tensors 1 difference;" in err
+    assert [line.split()[1] for line in out_text.splitlines() if "DIFFERS" in line] == [name + ":"]
+    if edit is nudge:
+        assert "PASSED" in out_text  # the logit table alone would not see it
+
+
+def test_verify_command_reports_missing_and_extra_tensors_and_config_changes(
+    tmp_path, capsys, tiny_source, conversions
+):
+    out = shutil.copytree(conversions / "te", tmp_path / "te")
+    state = read_folder(out)
+    state["extra.weight"] = state.pop("esm.contact_head.regression.bias")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"layer_norm_eps": 1e-6}))
+    status, out_text, _ = run(capsys, "verify", tiny_source, out, "--verify-device", "cpu")
+    differs = [line for line in out_text.splitlines() if "DIFFERS" in line]
+    assert status == 3 and len(differs) == 3
+    for needle in ("config.json layer_norm_eps: 1e-06, from SRC 1e-05", "esm.contact_head.regression.bias: missing",
+                   "extra.weight: in OUT, not made from SRC"):  # fmt: skip
+        assert any(needle in line for line in differs), needle
+    status, _, err = run(capsys, "verify", tiny_source, conversions / "back")  # transformers twice
+    assert status == 1 and "transformers and" in err
+
+
+@pytest.fixture
+def modules_cache(tmp_path, monkeypatch) -> Path:
+    """transformers' modules cache (where trust_remote_code copies a folder's code) in a fresh folder."""
+    from transformers import dynamic_module_utils
+
+    cache, usual = tmp_path / "hf_modules", dynamic_module_utils.HF_MODULES_CACHE
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != usual])
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    return cache
+
+
+def test_verifying_leaves_nothing_in_the_modules_cache(tmp_path, capsys, tiny_source, modules_cache):
+    te, back = tmp_path / "work" / "te", tmp_path / "work" / "back"
+    assert run(capsys, "hf-to-te", tiny_source, te, *VERIFY_CPU)[0] == 0
+    assert run(capsys, "te-to-hf", te, back, *VERIFY_CPU)[0] == 0  # loads the NVEsm source with remote code
+    assert run(capsys, "verify", tiny_source, te, "--verify-device", "cpu")[0] == 0
+    assert run(capsys, "verify", te, back, "--verify-device", "cpu")[0] == 0
+    assert sorted(modules_cache.rglob("*")) == []
+    assert not any(name.split(".")[0] == "transformers_modules" for name in sys.modules)
 
 
 # ---- safety ---------------------------------------------------------------------------------------------------------
@@ -362,6 +492,193 @@ def test_clear_errors_for_sources_that_are_not_esm2(tmp_path, capsys, tiny_sourc
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     status, _, err = run(capsys, "hf-to-te", "facebook/esm2_t99_does_not_exist", tmp_path / "out_hub")
     assert status == 1 and "Hub repository that can be reached" in err and "Failed to resolve" in err
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data))
+
+
+def sharded_copy(folder: Path) -> Path:
+    """tiny-shaped random checkpoint in 3 shards with an index."""
+    model = make_hf_model("tiny", seed=9)
+    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    return save_hf(model, folder, shard=nbytes // 3)
+
+
+def edit_index(edit):
+    def apply(tmp_path: Path) -> Path:
+        source = sharded_copy(tmp_path / "src")
+        index = source / "model.safetensors.index.json"
+        edit(index, json.loads(index.read_text()))
+        return source
+
+    return apply
+
+
+def leave_the_folder(absolute: bool):
+    def edit(index: Path, data: dict) -> None:
+        shard = sorted(set(data["weight_map"].values()))[0]
+        outside = index.parent.parent / "elsewhere"
+        outside.mkdir()
+        (index.parent / shard).rename(outside / shard)
+        target = str(outside / shard) if absolute else f"../elsewhere/{shard}"
+        data["weight_map"] = {key: target if value == shard else value for key, value in data["weight_map"].items()}
+        write_json(index, data)
+
+    return edit
+
+
+def float64_source(tmp_path: Path) -> Path:
+    make_hf_model("tiny", seed=10).double().save_pretrained(tmp_path / "src")
+    write_esm_tokenizer(tmp_path / "src")
+    return tmp_path / "src"
+
+
+def fair_esm_file(edit):
+    def apply(tmp_path: Path) -> Path:
+        path = tmp_path / "esm2_t2_random_UR50D.pt"
+        write_fair_esm_checkpoint(make_hf_model("tiny", seed=22), path, regression_beside=True)
+        edit(path)
+        return path
+
+    return apply
+
+
+def cfg_without_model(path: Path) -> None:
+    data = torch.load(path, weights_only=False)
+    torch.save({"model": data["model"], "cfg": {"optimizer": {}}}, path)
+
+
+def regression_without_model(path: Path) -> None:
+    regression = path.with_name(path.stem + "-contact-regression.pt")
+    torch.save({"state": torch.load(regression)["model"]}, regression)
+
+
+def copy_with(name: str, text: str):
+    def apply(tmp_path: Path) -> Path:
+        source = sharded_copy(tmp_path / "src")
+        (source / name).write_text(text)
+        return source
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "make_source,extra,needles",
+    [
+        (float64_source, VERIFY_CPU, ["float64", "--dtype float32"]),
+        (edit_index(lambda index, data: write_json(index, {"metadata": {}})), (), ["index.json", "weight_map"]),
+        (edit_index(lambda index, data: index.write_text("{not json")), (), ["index.json", "not valid JSON"]),
+        (edit_index(leave_the_folder(absolute=False)), (), ["index.json", "../elsewhere/model-", "refused"]),
+        (edit_index(leave_the_folder(absolute=True)), (), ["index.json", "elsewhere/model-", "refused"]),
+        (fair_esm_file(cfg_without_model), (), ["esm2_t2_random_UR50D.pt", "'model'"]),
+        (fair_esm_file(regression_without_model), (), ["esm2_t2_random_UR50D-contact-regression.pt", "'model'"]),
+        (copy_with("config.json", '{"model_type": "esm",'), (), ["config.json", "not valid JSON"]),
+        (copy_with("vocab.txt", "\n".join(ESM_VOCAB * 2)), (), ["vocab.txt", "vocab_size 33"]),
+        (copy_with("tokenizer_config.json", '{"mask_token": "<MASK>"}'), (), ["tokenizer_config.json", "<MASK>"]),
+    ],
+    ids=[
+        "float64-verify",
+        "index-without-weight-map",
+        "index-not-json",
+        "index-shard-outside",
+        "index-shard-absolute",
+        "fair-esm-cfg-without-model",
+        "regression-without-model",
+        "config-not-json",
+        "vocab-too-long",
+        "unknown-special-token",
+    ],  # fmt: skip
+)
+def test_malformed_sources_get_a_one_line_error_naming_the_file(tmp_path, capsys, make_source, extra, needles):
+    source = make_source(tmp_path)
+    capsys.readouterr()  # transformers' progress bars while saving the source
+    status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te", *extra)
+    assert status == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(needle in err for needle in needles), err
+    assert not (tmp_path / "te").exists() and not list(tmp_path.glob(".te.*"))
+
+
+@pytest.mark.parametrize("direction", ["hf-to-te", "te-to-hf"])
+def test_source_tokenizer_files_cannot_bring_remote_code(tmp_path, capsys, tiny_source, direction):
+    source = tmp_path / "src"
+    if direction == "hf-to-te":
+        shutil.copytree(tiny_source, source)
+    else:
+        assert run(capsys, "hf-to-te", tiny_source, source)[0] == 0
+    elsewhere = ["attacker/esm2--tokenization_evil.EvilTokenizer", None]
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    injected = {"auto_map": {"AutoTokenizer": elsewhere}, "tokenizer_class": "EvilTokenizer", "extra": 1}
+    write_json(source / "tokenizer_config.json", tokenizer_config | injected)
+    write_json(source / "special_tokens_map.json", {"mask_token": {"content": "<mask>"}, "auto_map": elsewhere})
+    config = json.loads((source / "config.json").read_text())
+    write_json(source / "config.json", config | {"auto_map": {"AutoTokenizer": elsewhere}, "extra": 1})
+    status, _, err = run(capsys, direction, source, tmp_path / "out")
+    assert status == 0, err
+    written = {path.name: json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json")}
+    assert set(written) == {"config.json", "tokenizer_config.json"}
+    assert written["config.json"].get("auto_map") == (convert_checkpoint.AUTO_MAP if direction == "hf-to-te" else None)
+    assert "extra" not in written["config.json"]
+    tokenizer_keys = {"added_tokens_decoder", "backend", "model_max_length", "tokenizer_class"}
+    assert set(written["tokenizer_config.json"]) == tokenizer_keys | set(convert_checkpoint.SPECIAL_TOKENS)
+    assert written["tokenizer_config.json"]["tokenizer_class"] == "EsmTokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert type(tokenizer).__name__ == "EsmTokenizer"
+    reference = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
+    assert tokenizer(GFP + "<mask>")["input_ids"] == reference(GFP + "<mask>")["input_ids"]
+
+
+STALLED_CONVERSION = """
+import sys, time
+sys.path.insert(0, {root!r})
+import convert_checkpoint
+
+def stall(self, name, tensor):
+    print("writing", flush=True)
+    time.sleep(300)
+
+convert_checkpoint.SafetensorsWriter.write = stall
+sys.exit(convert_checkpoint.main(["hf-to-te", {source!r}, {out!r}]))
+"""
+
+
+def start_stalled_conversion(source: Path, out: Path) -> subprocess.Popen:
+    """A conversion in another process that stops at its first tensor."""
+    script = STALLED_CONVERSION.format(root=str(ROOT), source=str(source), out=str(out))
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_writing(process: subprocess.Popen) -> None:
+    line = process.stdout.readline()
+    assert line == "writing\n", process.stderr.read()
+
+
+def test_sigterm_removes_the_staging_folder(tmp_path, tiny_source):
+    process = start_stalled_conversion(tiny_source, tmp_path / "te")
+    wait_until_writing(process)
+    assert len(list(tmp_path.glob(".te.partial-*"))) == 1
+    process.terminate()
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and "interrupted (SIGTERM)" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_removes_staging_folders_of_dead_runs_only(tmp_path, capsys, tiny_source):
+    killed, live = (start_stalled_conversion(tiny_source, tmp_path / name) for name in ("killed", "live"))
+    try:
+        wait_until_writing(killed)
+        wait_until_writing(live)
+        killed.kill()  # kill -9: nothing runs in the process
+        killed.communicate(timeout=60)
+        assert len(list(tmp_path.glob(".killed.partial-*"))) == 1
+        status, _, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te")
+        assert status == 0 and "left by an interrupted run" in err
+        names = sorted(path.name for path in tmp_path.iterdir())
+        assert len(names) == 2 and names[0].startswith(".live.partial-") and names[1] == "te"
+    finally:
+        for process in (killed, live):
+            process.kill()
+            process.communicate(timeout=60)
 
 
 # ---- Hub id source, model card, upload --------------------------------------------------------------------------
@@ -454,13 +771,19 @@ def test_help_lists_every_option_and_examples(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("hf-to-te", "te-to-hf", "--revision", "--dtype", "--max-shard-size", "--force", "--verify",
-                   "--verify-atol", "--push-to-hub", "--private", "--commit-message", "--dry-run", "examples:",
-                   ".pt", "exit status"):  # fmt: skip
+    for option in ("hf-to-te", "te-to-hf", "verify", "--revision", "--dtype", "--max-shard-size", "--force",
+                   "--verify", "--verify-atol", "--verify-device", "--push-to-hub", "--private", "--commit-message",
+                   "--dry-run", "examples:", "convert_checkpoint.py verify ", ".pt", "exit status"):  # fmt: skip
         assert option in text, option
-    with pytest.raises(SystemExit) as exit_info:
-        main(["hf-to-te", "a", "b", "--dry-run"])
-    assert exit_info.value.code == 2 and "--dry-run needs --push-to-hub" in capsys.readouterr().err
+    for argv, message in (
+        (["hf-to-te", "a", "b", "--dry-run"], "--dry-run needs --push-to-hub"),
+        (["hf-to-te", "a", "b", "--verify-device", "cpu"], "--verify-device needs --verify"),
+        (["verify", "a", "b", "--dtype", "bfloat16"], "--dtype does not apply to verify"),
+        (["verify", "a", "b", "--max-shard-size", "1GB"], "--max-shard-size does not apply to verify"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,21 @@
-# Developer entry points. Each target installs what it needs into .venv first (CPU torch unless a torch is
-# already importable there), so both work on a fresh machine.
+# Developer entry points. Each target installs what it needs into its venv first (CPU torch unless a torch is
+# already importable there), so all work on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SRC ?= assets/esm2_tiny
+# The lowest transformers the whole suite passes with; must equal pyproject.toml's lower bound (check-pins checks).
+TRANSFORMERS_OLDEST := 5.6.0
+# An exact transformers version for the venv (empty: the newest pip resolves). `suite` insists on it, so a venv
+# made with another version fails instead of testing the wrong one. E.g. make test VENV=/tmp/v TRANSFORMERS_PIN=5.15.1
+TRANSFORMERS_PIN ?=
 
-.PHONY: demo test lint gpu-test
+.PHONY: demo test lint suite check-pins test-transformers-oldest gpu-test
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' $(if $(TRANSFORMERS_PIN),'transformers==$(TRANSFORMERS_PIN)')
 	touch $@
 
 demo: $(VENV)/.installed
@@ -20,5 +25,19 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(VENV)/.installed lint
+check-pins:
+	@grep -qF '"transformers>=$(TRANSFORMERS_OLDEST),' pyproject.toml || { \
+	  echo "Makefile: TRANSFORMERS_OLDEST=$(TRANSFORMERS_OLDEST) is not the lower bound in pyproject.toml:"; \
+	  grep -F '"transformers' pyproject.toml; exit 1; }
+
+# The test suite, after printing the versions it runs with (so the CI log records the tested range).
+suite: $(VENV)/.installed
+	@$(PY) -c "import torch, transformers as t; print('transformers', t.__version__, '| torch', torch.__version__); \
+	  assert '$(TRANSFORMERS_PIN)' in ('', t.__version__), '$(VENV) does not hold transformers $(TRANSFORMERS_PIN)'"
 	$(PY) -m pytest -q
+
+test: check-pins lint suite
+
+# The whole suite again, in its own venv, with the lowest transformers that pyproject.toml allows.
+test-transformers-oldest: check-pins
+	$(MAKE) suite VENV=.venv-oldest TRANSFORMERS_PIN=$(TRANSFORMERS_OLDEST)

@@ -60,6 +60,11 @@ class NVEsmConfig(PretrainedConfig):
             and `position_ids` consistent, proteins not longer than `max_position_embeddings`) and raise
             `ValueError` on violations. This costs one device synchronisation per forward; a training loop whose
             data pipeline is trusted can set it to False. Shape and type errors are always raised.
+        cuda_graphs: Transformer Engine backend, packed layers (`attn_input_format="thd"`) only: round each batch up to
+            a static shape (a bucket of token count, protein count and longest protein; the extra tokens form
+            dummy proteins whose outputs are dropped) and replay the layers as CUDA graphs captured once per
+            bucket, for training (train mode with gradients) and inference (eval mode without gradients).
+            Other calls, and `output_hidden_states`, run eagerly.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
     """
 
@@ -92,6 +97,7 @@ class NVEsmConfig(PretrainedConfig):
         layer_precision: list[str | None] | None = None,
         fp8_recipe: str = "delayed",
         check_inputs: bool = True,
+        cuda_graphs: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -120,6 +126,7 @@ class NVEsmConfig(PretrainedConfig):
         self.layer_precision = None if layer_precision is None else list(layer_precision)
         self.fp8_recipe = fp8_recipe
         self.check_inputs = check_inputs
+        self.cuda_graphs = cuda_graphs
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self._check()
@@ -179,7 +186,7 @@ class NVEsmConfig(PretrainedConfig):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if not self.layer_norm_eps > 0 or not self.initializer_range > 0 or not self.rope_theta > 0:
             raise ValueError("layer_norm_eps, initializer_range and rope_theta must be positive")
-        for name in ("token_dropout", "check_inputs", "tie_word_embeddings"):
+        for name in ("token_dropout", "check_inputs", "cuda_graphs", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):

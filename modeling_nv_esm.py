@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +191,22 @@ def sequence_index_of_tokens(cu_seq_lens: torch.Tensor, num_tokens: int) -> torc
     return torch.bucketize(torch.arange(num_tokens, device=cu_seq_lens.device), boundaries, right=True)
 
 
+def static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
+    """The bucket a packed batch runs in under CUDA graphs: `(tokens, sequence slots, max_length)`.
+
+    Tokens round up in steps of 1/8 of the power of two below them, and of 256 below 4096 tokens (padding under
+    1/8 of the tokens or under 256; multiples of 256, so also of `FP8_TOKEN_MULTIPLE`); `max_length` rounds up to
+    a power of two (at least 64); the slots (proteins, dummy proteins of at most `max_length` tokens holding the
+    padding, then empty ones) to a power of two (at least 16). A run of similar batches thus uses a few shapes.
+    """
+    step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
+    tokens = -(-num_tokens // step) * step
+    length = max(64, 1 << (max_length - 1).bit_length())
+    dummies = -(-(tokens - num_tokens) // length)
+    slots = max(16, 1 << (num_sequences + dummies - 1).bit_length())
+    return tokens, slots, length
+
+
 def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]], enabled: bool = True) -> None:
     """Evaluate boolean scalar tensors with one device sync; raise ValueError with the first failing message.
 
@@ -210,11 +227,13 @@ class EncoderInputs:
         rotary_angles: `[L, head_dim]` float32 rotary angles for positions `0..L-1`.
         key_mask: BSHD only: `[B, S]` bool, True for tokens; None when nothing is padded.
         packed: THD only: the packing of the hidden states `[T, hidden]`.
+        static_shape: THD only: the batch was padded to a bucket (`static_shape`) to run as a CUDA graph.
     """
 
     rotary_angles: torch.Tensor
     key_mask: torch.Tensor | None = None
     packed: PackedSequences | None = None
+    static_shape: bool = False
 
     def te_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward`."""
@@ -440,7 +459,12 @@ class NVEsmRotaryEmbedding(nn.Module):
 
 
 class NVEsmEncoder(nn.Module):
-    """The transformer layers (TE or PyTorch twin) and the final LayerNorm."""
+    """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
+
+    With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
+    captured once per shape with Transformer Engine's `make_graphed_callables`: one graph for the forward of all
+    layers and one for their backward, replayed instead of launching every kernel from Python.
+    """
 
     def __init__(self, config: NVEsmConfig, backend: str) -> None:
         super().__init__()
@@ -456,6 +480,7 @@ class NVEsmEncoder(nn.Module):
                 logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
+        self.graphs = StaticShapeGraphs()
         self.register_state_dict_post_hook(_drop_te_extra_state)
         self.register_load_state_dict_post_hook(_ignore_missing_te_extra_state)
 
@@ -464,19 +489,28 @@ class NVEsmEncoder(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
         layer's output, with the last one LayerNormed as in ESM and transformers."""
+        if inputs.static_shape:
+            return self.graphs.run(self, hidden_states, inputs), None
         all_hidden_states = [hidden_states] if output_hidden_states else None
-        te_kwargs = inputs.te_kwargs() if self.backend == "te" else None
         with self.fp8_region():
-            for index, layer in enumerate(self.layers):
-                with self.layer_precision(index):
-                    hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
-                if all_hidden_states is not None:
-                    all_hidden_states.append(hidden_states)
+            hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states)
         hidden_states = self.emb_layer_norm_after(hidden_states)
         if all_hidden_states is None:
             return hidden_states, None
         all_hidden_states[-1] = hidden_states
         return hidden_states, tuple(all_hidden_states)
+
+    def run_layers(
+        self, hidden_states: torch.Tensor, inputs: EncoderInputs, all_hidden_states: list | None = None
+    ) -> torch.Tensor:
+        """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states`."""
+        te_kwargs = inputs.te_kwargs() if self.backend == "te" else None
+        for index, layer in enumerate(self.layers):
+            with self.layer_precision(index):
+                hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
+            if all_hidden_states is not None:
+                all_hidden_states.append(hidden_states)
+        return hidden_states
 
     def run_layer(
         self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, te_kwargs: dict | None
@@ -489,6 +523,32 @@ class NVEsmEncoder(nn.Module):
         if checkpointing:
             return import_transformer_engine().checkpoint(layer, hidden_states, use_reentrant=False, **te_kwargs)
         return layer(hidden_states, **te_kwargs)
+
+    def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
+        """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
+        train mode with gradients or eval mode without, no per-layer outputs or activation checkpointing, layers
+        not sharded by FSDP.
+
+        Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
+        would overwrite memory that backward reads. (A training forward must be followed by its backward; an
+        eager call in between gave NaN gradients.)"""
+        if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
+            return False
+        if self.graphs.awaiting_backward():
+            raise RuntimeError(
+                "cuda_graphs=True: this model ran a training forward whose backward has not run yet, and another "
+                "forward now would overwrite what that backward reads. Call backward first, or load the model with "
+                "cuda_graphs=False to run several forwards per backward."
+            )
+        if output_hidden_states or self.training != torch.is_grad_enabled():
+            return False
+        if self.training and self.gradient_checkpointing:
+            return False
+        return not _is_sharded(self.layers[0])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
+        return super()._apply(fn, recurse)
 
     def fp8_region(self) -> contextlib.AbstractContextManager:
         """One FP8 autocast around all layers when any layer is FP8 (TE backend only).
@@ -504,6 +564,142 @@ class NVEsmEncoder(nn.Module):
         if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
             return contextlib.nullcontext()
         return import_transformer_engine().autocast(enabled=False)
+
+
+class StaticShapeLayers(nn.Module):
+    """The encoder's layers and final LayerNorm for one static packed shape: what one CUDA graph holds.
+
+    Not a submodule of the encoder (it holds the encoder, whose parameters are the graph's); its `training` flag
+    is set directly, as `.train()` would also switch the encoder's layers.
+    """
+
+    def __init__(self, encoder: NVEsmEncoder, max_length: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.max_length = max_length
+
+    def forward(
+        self, hidden_states: torch.Tensor, cu_seq_lens: torch.Tensor, rotary_angles: torch.Tensor
+    ) -> torch.Tensor:
+        """`[T, hidden]` packed states with `cu_seq_lens [slots + 1]` and `rotary_angles [max_length, head_dim]`."""
+        packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, hidden_states.shape[0])
+        states = self.encoder.run_layers(hidden_states, EncoderInputs(rotary_angles, packed=packed))
+        return self.encoder.emb_layer_norm_after(states)
+
+
+class StaticShapeGraphs:
+    """CUDA graphs of the encoder, one per static shape and mode, captured on first use into one memory pool.
+
+    A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
+    replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
+    output is copied out
+    of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
+    optimizer steps and `load_state_dict` do); when any parameter's storage changes, the graphs are captured anew.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, nn.Module | None] = {}
+        self._pool: Any = None
+        self._parameter_storage: tuple[int, ...] = ()
+        self._awaiting_backward = False
+
+    def __deepcopy__(self, memo: dict) -> StaticShapeGraphs:
+        return StaticShapeGraphs()  # a copied model captures its own graphs
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._awaiting_backward = False
+
+    def awaiting_backward(self) -> bool:
+        """Whether a training replay's backward has not started yet."""
+        return self._awaiting_backward
+
+    def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
+        tensor."""
+        storage = tuple(parameter.data_ptr() for parameter in encoder.parameters())
+        if storage != self._parameter_storage:
+            self.clear()
+            self._parameter_storage = storage
+        autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        packed = inputs.packed
+        key = (
+            hidden_states.shape[0],
+            packed.cu_seq_lens.numel(),
+            packed.max_length,
+            encoder.training,
+            hidden_states.requires_grad,
+            hidden_states.dtype,
+            autocast_dtype,
+        )
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(encoder, hidden_states, inputs, autocast_dtype)
+        graph = self._graphs[key]
+        with encoder.fp8_region():
+            if graph is None:  # capture failed: eager, same shapes
+                states = encoder.emb_layer_norm_after(encoder.run_layers(hidden_states, inputs))
+            else:
+                states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
+        if graph is not None and states.requires_grad:
+            self._awaiting_backward = True
+            states.register_hook(self._backward_started)
+        return states
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self._awaiting_backward = False
+
+    def _capture(
+        self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs, autocast_dtype: Any
+    ) -> nn.Module | None:
+        te = import_transformer_engine()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        layers = StaticShapeLayers(encoder, inputs.packed.max_length)
+        layers.training = encoder.training
+        sample = (
+            hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
+            inputs.packed.cu_seq_lens.clone(),
+            inputs.rotary_angles.clone(),
+        )
+        shape = f"{hidden_states.shape[0]} tokens, {inputs.packed.cu_seq_lens.numel() - 1} slots, " + (
+            f"max_length {inputs.packed.max_length}, {'training' if encoder.training else 'inference'}"
+        )
+        started = time.perf_counter()
+        try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
+            with torch.autocast(
+                "cuda", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None, cache_enabled=False
+            ):
+                graph = te.make_graphed_callables(
+                    layers,
+                    sample,
+                    enabled=encoder.fp8_recipe is not None,
+                    recipe=encoder.fp8_recipe,
+                    pool=self._pool,
+                    post_warmup_hook=torch.cuda.empty_cache,  # warm-up memory (a side stream) back before capture
+                )
+        except Exception as error:  # e.g. a capture that meets another live autograd graph: run this shape eagerly
+            importlib.import_module("transformer_engine.pytorch.graph").set_capture_end()
+            if "__call__" in vars(StaticShapeLayers):  # TE's FP8 wrapper, left in place when capture fails
+                del StaticShapeLayers.__call__
+            logger.warning(
+                f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
+            )
+            return None
+        torch.cuda.empty_cache()
+        logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
+        return graph
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) manages `module`: its parameters move between calls, so no graphs."""
+    fsdp = importlib.import_module("torch.distributed.fsdp") if torch.distributed.is_available() else None
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
 def _drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -569,6 +765,9 @@ class NVEsmPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if tensors and all(getattr(tensor, "_is_hf_initialized", False) for tensor in tensors):
+            return  # loaded by from_pretrained: transformers < 5.13 skips these itself only for Hub remote code
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             module.weight.normal_(0.0, std)
@@ -662,7 +861,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             max_length_k,
         )
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
-        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch)
+        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch, output_hidden_states)
         last_hidden_state, all_hidden_states = self.encoder(hidden_states, inputs, output_hidden_states)
         output = NVEsmModelOutput(
             last_hidden_state=restore(last_hidden_state),
@@ -777,14 +976,14 @@ class NVEsmModel(NVEsmPreTrainedModel):
         return self.embeddings(token_ids, batch.lengths, packing.sequence_index)
 
     def _to_run_layout(
-        self, hidden_states: torch.Tensor, batch: InputBatch
+        self, hidden_states: torch.Tensor, batch: InputBatch, output_hidden_states: bool
     ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
         """Move embeddings from `_embed`'s layout to the layout the layers run in (`config.attn_input_format`).
 
         Packed runs take `[T, hidden]`. Padded runs take the right-padded view `[N, max_length, hidden]`: a padded
         input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
         sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
-        `FP8_TOKEN_MULTIPLE`.
+        `FP8_TOKEN_MULTIPLE`; CUDA-graph runs pad the packed batch to its static shape (`static_shape`).
 
         Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
         input layout: `[B, S, ...]` with zeros at padding for padded inputs, `[1, T, ...]` for packed ones.
@@ -802,9 +1001,12 @@ class NVEsmModel(NVEsmPreTrainedModel):
                 run.unpack(hidden_states), run.key_mask(), lambda states: to_input(run.pack(states))
             )
         num_tokens = run.num_tokens
-        if self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
+        graphed = self.encoder.uses_cuda_graphs(output_hidden_states)
+        if graphed:
+            hidden_states, run = _pad_packed_to_static_shape(hidden_states, run)
+        elif self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
             hidden_states, run = _pad_packed_for_fp8(hidden_states, run)
-        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run)
+        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run, static_shape=graphed)
         return hidden_states, inputs, lambda states: to_input(states[:num_tokens])
 
     def _padded_run(
@@ -857,6 +1059,20 @@ def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) ->
     return hidden_states, PackedSequences.right_padded(
         cu_seq_lens, max(packed.max_length, extra), packed.num_tokens + extra
     )
+
+
+def _pad_packed_to_static_shape(
+    hidden_states: torch.Tensor, packed: PackedSequences
+) -> tuple[torch.Tensor, PackedSequences]:
+    """Pad `[T, hidden]` to its `static_shape`: zero tokens in dummy proteins of at most `max_length` tokens, then
+    empty proteins up to the slot count (`cu_seq_lens` repeats its last entry)."""
+    num_sequences = packed.cu_seq_lens.numel() - 1
+    tokens, slots, length = static_shape(packed.num_tokens, num_sequences, packed.max_length)
+    hidden_states = F.pad(hidden_states, (0, 0, 0, tokens - packed.num_tokens))
+    extra_slots = torch.arange(1, slots - num_sequences + 1, device=packed.cu_seq_lens.device)
+    ends = (packed.num_tokens + extra_slots * length).clamp_max(tokens).to(torch.int32)
+    cu_seq_lens = torch.cat([packed.cu_seq_lens.to(torch.int32), ends])
+    return hidden_states, PackedSequences.right_padded(cu_seq_lens, length, tokens)
 
 
 def _pad_padded_for_fp8(

@@ -1,0 +1,150 @@
+"""CUDA graphs over static packed shapes (`cuda_graphs=True`, TE backend) give what the eager TE path gives.
+
+The graphs run each batch padded to a static shape (dummy proteins and empty slots), so they differ from eager
+only by the GEMMs' tiling over another token count: fp32 logits within FP32_ATOL of eager (TE fp32 moves by
+~2e-3 between token counts on an H100), bf16 within a few bf16 steps (BF16_ATOL), losses within 1e-2 relative,
+gradients within 5e-2 relative. A misplaced token, a stale static buffer or parameter, or a wrong `cu_seq_lens`
+moves logits by far more. Skipped without CUDA and Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_lengths, random_proteins
+from modeling_nv_esm import transformer_engine_available
+
+HAVE_TE = torch.cuda.is_available() and transformer_engine_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_TE, reason="needs CUDA and Transformer Engine")]
+
+CUDA = "cuda"
+FP32_ATOL = 1e-2
+BF16_ATOL = 0.1
+LOSS_RTOL = 1e-2
+GRAD_RTOL = 5e-2  # relative L2 error of each gradient, graphs vs eager, both bf16 autocast
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def hf_fp32():
+    return make_hf_model("esm2_8M", seed=200)
+
+
+def te_pair(hf, dtype=torch.float32, **overrides):
+    """Eager and graphed TE models with the same weights."""
+    eager = make_nv_model(hf, backend="te", **overrides).to(CUDA, dtype)
+    graphed = make_nv_model(hf, backend="te", cuda_graphs=True, **overrides).to(CUDA, dtype)
+    return eager, graphed
+
+
+def packed_on_gpu(proteins):
+    return {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+
+
+def batches(seed: int, count: int, proteins: int = 6, longest: int = 300) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        random_proteins(random_lengths(generator, proteins, longest), seed=seed + i, mask_fraction=0.15)
+        for i in range(count)
+    ]
+
+
+def test_inference_graphs_match_eager_and_outputs_are_not_overwritten(hf_fp32):
+    """Several batches, some in one static shape: each output equals eager, and earlier outputs stay intact when
+    the same graph replays again (the graph's output buffer is copied out)."""
+    eager, graphed = te_pair(hf_fp32, torch.float32)
+    eager.eval(), graphed.eval()
+    outputs, expected = [], []
+    with torch.no_grad():
+        for proteins in batches(201, 5) + batches(201, 2):  # the last two repeat shapes already captured
+            outputs.append(graphed(**packed_on_gpu(proteins)).logits)
+            expected.append(eager(**packed_on_gpu(proteins)).logits)
+            input_ids, attention_mask = pad_batch(proteins)
+            padded = graphed(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA)).logits
+            keep = attention_mask.bool().to(CUDA)
+            assert max_err(padded[keep], expected[-1][0]) <= FP32_ATOL
+    shapes = len(graphed.esm.encoder.graphs._graphs)
+    assert 1 <= shapes < len(outputs)
+    errors = [max_err(a, b) for a, b in zip(outputs, expected)]
+    print(f"\n[graphs inference] {shapes} shapes captured, max |logit diff| vs eager per batch {errors}")
+    assert max(errors) <= FP32_ATOL
+
+
+@pytest.mark.parametrize("layer_precision", [None, "fp8_delayed", "fp8_current", "fp8_block", "fp8_inner"])
+def test_training_with_graphs_follows_eager(hf_fp32, layer_precision):
+    """Three optimizer steps of two micro-batches each under bf16 autocast (fp32 weights): losses and gradients of
+    the graphed model follow the eager one (FP8: same recipe both sides)."""
+    layers = hf_fp32.config.num_hidden_layers
+    options = {}
+    if layer_precision is not None:
+        recipe = layer_precision.split("_")[1]
+        precision = ["fp8"] * layers if recipe != "inner" else [None] + ["fp8"] * (layers - 2) + [None]
+        options = dict(layer_precision=precision, fp8_recipe="delayed" if recipe == "inner" else recipe)
+    eager, graphed = te_pair(hf_fp32, **options)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    steps = batches(202, 6)
+    worst_loss = worst_grad = 0.0
+    for index in range(0, len(steps), 2):
+        losses = []
+        for model in (eager, graphed):
+            model.train()
+            total = 0.0
+            for proteins in steps[index : index + 2]:
+                batch = packed_on_gpu(proteins)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(**batch, labels=batch["input_ids"]).loss
+                loss.backward()
+                total += loss.item()
+            losses.append(total)
+        for (name, a), (_, b) in zip(eager.named_parameters(), graphed.named_parameters()):
+            if a.grad is not None and a.grad.norm() > 0:
+                worst_grad = max(worst_grad, relative_error(b.grad, a.grad))
+                assert relative_error(b.grad, a.grad) <= GRAD_RTOL, (index, name)
+        worst_loss = max(worst_loss, abs(losses[1] - losses[0]) / losses[0])
+        assert abs(losses[1] - losses[0]) <= LOSS_RTOL * losses[0], index
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    shapes = len(graphed.esm.encoder.graphs._graphs)
+    print(
+        f"\n[graphs training {layer_precision}] {shapes} shapes, worst relative difference: loss {worst_loss:.2e}, "
+        f"gradient {worst_grad:.2e}"
+    )
+    assert shapes >= 1
+
+
+def test_a_second_forward_before_backward_is_refused(hf_fp32):
+    """Two training forwards before one backward: the graphs' shared memory holds what the first backward reads, so
+    the second forward raises (running it eagerly gave NaN gradients on an H100). After the backward, replays go
+    on."""
+    graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
+    first, second = (packed_on_gpu(p) for p in batches(203, 2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = graphed(**first, labels=first["input_ids"]).loss
+        assert graphed.esm.encoder.graphs.awaiting_backward()
+        with pytest.raises(RuntimeError, match="backward has not run yet"):
+            graphed(**second, labels=second["input_ids"])
+        loss.backward()
+        assert not graphed.esm.encoder.graphs.awaiting_backward()
+        graphed(**second, labels=second["input_ids"]).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in graphed.parameters() if p.grad is not None)
+
+
+def test_casting_the_model_recaptures(hf_fp32):
+    """Graphs read the parameters' storage: after `.to(dtype)` they are captured again, not replayed stale."""
+    eager, graphed = te_pair(hf_fp32)
+    graphed.eval(), eager.eval()
+    batch = packed_on_gpu(batches(204, 1)[0])
+    with torch.no_grad():
+        graphed(**batch)
+        graphed.to(torch.bfloat16)
+        eager.to(torch.bfloat16)
+        assert max_err(graphed(**batch).logits, eager(**batch).logits) <= BF16_ATOL

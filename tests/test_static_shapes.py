@@ -1,0 +1,58 @@
+"""Static packed shapes (the buckets CUDA graphs are captured for): bounds, and padding that changes no output.
+
+The graphs themselves need a GPU (tests/test_gpu_graphs.py); the shapes and the padding are checked here on the
+PyTorch backend, fp32, against the unpadded run within 1e-5 (tests/test_model.py's tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hf_model, make_nv_model, max_abs_diff, pack_batch, random_lengths, random_proteins
+from modeling_nv_esm import EncoderInputs, PackedSequences, _pad_packed_to_static_shape, static_shape
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_static_shape_bounds(seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(2000):
+        num_sequences = int(torch.randint(1, 300, (), generator=generator))
+        max_length = int(torch.randint(1, 1027, (), generator=generator))
+        num_tokens = int(torch.randint(max_length, max_length * num_sequences + 1, (), generator=generator))
+        tokens, slots, length = static_shape(num_tokens, num_sequences, max_length)
+        assert 0 <= tokens - num_tokens < max(num_tokens / 8, 256) and tokens % 256 == 0
+        assert max_length <= length < max(2 * max_length, 65) and length & (length - 1) == 0
+        assert slots >= num_sequences + -(-(tokens - num_tokens) // length) and slots & (slots - 1) == 0
+
+
+def test_lognormal_batches_use_few_static_shapes():
+    """How many static shapes (so captures) 500 batches of log-normal protein lengths use."""
+    generator = torch.Generator().manual_seed(6)
+    for proteins, most in ((16, 40), (64, 30)):
+        shapes = set()
+        for _ in range(500):
+            lengths = (torch.exp(5.6 + 0.7 * torch.randn(proteins, generator=generator)).clamp(10, 1024) + 2).long()
+            shapes.add(static_shape(int(lengths.sum()), proteins, int(lengths.max())))
+        print(f"\n[static shapes] {proteins} proteins per batch, 500 batches: {len(shapes)} shapes")
+        assert len(shapes) <= most
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padding_to_the_static_shape_changes_no_output(seed):
+    """Dummy proteins and empty slots appended to a packed batch leave every real token's final state unchanged."""
+    nv = make_nv_model(make_hf_model("wide_heads", seed=7))
+    generator = torch.Generator().manual_seed(seed)
+    proteins = random_proteins(random_lengths(generator, 7, longest=150), seed=seed, mask_fraction=0.15)
+    batch = pack_batch(proteins)
+    embeddings = torch.randn(batch["input_ids"].shape[1], nv.config.hidden_size, generator=generator)
+    packed = PackedSequences.right_padded(batch["cu_seq_lens_q"], batch["max_length_q"], embeddings.shape[0])
+    padded_states, padded = _pad_packed_to_static_shape(embeddings, packed)
+    assert padded.num_tokens == padded_states.shape[0] == static_shape(embeddings.shape[0], 7, packed.max_length)[0]
+    assert padded.cu_seq_lens[-1] == padded.num_tokens and (padded.cu_seq_lens.diff() >= 0).all()
+    assert (padded.cu_seq_lens.diff() <= padded.max_length).all()
+    rotary = nv.esm.rotary_embeddings
+    with torch.no_grad():
+        expected, _ = nv.esm.encoder(embeddings, EncoderInputs(rotary(packed.max_length), packed=packed), False)
+        actual, _ = nv.esm.encoder(padded_states, EncoderInputs(rotary(padded.max_length), packed=padded), False)
+    assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5

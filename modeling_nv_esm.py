@@ -1402,6 +1402,9 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
         states = outputs.last_hidden_state
         if outputs.cu_seq_lens is not None:
             cls_states = states[0, outputs.cu_seq_lens[:-1].long()]
+        elif attention_mask is not None:  # each row's first token, wherever the padding puts it
+            first = attention_mask.to(torch.int32).argmax(dim=1).to(states.device)
+            cls_states = states[torch.arange(states.shape[0], device=states.device), first]
         else:
             cls_states = states[:, 0]
         logits = self.classifier(cls_states)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import EsmForSequenceClassification, EsmForTokenClassification
 
 from conftest import (
     PADDING_SIDES,
@@ -23,6 +24,8 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
+from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf
+from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 
 ATOL_FP32 = 1e-5
 MAX_TOKENS = 1026
@@ -130,3 +133,38 @@ def test_padding_inside_a_protein_is_refused(nv):
     input_ids = torch.tensor([[0, 5, 6, 7, 2], [0, 5, 6, 7, 2]])
     with pytest.raises(ValueError, match="one contiguous run of tokens per row"):
         nv(input_ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]]))
+
+
+@pytest.mark.parametrize(
+    "hf_class,nv_class",
+    [
+        (EsmForSequenceClassification, NVEsmForSequenceClassification),
+        (EsmForTokenClassification, NVEsmForTokenClassification),
+    ],
+)
+@pytest.mark.parametrize("side", PADDING_SIDES)
+def test_classification_heads_give_each_protein_its_own_outputs(hf_class, nv_class, side):
+    """The sequence head reads each protein's own <cls> (not column 0 of a left-padded row); the token head each
+    token's state: per protein, what transformers' head model gives that protein alone."""
+    mlm = make_hf_model("wide_heads", seed=46)
+    hf_model = hf_class(mlm.config).eval()
+    hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
+    torch.manual_seed(47)
+    for parameter in hf_model.classifier.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    generator = torch.Generator().manual_seed(48)
+    proteins = random_proteins(random_lengths(generator, 5), seed=49, mask_fraction=0.1)
+    input_ids, attention_mask = random_padded_batch(proteins, side, "wider", generator)
+    for attn_input_format in ("thd", "bshd"):
+        config = nv_config_from_hf(hf_model.config.to_dict(), backend="torch", attn_input_format=attn_input_format)
+        nv_model = nv_class(config).eval()
+        encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), config).items() if k.startswith("esm.")}
+        nv_model.load_state_dict(encoder | {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")})
+        with torch.no_grad():
+            logits = nv_model(input_ids, attention_mask=attention_mask).logits
+            for row, protein in enumerate(proteins):
+                alone = hf_model(protein[None]).logits[0]
+                ours = (
+                    logits[row] if hf_class is EsmForSequenceClassification else logits[row, attention_mask[row].bool()]
+                )
+                assert max_abs_diff(ours, alone) <= ATOL_FP32, (attn_input_format, row)

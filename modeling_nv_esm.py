@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -527,7 +528,7 @@ class NVEsmEncoder(nn.Module):
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
         train mode with gradients or eval mode without, no per-layer outputs or activation checkpointing, layers
-        not sharded by FSDP.
+        not sharded by FSDP, and no module hooks (a replay would not call them).
 
         Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
         would overwrite memory that backward reads. (A training forward must be followed by its backward; an
@@ -537,14 +538,15 @@ class NVEsmEncoder(nn.Module):
         if self.graphs.awaiting_backward():
             raise RuntimeError(
                 "cuda_graphs=True: this model ran a training forward whose backward has not run yet, and another "
-                "forward now would overwrite what that backward reads. Call backward first, or load the model with "
-                "cuda_graphs=False to run several forwards per backward."
+                "forward now would overwrite what that backward reads. Call backward first (or, to drop that forward, "
+                "model.esm.encoder.graphs.clear()), or load the model with cuda_graphs=False to run several forwards "
+                "per backward."
             )
         if output_hidden_states or self.training != torch.is_grad_enabled():
             return False
         if self.training and self.gradient_checkpointing:
             return False
-        return not _is_sharded(self.layers[0])
+        return not _is_sharded(self.layers[0]) and not _has_module_hooks(self)
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
@@ -594,13 +596,14 @@ class StaticShapeGraphs:
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
     output is copied out
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
-    optimizer steps and `load_state_dict` do); when any parameter's storage changes, the graphs are captured anew.
+    optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
+    are captured anew. Gradient hooks on parameters also see TE's warm-up gradients while a shape is captured.
     """
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, nn.Module | None] = {}
         self._pool: Any = None
-        self._parameter_storage: tuple[int, ...] = ()
+        self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
 
     def __deepcopy__(self, memo: dict) -> StaticShapeGraphs:
@@ -623,7 +626,8 @@ class StaticShapeGraphs:
     def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
         """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
         tensor."""
-        storage = tuple(parameter.data_ptr() for parameter in encoder.parameters())
+        # Graphs read the parameters' storage and fix at capture which parameters get gradients.
+        storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
         if storage != self._parameter_storage:
             self.clear()
             self._parameter_storage = storage
@@ -637,6 +641,7 @@ class StaticShapeGraphs:
             hidden_states.requires_grad,
             hidden_states.dtype,
             autocast_dtype,
+            torch.is_inference_mode_enabled(),
         )
         if key not in self._graphs:
             self._graphs[key] = self._capture(encoder, hidden_states, inputs, autocast_dtype)
@@ -671,6 +676,8 @@ class StaticShapeGraphs:
             f"max_length {inputs.packed.max_length}, {'training' if encoder.training else 'inference'}"
         )
         started = time.perf_counter()
+        parameters = list(encoder.parameters())
+        grads = [parameter.grad for parameter in parameters]  # TE does not put them back if capture fails
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
             with torch.autocast(
                 "cuda", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None, cache_enabled=False
@@ -687,6 +694,8 @@ class StaticShapeGraphs:
             importlib.import_module("transformer_engine.pytorch.graph").set_capture_end()
             if "__call__" in vars(StaticShapeLayers):  # TE's FP8 wrapper, left in place when capture fails
                 del StaticShapeLayers.__call__
+            for parameter, grad in zip(parameters, grads):
+                parameter.grad = grad
             logger.warning(
                 f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
             )
@@ -694,6 +703,12 @@ class StaticShapeGraphs:
         torch.cuda.empty_cache()
         logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
         return graph
+
+
+def _has_module_hooks(module: nn.Module) -> bool:
+    """Whether any submodule has forward or backward hooks."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(m, kind, None) for m in module.modules() for kind in kinds)
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -1118,12 +1133,11 @@ class InputBatch:
         batch, length = tokens.shape
         if batch == 0 or length == 0:
             raise ValueError(f"The batch holds no tokens: input shape {tuple(tokens.shape)}.")
-        checks = _token_id_checks(config, input_ids)
         if attention_mask is None:
             if length > config.max_position_embeddings:
                 raise ValueError(_too_long_message(config))
             lengths = torch.full((batch,), float(length), device=tokens.device)
-            raise_on_failed_checks(checks, config.check_inputs)
+            raise_on_failed_checks(_token_id_checks(config, input_ids), config.check_inputs)
             packed = None
             if config.attn_input_format == "thd":
                 cu_seq_lens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=tokens.device)
@@ -1140,7 +1154,7 @@ class InputBatch:
         longest = counts.max()
         # One run of tokens per row: padding on the left, the right or both, never inside a protein.
         run_starts = key_mask[:, 0].int() + (key_mask[:, 1:] & ~key_mask[:, :-1]).sum(-1)
-        checks += [
+        checks = _token_id_checks(config, input_ids, key_mask) + [
             (((attention_mask == 0) | (attention_mask == 1)).all(), "attention_mask must hold only 0 and 1."),
             ((counts > 0).all(), "Every row of attention_mask must keep at least one token."),
             (
@@ -1218,12 +1232,16 @@ class InputBatch:
         return cls(True, lengths.float(), packed)
 
 
-def _token_id_checks(config: NVEsmConfig, input_ids: torch.Tensor | None) -> list[tuple[torch.Tensor, str]]:
+def _token_id_checks(
+    config: NVEsmConfig, input_ids: torch.Tensor | None, key_mask: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, str]]:
+    """Token ids within the vocabulary, where `key_mask` (if given) keeps tokens: padding ids are never read."""
     if input_ids is None:
         return []
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
-    in_vocab = ((input_ids >= 0) & (input_ids < config.vocab_size)).all()
+    in_vocab = (input_ids >= 0) & (input_ids < config.vocab_size)
+    in_vocab = (in_vocab if key_mask is None else in_vocab | ~key_mask).all()
     return [(in_vocab, f"input_ids must be token ids in [0, {config.vocab_size}) (the ESM vocabulary).")]
 
 
@@ -1275,9 +1293,9 @@ def _as_length(name: str, value: Any) -> int | None:
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer, got a {value.dtype} tensor of shape {tuple(value.shape)}.")
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return value
+    return int(value)
 
 
 def _too_long_message(config: NVEsmConfig) -> str:

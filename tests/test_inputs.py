@@ -220,3 +220,27 @@ def test_unchecked_inputs_give_the_same_outputs():
     batch = packed((7, 1, 12))
     with torch.no_grad():
         assert torch.equal(checked(**batch).logits, unchecked(**batch).logits)
+
+
+def test_ids_at_padding_positions_are_not_checked_or_read(model):
+    """Collators that pad input_ids with -100 or any other id: only kept positions must hold vocabulary ids."""
+    input_ids, attention_mask = pad_batch(random_proteins([6, 3], seed=37))
+    odd = input_ids.masked_fill(attention_mask == 0, -100)
+    odd[1, -1] = 999
+    keep = attention_mask.bool()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits[keep]
+        assert torch.equal(model(odd, attention_mask=attention_mask).logits[keep], expected)
+    with pytest.raises(ValueError, match="token ids in"):
+        model(odd)  # without a mask every position is a token
+
+
+def test_max_length_accepts_numpy_and_tensor_integers(model):
+    import numpy as np
+
+    batch = packed()
+    with torch.no_grad():
+        expected = model(**batch).logits
+        for value in (np.int64(5), torch.tensor(5), 7):
+            actual = model(**with_changes(batch, max_length_q=value, max_length_k=None)).logits
+            assert (actual - expected).abs().max() <= 1e-5

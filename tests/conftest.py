@@ -58,6 +58,24 @@ def make_hf_model(shape: str = "tiny", seed: int = 0, **config: object) -> EsmFo
     return model
 
 
+def make_head_models(hf_class: type, nv_class: type, seed: int, **overrides: object) -> tuple:
+    """A transformers head model (`EsmForSequenceClassification` / `EsmForTokenClassification`, eval, random
+    encoder and classifier weights) and the NVEsm model of `nv_class` holding the same weights (the encoder through
+    the converter; the heads have the same names), PyTorch backend unless overridden."""
+    mlm = make_hf_model("wide_heads", seed=seed)
+    hf_model = hf_class(mlm.config).eval()
+    hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
+    torch.manual_seed(seed + 1)
+    for parameter in hf_model.classifier.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    overrides.setdefault("backend", "torch")
+    nv_model = nv_class(nv_config_from_hf(hf_model.config.to_dict(), **overrides)).eval()
+    encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), nv_model.config).items() if k.startswith("esm.")}
+    heads = {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")}
+    nv_model.load_state_dict(encoder | heads, strict=True)
+    return hf_model, nv_model
+
+
 def make_nv_model(hf_model: EsmForMaskedLM, **overrides: object) -> NVEsmForMaskedLM:
     """The NVEsm twin of `hf_model` (same weights via the converter), PyTorch backend unless overridden."""
     overrides.setdefault("backend", "torch")

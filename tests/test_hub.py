@@ -18,6 +18,7 @@ from transformers import (
 
 from conftest import (
     TINY_CHECKPOINT,
+    make_head_models,
     make_hf_model,
     make_nv_model,
     max_abs_diff,
@@ -25,7 +26,7 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
-from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf, hf_to_nv_state_dict, nv_config_from_hf
+from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 
 ATOL_FP32 = 1e-5  # fp32 CPU, as in test_model.py
@@ -119,17 +120,7 @@ def test_te_to_hf_folder_loads_in_plain_transformers(exported, reference, tmp_pa
     ],
 )
 def test_classification_heads_match_transformers_padded_and_packed(hf_class, nv_class):
-    mlm = make_hf_model("wide_heads", seed=44)
-    hf_model = hf_class(mlm.config).eval()
-    hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
-    torch.manual_seed(45)
-    for parameter in hf_model.classifier.parameters():
-        torch.nn.init.normal_(parameter, std=0.5)
-    nv_model = nv_class(nv_config_from_hf(hf_model.config.to_dict(), backend="torch")).eval()
-    # The encoder goes through the converter; the classifier heads have the same names in both models.
-    encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), nv_model.config).items() if k.startswith("esm.")}
-    heads = {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")}
-    nv_model.load_state_dict(encoder | heads, strict=True)
+    hf_model, nv_model = make_head_models(hf_class, nv_class, seed=44)
     proteins = random_proteins([13, 1, 30], seed=46, mask_fraction=0.1)
     input_ids, attention_mask = pad_batch(proteins)
     with torch.no_grad():

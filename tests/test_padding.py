@@ -17,6 +17,7 @@ from transformers import EsmForSequenceClassification, EsmForTokenClassification
 from conftest import (
     PADDING_SIDES,
     PADDING_WIDTHS,
+    make_head_models,
     make_hf_model,
     make_nv_model,
     max_abs_diff,
@@ -24,7 +25,6 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
-from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 
 ATOL_FP32 = 1e-5
@@ -146,20 +146,11 @@ def test_padding_inside_a_protein_is_refused(nv):
 def test_classification_heads_give_each_protein_its_own_outputs(hf_class, nv_class, side):
     """The sequence head reads each protein's own <cls> (not column 0 of a left-padded row); the token head each
     token's state: per protein, what transformers' head model gives that protein alone."""
-    mlm = make_hf_model("wide_heads", seed=46)
-    hf_model = hf_class(mlm.config).eval()
-    hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
-    torch.manual_seed(47)
-    for parameter in hf_model.classifier.parameters():
-        torch.nn.init.normal_(parameter, std=0.5)
     generator = torch.Generator().manual_seed(48)
     proteins = random_proteins(random_lengths(generator, 5), seed=49, mask_fraction=0.1)
     input_ids, attention_mask = random_padded_batch(proteins, side, "wider", generator)
     for attn_input_format in ("thd", "bshd"):
-        config = nv_config_from_hf(hf_model.config.to_dict(), backend="torch", attn_input_format=attn_input_format)
-        nv_model = nv_class(config).eval()
-        encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), config).items() if k.startswith("esm.")}
-        nv_model.load_state_dict(encoder | {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")})
+        hf_model, nv_model = make_head_models(hf_class, nv_class, seed=46, attn_input_format=attn_input_format)
         with torch.no_grad():
             logits = nv_model(input_ids, attention_mask=attention_mask).logits
             for row, protein in enumerate(proteins):

@@ -491,7 +491,9 @@ class NVEsmEncoder(nn.Module):
         """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
         layer's output, with the last one LayerNormed as in ESM and transformers."""
         if inputs.static_shape:
-            return self.graphs.run(self, hidden_states, inputs), None
+            states = self.graphs.run(self, hidden_states, inputs)
+            if states is not None:
+                return states, None
         all_hidden_states = [hidden_states] if output_hidden_states else None
         with self.fp8_region():
             hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states)
@@ -623,9 +625,9 @@ class StaticShapeGraphs:
         """Whether a training replay's backward has not started yet."""
         return self._awaiting_backward
 
-    def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+    def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
-        tensor."""
+        tensor. None when this shape's capture failed: the encoder then runs it eagerly."""
         # Graphs read the parameters' storage and fix at capture which parameters get gradients.
         storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
         if storage != self._parameter_storage:
@@ -646,12 +648,11 @@ class StaticShapeGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._capture(encoder, hidden_states, inputs, autocast_dtype)
         graph = self._graphs[key]
+        if graph is None:
+            return None
         with encoder.fp8_region():
-            if graph is None:  # capture failed: eager, same shapes
-                states = encoder.emb_layer_norm_after(encoder.run_layers(hidden_states, inputs))
-            else:
-                states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
-        if graph is not None and states.requires_grad:
+            states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
+        if states.requires_grad:
             self._awaiting_backward = True
             states.register_hook(self._backward_started)
         return states
@@ -1068,26 +1069,32 @@ def _pool(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torc
 
 def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
     """Append a dummy protein of zeros so the token count is a multiple of `FP8_TOKEN_MULTIPLE`."""
-    extra = -hidden_states.shape[0] % FP8_TOKEN_MULTIPLE
-    hidden_states = F.pad(hidden_states, (0, 0, 0, extra))
-    cu_seq_lens = torch.cat([packed.cu_seq_lens, packed.cu_seq_lens[-1:] + extra])
-    return hidden_states, PackedSequences.right_padded(
-        cu_seq_lens, max(packed.max_length, extra), packed.num_tokens + extra
+    extra = -packed.num_tokens % FP8_TOKEN_MULTIPLE
+    num_sequences = packed.cu_seq_lens.numel() - 1
+    return _pad_packed(
+        hidden_states, packed, packed.num_tokens + extra, num_sequences + 1, max(packed.max_length, extra)
     )
 
 
 def _pad_packed_to_static_shape(
     hidden_states: torch.Tensor, packed: PackedSequences
 ) -> tuple[torch.Tensor, PackedSequences]:
-    """Pad `[T, hidden]` to its `static_shape`: zero tokens in dummy proteins of at most `max_length` tokens, then
-    empty proteins up to the slot count (`cu_seq_lens` repeats its last entry)."""
+    """Pad `[T, hidden]` to its `static_shape` (see `_pad_packed`)."""
     num_sequences = packed.cu_seq_lens.numel() - 1
-    tokens, slots, length = static_shape(packed.num_tokens, num_sequences, packed.max_length)
+    return _pad_packed(hidden_states, packed, *static_shape(packed.num_tokens, num_sequences, packed.max_length))
+
+
+def _pad_packed(
+    hidden_states: torch.Tensor, packed: PackedSequences, tokens: int, slots: int, max_length: int
+) -> tuple[torch.Tensor, PackedSequences]:
+    """Pad `[T, hidden]` to `[tokens, hidden]` with zero tokens in dummy proteins of at most `max_length` tokens
+    each, then empty proteins (`cu_seq_lens` repeats its last entry) up to `slots` proteins in all."""
+    num_sequences = packed.cu_seq_lens.numel() - 1
     hidden_states = F.pad(hidden_states, (0, 0, 0, tokens - packed.num_tokens))
     extra_slots = torch.arange(1, slots - num_sequences + 1, device=packed.cu_seq_lens.device)
-    ends = (packed.num_tokens + extra_slots * length).clamp_max(tokens).to(torch.int32)
+    ends = (packed.num_tokens + extra_slots * max_length).clamp_max(tokens).to(torch.int32)
     cu_seq_lens = torch.cat([packed.cu_seq_lens.to(torch.int32), ends])
-    return hidden_states, PackedSequences.right_padded(cu_seq_lens, length, tokens)
+    return hidden_states, PackedSequences.right_padded(cu_seq_lens, max_length, tokens)
 
 
 def _pad_padded_for_fp8(

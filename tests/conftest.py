@@ -128,6 +128,11 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (L2 over all elements)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
 PADDING_SIDES = ("right", "left", "both")
 PADDING_WIDTHS = ("longest", "multiple_of_16", "wider")
 

@@ -24,6 +24,7 @@ from conftest import (
     random_lengths,
     random_padded_batch,
     random_proteins,
+    relative_error,
 )
 from convert_checkpoint import nv_to_hf_state_dict
 from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
@@ -136,10 +137,6 @@ def test_random_padding_layouts_give_each_protein_its_own_outputs_on_te(hf_fp32,
         f"\n[padding layouts {attn_input_format} {dtype}] max |logit diff| batch vs alone {worst_vs_alone:.2e}, "
         f"vs transformers fp32 alone {worst_vs_transformers:.2e}"
     )
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 def hf_gradients(model, input_ids, attention_mask, labels) -> dict[str, torch.Tensor]:

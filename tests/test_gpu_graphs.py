@@ -12,7 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_lengths, random_proteins
+from conftest import (
+    make_hf_model,
+    make_nv_model,
+    max_abs_diff,
+    pack_batch,
+    pad_batch,
+    random_lengths,
+    random_proteins,
+    relative_error,
+)
 from modeling_nv_esm import transformer_engine_available
 
 HAVE_TE = torch.cuda.is_available() and transformer_engine_available()
@@ -23,14 +32,6 @@ FP32_ATOL = 1e-2
 BF16_ATOL = 0.1
 LOSS_RTOL = 1e-2
 GRAD_RTOL = 5e-2  # relative L2 error of each gradient, graphs vs eager, both bf16 autocast
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +71,10 @@ def test_inference_graphs_match_eager_and_outputs_are_not_overwritten(hf_fp32):
             input_ids, attention_mask = pad_batch(proteins)
             padded = graphed(input_ids.to(CUDA), attention_mask=attention_mask.to(CUDA)).logits
             keep = attention_mask.bool().to(CUDA)
-            assert max_err(padded[keep], expected[-1][0]) <= FP32_ATOL
+            assert max_abs_diff(padded[keep], expected[-1][0]) <= FP32_ATOL
     shapes = len(graphed.esm.encoder.graphs._graphs)
     assert 1 <= shapes < len(outputs)
-    errors = [max_err(a, b) for a, b in zip(outputs, expected)]
+    errors = [max_abs_diff(a, b) for a, b in zip(outputs, expected)]
     print(f"\n[graphs inference] {shapes} shapes captured, max |logit diff| vs eager per batch {errors}")
     assert max(errors) <= FP32_ATOL
 
@@ -147,4 +148,4 @@ def test_casting_the_model_recaptures(hf_fp32):
         graphed(**batch)
         graphed.to(torch.bfloat16)
         eager.to(torch.bfloat16)
-        assert max_err(graphed(**batch).logits, eager(**batch).logits) <= BF16_ATOL
+        assert max_abs_diff(graphed(**batch).logits, eager(**batch).logits) <= BF16_ATOL

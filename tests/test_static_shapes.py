@@ -1,4 +1,5 @@
-"""Static packed shapes (the buckets CUDA graphs are captured for): bounds, and padding that changes no output.
+"""Static packed shapes (the buckets CUDA graphs are captured for): bounds, and padding (static shapes, FP8's
+multiple of 16 tokens) that changes no output.
 
 The graphs themselves need a GPU (tests/test_gpu_graphs.py); the shapes and the padding are checked here on the
 PyTorch backend, fp32, against the unpadded run within 1e-5 (tests/test_model.py's tolerance).
@@ -10,7 +11,14 @@ import pytest
 import torch
 
 from conftest import make_hf_model, make_nv_model, max_abs_diff, pack_batch, random_lengths, random_proteins
-from modeling_nv_esm import EncoderInputs, PackedSequences, _pad_packed_to_static_shape, static_shape
+from modeling_nv_esm import (
+    FP8_TOKEN_MULTIPLE,
+    EncoderInputs,
+    PackedSequences,
+    _pad_packed_for_fp8,
+    _pad_packed_to_static_shape,
+    static_shape,
+)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -38,19 +46,27 @@ def test_lognormal_batches_use_few_static_shapes():
         assert len(shapes) <= most
 
 
+@pytest.mark.parametrize("pad", [_pad_packed_to_static_shape, _pad_packed_for_fp8])
 @pytest.mark.parametrize("seed", range(3))
-def test_padding_to_the_static_shape_changes_no_output(seed):
-    """Dummy proteins and empty slots appended to a packed batch leave every real token's final state unchanged."""
+def test_padding_the_packed_batch_changes_no_output(seed, pad):
+    """Dummy proteins and empty slots appended to a packed batch (to its static shape, or to the FP8 multiple of
+    16 tokens) leave every real token's final state unchanged."""
     nv = make_nv_model(make_hf_model("wide_heads", seed=7))
     generator = torch.Generator().manual_seed(seed)
     proteins = random_proteins(random_lengths(generator, 7, longest=150), seed=seed, mask_fraction=0.15)
     batch = pack_batch(proteins)
     embeddings = torch.randn(batch["input_ids"].shape[1], nv.config.hidden_size, generator=generator)
     packed = PackedSequences.right_padded(batch["cu_seq_lens_q"], batch["max_length_q"], embeddings.shape[0])
-    padded_states, padded = _pad_packed_to_static_shape(embeddings, packed)
-    assert padded.num_tokens == padded_states.shape[0] == static_shape(embeddings.shape[0], 7, packed.max_length)[0]
+    padded_states, padded = pad(embeddings, packed)
+    if pad is _pad_packed_to_static_shape:
+        assert padded.num_tokens == static_shape(embeddings.shape[0], 7, packed.max_length)[0]
+    else:  # one dummy protein up to the next multiple of 16
+        assert padded.num_tokens == -(-embeddings.shape[0] // FP8_TOKEN_MULTIPLE) * FP8_TOKEN_MULTIPLE
+        assert padded.cu_seq_lens.numel() == packed.cu_seq_lens.numel() + 1
+    assert padded.num_tokens == padded_states.shape[0]
     assert padded.cu_seq_lens[-1] == padded.num_tokens and (padded.cu_seq_lens.diff() >= 0).all()
     assert (padded.cu_seq_lens.diff() <= padded.max_length).all()
+    assert torch.equal(padded.cu_seq_lens[: len(proteins) + 1], packed.cu_seq_lens)
     rotary = nv.esm.rotary_embeddings
     with torch.no_grad():
         expected, _ = nv.esm.encoder(embeddings, EncoderInputs(rotary(packed.max_length), packed=packed), False)

@@ -14,9 +14,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "assets"), str(ROOT / "bench")]
 
 from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf  # noqa: E402
 from make_tiny_checkpoint import esm2_config  # noqa: E402
-from modeling_nv_esm import NVEsmForMaskedLM  # noqa: E402
+from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available  # noqa: E402
 
 TINY_CHECKPOINT = ROOT / "assets" / "esm2_tiny"
+# Marks of the GPU test modules. Asking whether TE imports imports it, before anything loads cuDNN in the process
+# (see shared/gpu/README.md).
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and transformer_engine_available()), reason="needs CUDA and Transformer Engine"
+    ),
+]
 CLS, PAD, EOS, MASK = 0, 1, 2, 32
 AMINO_ACIDS = range(4, 24)  # the 20 standard residues of the ESM alphabet
 # Shapes for CPU parity tests: ESM-2 8M itself and smaller ones of other aspect ratios.

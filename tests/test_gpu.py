@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import (
+    GPU_MARKS,
     PADDING_SIDES,
     PADDING_WIDTHS,
     make_hf_model,
@@ -27,11 +28,9 @@ from conftest import (
     relative_error,
 )
 from convert_checkpoint import nv_to_hf_state_dict
-from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
+from modeling_nv_esm import NVEsmForMaskedLM
 
-# TE must be imported before torch loads cuDNN in this process (see shared/gpu/README.md).
-HAVE_TE = torch.cuda.is_available() and transformer_engine_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_TE, reason="needs CUDA and Transformer Engine")]
+pytestmark = GPU_MARKS
 
 CUDA = "cuda"
 LENGTHS = [1, 300, 37, 2, 1026, 129, 64]  # includes length 1 and max length; heavy padding when padded

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import (
+    GPU_MARKS,
     make_hf_model,
     make_nv_model,
     max_abs_diff,
@@ -22,10 +23,8 @@ from conftest import (
     random_proteins,
     relative_error,
 )
-from modeling_nv_esm import transformer_engine_available
 
-HAVE_TE = torch.cuda.is_available() and transformer_engine_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_TE, reason="needs CUDA and Transformer Engine")]
+pytestmark = GPU_MARKS
 
 CUDA = "cuda"
 FP32_ATOL = 1e-2

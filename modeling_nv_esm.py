@@ -20,7 +20,7 @@ import importlib
 import math
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +186,58 @@ class PackedSequences:
         return positions < self.lengths[:, None]
 
 
+def pack_proteins(
+    proteins: Sequence[torch.Tensor | Sequence[int]], labels: Sequence[torch.Tensor | Sequence[int]] | None = None
+) -> dict[str, Any]:
+    """Packed (THD) model inputs for N proteins' token ids (1-D tensors or int lists, `<cls>`/`<eos>` included).
+
+    Returns the keyword arguments of the packed forward, as `DataCollatorWithFlattening(return_flash_attn_kwargs=
+    True)` gives them: `input_ids [1, T]` int64, `position_ids [1, T]` (restarting at 0 for each protein),
+    `cu_seq_lens_q`/`cu_seq_lens_k [N + 1]` int32, `max_length_q`/`max_length_k` (longest protein, int), and with
+    per-token `labels` (one sequence per protein, same lengths) `labels [1, T]` int64. Tensors are on the CPU.
+    """
+    if not proteins:
+        raise ValueError("pack_proteins needs at least one protein.")
+    ids = [torch.as_tensor(protein, dtype=torch.int64).reshape(-1) for protein in proteins]
+    lengths = torch.tensor([len(protein) for protein in ids])
+    if (lengths == 0).any():
+        raise ValueError(f"protein {int((lengths == 0).nonzero()[0])} has no tokens.")
+    cu_seq_lens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    max_length = int(lengths.max())
+    inputs = {
+        "input_ids": torch.cat(ids)[None],
+        "position_ids": torch.cat([torch.arange(length) for length in lengths.tolist()])[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+    if labels is not None:
+        label_ids = [torch.as_tensor(label, dtype=torch.int64).reshape(-1) for label in labels]
+        if [len(label) for label in label_ids] != lengths.tolist():
+            raise ValueError("labels must hold one label per token of each protein.")
+        inputs["labels"] = torch.cat(label_ids)[None]
+    return inputs
+
+
+def pad_proteins(
+    proteins: Sequence[torch.Tensor | Sequence[int]], pad_token_id: int, padding_side: str = "right"
+) -> dict[str, torch.Tensor]:
+    """Padded (BSHD) model inputs for N proteins' token ids: `input_ids [N, S]` int64 with `pad_token_id` at
+    padding and `attention_mask [N, S]` int64 (1 = token), S the longest protein, padding on `padding_side`."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
+    ids = [torch.as_tensor(protein, dtype=torch.int64).reshape(-1) for protein in proteins]
+    width = max(len(protein) for protein in ids)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
+    for row, protein in enumerate(ids):
+        columns = slice(width - len(protein), width) if padding_side == "left" else slice(0, len(protein))
+        input_ids[row, columns] = protein
+        attention_mask[row, columns] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
 def sequence_index_of_tokens(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """`[T]` index of the protein that each of `num_tokens` packed tokens belongs to."""
     boundaries = cu_seq_lens[1:-1].contiguous()
@@ -236,8 +288,9 @@ class EncoderInputs:
     packed: PackedSequences | None = None
     static_shape: bool = False
 
+    @functools.cached_property
     def te_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward`."""
+        """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward` (built once per batch)."""
         kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
         if self.packed is not None:
             cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
@@ -365,12 +418,27 @@ class NVEsmTorchLayer(nn.Module):
         return hidden_states + self.dropout(self.layernorm_mlp(hidden_states))
 
 
-def make_te_layer(config: NVEsmConfig, layer_number: int) -> nn.Module:
-    """A `transformer_engine.pytorch.TransformerLayer` shaped as ESM-2's layer `layer_number` (1-based)."""
+@functools.cache
+def te_layer_class() -> type[nn.Module]:
+    """`NVEsmTELayer`: TE's `TransformerLayer` called as the twin is, `layer(hidden_states, inputs)`.
+
+    Built on first use, as it subclasses a Transformer Engine class. Its parameters and state dict are
+    `TransformerLayer`'s, unchanged."""
     te = import_transformer_engine()
+
+    class NVEsmTELayer(te.TransformerLayer):
+        def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:  # type: ignore[override]
+            """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
+            return super().forward(hidden_states, **inputs.te_kwargs)
+
+    return NVEsmTELayer
+
+
+def make_te_layer(config: NVEsmConfig, layer_number: int) -> nn.Module:
+    """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based)."""
     init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
     on_meta = torch.get_default_device().type == "meta"
-    return te.TransformerLayer(
+    return te_layer_class()(
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
         num_attention_heads=config.num_attention_heads,
@@ -507,25 +575,21 @@ class NVEsmEncoder(nn.Module):
         self, hidden_states: torch.Tensor, inputs: EncoderInputs, all_hidden_states: list | None = None
     ) -> torch.Tensor:
         """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states`."""
-        te_kwargs = inputs.te_kwargs() if self.backend == "te" else None
         for index, layer in enumerate(self.layers):
             with self.layer_precision(index):
-                hidden_states = self.run_layer(layer, hidden_states, inputs, te_kwargs)
+                hidden_states = self.run_layer(layer, hidden_states, inputs)
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
         return hidden_states
 
-    def run_layer(
-        self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, te_kwargs: dict | None
-    ) -> torch.Tensor:
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        if te_kwargs is None:
-            if checkpointing:
-                return self._gradient_checkpointing_func(layer.__call__, hidden_states, inputs)
+    def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """One layer, `layer(hidden_states, inputs)` on both backends; recomputed in backward under gradient
+        checkpointing (TE's checkpoint on the TE backend: it keeps FP8 scaling state consistent when recomputing)."""
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
             return layer(hidden_states, inputs)
-        if checkpointing:
-            return import_transformer_engine().checkpoint(layer, hidden_states, use_reentrant=False, **te_kwargs)
-        return layer(hidden_states, **te_kwargs)
+        if self.backend == "te":
+            return import_transformer_engine().checkpoint(layer, hidden_states, inputs, use_reentrant=False)
+        return self._gradient_checkpointing_func(layer.__call__, hidden_states, inputs)
 
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
@@ -776,7 +840,7 @@ class NVEsmPreTrainedModel(PreTrainedModel):
     base_model_prefix = "esm"
     supports_gradient_checkpointing = True
     accepts_loss_kwargs = False
-    _no_split_modules = ["NVEsmTorchLayer", "TransformerLayer", "NVEsmEmbeddings"]
+    _no_split_modules = ["NVEsmTorchLayer", "NVEsmTELayer", "NVEsmEmbeddings"]
     _keys_to_ignore_on_load_unexpected = [r"\._extra_state$"]
 
     @torch.no_grad()

@@ -5,35 +5,15 @@ It is the embedded default of the demo and the tests (no network needed). Seeded
     python assets/make_tiny_checkpoint.py
 """
 
-import sys
 from pathlib import Path
 
 import torch
-from transformers import EsmConfig, EsmForMaskedLM
+from transformers import EsmForMaskedLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from convert_checkpoint import ESM_VOCAB, write_esm_tokenizer  # noqa: E402
+from nv_esm.hub_folder import write_esm_tokenizer
+from nv_esm.shapes import TINY_SHAPE, esm2_config
 
-TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 SEED = 20261122
-
-
-def esm2_config(**fields: object) -> EsmConfig:
-    """An ESM-2 config as `facebook/esm2_*` ship them; `fields` set the shape and override any default."""
-    defaults = dict(
-        vocab_size=len(ESM_VOCAB),
-        mask_token_id=ESM_VOCAB.index("<mask>"),
-        pad_token_id=ESM_VOCAB.index("<pad>"),
-        max_position_embeddings=1026,
-        layer_norm_eps=1e-5,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        position_embedding_type="rotary",
-        emb_layer_norm_before=False,
-        token_dropout=True,
-        architectures=["EsmForMaskedLM"],
-    )
-    return EsmConfig(**{**defaults, **fields})
 
 
 def main() -> None:

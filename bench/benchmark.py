@@ -42,20 +42,19 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "assets")]
-
-from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available  # noqa: E402
+from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins, pad_proteins, transformer_engine_available
 
 assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
 
+from plot_speed import plot  # noqa: E402  (bench/plot_speed.py, beside this script)
 from transformers import EsmForMaskedLM  # noqa: E402
 
-import flops  # noqa: E402
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
-from make_tiny_checkpoint import esm2_config  # noqa: E402
+from nv_esm import shapes  # noqa: E402
+from nv_esm.alphabet import CLS, EOS, MASK, PAD  # noqa: E402
 
-SHAPES = flops.ESM2_SHAPES
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = shapes.ESM2_SHAPES
 VARIANT_CONFIGS = {
     "nv_bshd": dict(attn_input_format="bshd"),
     "nv_thd": dict(),
@@ -70,9 +69,8 @@ VARIANTS = ("transformers", *VARIANT_CONFIGS)
 PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8", "nv_thd_bf16w", "nv_thd_graphs", "nv_thd_graphs_fp8"}
 MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
-PEAK_TFLOPS = flops.PEAK_BF16_TFLOPS["H100"]
+PEAK_TFLOPS = shapes.PEAK_BF16_TFLOPS["H100"]
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
-CLS, PAD, EOS, MASK = 0, 1, 2, 32
 
 
 def draw_batches(num_batches: int, proteins: int, seed: int) -> list[list[torch.Tensor]]:
@@ -103,28 +101,25 @@ def mlm_inputs(residues: list[torch.Tensor], seed: int) -> tuple[list[torch.Tens
 
 
 def padded(tokens: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
-    length = max(len(t) for t in tokens)
-    input_ids = torch.full((len(tokens), length), PAD)
-    label_ids = torch.full((len(tokens), length), -100)
-    mask = torch.zeros((len(tokens), length), dtype=torch.long)
-    for row, (t, lab) in enumerate(zip(tokens, labels)):
-        input_ids[row, : len(t)], label_ids[row, : len(t)], mask[row, : len(t)] = t, lab, 1
-    return {"input_ids": input_ids.cuda(), "attention_mask": mask.cuda(), "labels": label_ids.cuda()}
+    """Right-padded batch on the GPU, labels -100 at padding."""
+    batch = pad_proteins(tokens, PAD)
+    batch["labels"] = pad_proteins(labels, -100)["input_ids"]
+    return {name: tensor.cuda() for name, tensor in batch.items()}
 
 
 def packed(tokens: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
-    lengths = torch.tensor([len(t) for t in tokens])
-    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    """Packed batch on the GPU: input_ids, labels, cu_seq_lens_q, max_length_q."""
+    batch = pack_proteins(tokens, labels)
     return {
-        "input_ids": torch.cat(tokens)[None].cuda(),
-        "labels": torch.cat(labels)[None].cuda(),
-        "cu_seq_lens_q": cu_seq_lens,
-        "max_length_q": int(lengths.max()),
+        "input_ids": batch["input_ids"].cuda(),
+        "labels": batch["labels"].cuda(),
+        "cu_seq_lens_q": batch["cu_seq_lens_q"].cuda(),
+        "max_length_q": batch["max_length_q"],
     }
 
 
 def model_flops(shape: dict, lengths: list[int], training: bool) -> float:
-    return flops.model_flops(
+    return shapes.model_flops(
         shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], lengths, training
     )
 
@@ -132,7 +127,7 @@ def model_flops(shape: dict, lengths: list[int], training: bool) -> float:
 def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if variant == "transformers":
-        model = EsmForMaskedLM._from_config(esm2_config(**shape), attn_implementation="sdpa")
+        model = EsmForMaskedLM._from_config(shapes.esm2_config(**shape), attn_implementation="sdpa")
     else:
         options = dict(VARIANT_CONFIGS[variant])
         if options.pop("fp8", False):
@@ -238,29 +233,6 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
     return result
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r["shape"], r["mode"], r["proteins"]) for r in results}, key=str)
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4), squeeze=False)
-    for ax, (shape, mode, proteins) in zip(axes[0], groups):
-        rows = [r for r in results if (r["shape"], r["mode"], r["proteins"]) == (shape, mode, proteins)]
-        names = [r["variant"] for r in rows]
-        values = [0 if r["oom"] else r["tokens_per_second"] / 1e3 for r in rows]
-        bars = ax.bar(range(len(rows)), values, color=["grey"] + ["tab:green"] * (len(rows) - 1))
-        for bar, row in zip(bars, rows):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), "OOM" if row["oom"] else "", ha="center")
-        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{shape} {mode}, {proteins}/step", fontsize=8)
-        ax.set_ylabel("k unpadded tokens/s", fontsize=8)
-    fig.suptitle(f"ESM-2 throughput, {torch.cuda.get_device_name()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def largest_batch(variant: str, shape: str, start: int, limit: int = 1024) -> int:
     """Most proteins per training step (doubling from `start`) that run 2 steps without running out of memory."""
     fits, proteins = 0, start
@@ -314,7 +286,7 @@ def main() -> None:
             results.append(json.loads(line))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot([r for r in results if "tokens_per_second" in r or r.get("oom")], args.out / "benchmark.png")
+    plot(results, args.out / "benchmark.png", f"ESM-2 throughput, {meta['device']}, {meta['date']}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from benchmark import ROOT, SHAPES, draw_batches
 
-from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf
 from modeling_nv_esm import NVEsmForMaskedLM
+from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWC"
 
@@ -46,7 +46,7 @@ def timed(function, *args, **kwargs) -> tuple[torch.Tensor, float]:
 def main() -> None:
     from transformers import AutoTokenizer, EsmForMaskedLM
 
-    from make_tiny_checkpoint import esm2_config
+    from nv_esm.shapes import esm2_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))

@@ -1,4 +1,4 @@
-"""Multi-GPU checks of `recipes/train.py` (run on a host with 2+ GPUs and Transformer Engine).
+"""Multi-GPU checks of the training recipe, `recipes/train.py` (`nv_esm.train`), on a host with 2+ GPUs and TE.
 
     python bench/recipe_checks.py scaling --out $OUT/recipe   # 1 vs 2 GPUs, same global batch: losses, tokens/s
     python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-import flops
+from nv_esm import trace_summary
+from nv_esm.shapes import ESM2_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "recipes" / "demo_data" / "demo.fasta"
@@ -32,7 +33,7 @@ WARMUP_STEPS = 10
 def write_config(out: Path, shape: str) -> Path:
     """config.json of an ESM-2 shape."""
     fields = json.loads((ROOT / "config.json").read_text())
-    fields.update(flops.ESM2_SHAPES[shape])
+    fields.update(ESM2_SHAPES[shape])
     path = out / f"config_{shape}.json"
     path.write_text(json.dumps(fields))
     return path
@@ -88,8 +89,6 @@ def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: s
 
 def check_profile(out: Path, shape: str, budget: int) -> dict:
     """Traces of 3 steps (after 10) on 1 and on 2 GPUs with `budget` tokens per GPU, summarised per rank."""
-    import trace_summary
-
     config = write_config(out, shape)
     summaries = {}
     for gpus in (1, 2):
@@ -212,7 +211,7 @@ def main() -> None:
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=sorted(flops.ESM2_SHAPES), default=None)
+    parser.add_argument("--shape", choices=sorted(ESM2_SHAPES), default=None)
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )

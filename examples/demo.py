@@ -15,19 +15,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
+from convert_checkpoint import convert_hf_to_nv
+from nv_esm.alphabet import GFP  # UniProt P42212, green fluorescent protein (Aequorea victoria)
+from nv_esm.hub_folder import resolve_source
+from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from convert_checkpoint import convert_hf_to_nv, resolve_source  # noqa: E402
-
-# UniProt P42212, green fluorescent protein (Aequorea victoria).
-GFP = (
-    "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
-    "KDDGNYKTRAEVKFEGDTLVNRIELKGIDFKEDGNILGHKLEYNYNSHNVYIMADKQKNGIKVNFKIRHNIEDGSVQLADHYQQNTPIGDGPVLLPDNHY"
-    "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
-)
 CHROMOPHORE = range(64, 67)  # residues 65-67 (S65, Y66, G67), 0-based
-TOLERANCE = {"torch": 1e-4, "te": 5e-2}  # fp32; TE's fused GELU is the tanh approximation (see README)
+# fp32, as the converter's --verify; TE's fused GELU is the tanh approximation (see README)
+TOLERANCE = {"torch": DEFAULT_VERIFY_ATOL["float32"], "te": TE_FP32_VERIFY_ATOL}
 
 
 def main() -> int:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import EsmForMaskedLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "assets"), str(ROOT / "bench")]
+from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins, pad_proteins, transformer_engine_available
+from nv_esm.alphabet import CLS, EOS, MASK, PAD, STANDARD_IDS
+from nv_esm.shapes import ESM2_SHAPES, esm2_config
+from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
-from convert_checkpoint import hf_to_nv_state_dict, nv_config_from_hf  # noqa: E402
-from make_tiny_checkpoint import esm2_config  # noqa: E402
-from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_CHECKPOINT = ROOT / "assets" / "esm2_tiny"
 # Marks of the GPU test modules. Asking whether TE imports imports it, before anything loads cuDNN in the process
@@ -25,11 +24,13 @@ GPU_MARKS = [
         not (torch.cuda.is_available() and transformer_engine_available()), reason="needs CUDA and Transformer Engine"
     ),
 ]
-CLS, PAD, EOS, MASK = 0, 1, 2, 32
-AMINO_ACIDS = range(4, 24)  # the 20 standard residues of the ESM alphabet
+# TE fp32 vs transformers fp32 logits of the test models: TE's GELU is the tanh approximation (through 6 layers).
+# Users' --verify default is looser (nv_esm.verification.TE_FP32_VERIFY_ATOL): trained models have larger logits.
+TE_FP32_ATOL = 2e-2
+AMINO_ACIDS = STANDARD_IDS  # the 20 standard residues of the ESM alphabet
 # Shapes for CPU parity tests: ESM-2 8M itself and smaller ones of other aspect ratios.
 SHAPES = {
-    "esm2_8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
+    "esm2_8M": ESM2_SHAPES["8M"],
     "wide_heads": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=2, intermediate_size=200),
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
 }
@@ -108,28 +109,15 @@ def random_proteins(lengths: list[int], seed: int, mask_fraction: float = 0.0) -
 
 
 def pad_batch(proteins: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded `input_ids [B, S]` and `attention_mask [B, S]`."""
-    length = max(len(p) for p in proteins)
-    input_ids = torch.full((len(proteins), length), PAD)
-    attention_mask = torch.zeros((len(proteins), length), dtype=torch.long)
-    for row, protein in enumerate(proteins):
-        input_ids[row, : len(protein)] = protein
-        attention_mask[row, : len(protein)] = 1
-    return input_ids, attention_mask
+    """Right-padded `input_ids [B, S]` and `attention_mask [B, S]` (`modeling_nv_esm.pad_proteins`)."""
+    padded = pad_proteins(proteins, PAD)
+    return padded["input_ids"], padded["attention_mask"]
 
 
 def pack_batch(proteins: list[torch.Tensor]) -> dict[str, torch.Tensor | int]:
-    """Packed inputs as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them."""
-    lengths = torch.tensor([len(p) for p in proteins])
-    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return {
-        "input_ids": torch.cat(proteins)[None],
-        "position_ids": torch.cat([torch.arange(len(p)) for p in proteins])[None],
-        "cu_seq_lens_q": cu_seq_lens,
-        "cu_seq_lens_k": cu_seq_lens,
-        "max_length_q": int(lengths.max()),
-        "max_length_k": int(lengths.max()),
-    }
+    """Packed inputs as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them
+    (`modeling_nv_esm.pack_proteins`)."""
+    return pack_proteins(proteins)
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -23,20 +23,19 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
 import convert_checkpoint
 from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
-from convert_checkpoint import ESM_VOCAB, hf_to_nv_state_dict, main, nv_config_from_hf, parse_size, write_esm_tokenizer
-from make_tiny_checkpoint import esm2_config
+from convert_checkpoint import main
+from nv_esm import alphabet, checkpoint_io, hub_folder, state_dict_mapping, verification
+from nv_esm.alphabet import ESM_VOCAB, GFP
+from nv_esm.checkpoint_io import DTYPES, parse_size
+from nv_esm.hub_folder import write_esm_tokenizer
+from nv_esm.shapes import esm2_config
+from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
 try:
     import yaml
 except ImportError:  # PyYAML is a dev dependency; huggingface_hub parses model-card metadata too
     yaml = None
 
-GFP = (  # UniProt P42212
-    "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
-    "KDDGNYKTRAEVKFEGDTLVNRIELKGIDFKEDGNILGHKLEYNYNSHNVYIMADKQKNGIKVNFKIRHNIEDGSVQLADHYQQNTPIGDGPVLLPDNHY"
-    "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
-)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --verify on the CPU: the exact PyTorch path on every machine (with a GPU, "auto" runs Transformer Engine, whose
 # tanh GELU moves float32 logits by ~3e-3; tests/test_gpu.py covers that path).
 VERIFY_CPU = ("--verify", "--verify-device", "cpu")
@@ -203,7 +202,6 @@ def test_fair_esm_checkpoint_converts_and_verifies(tmp_path, capsys, regression_
     restored = EsmForMaskedLM.from_pretrained(tmp_path / "back")
     assert_same_tensors(restored.state_dict(), original.state_dict())
     # The .pt carries no tokenizer: the ESM-2 one is written, and tokenizes as the bundled checkpoint's does.
-    assert convert_checkpoint.ESM_VOCAB == ESM_VOCAB
     ours = AutoTokenizer.from_pretrained(tmp_path / "te", trust_remote_code=True)
     assert (
         ours(GFP + "<mask>")["input_ids"] == AutoTokenizer.from_pretrained(TINY_CHECKPOINT)(GFP + "<mask>")["input_ids"]
@@ -236,7 +234,7 @@ def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
 def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
     status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0
-    proteins = convert_checkpoint.read_fasta(ROOT / "assets" / "proteins.fasta")
+    proteins = alphabet.read_fasta(ROOT / "assets" / "proteins.fasta")
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| protein")]
     assert [row.split("|")[1].strip() for row in rows] == [name for name, _ in proteins]
     assert all(row.split("|")[5].strip() == "100.0%" for row in rows)  # argmax agreement
@@ -251,7 +249,7 @@ def test_verify_bf16_passes_with_default_tolerance(tmp_path, capsys):
     source = save_hf(make_hf_model("tiny", seed=8), tmp_path / "src")
     status, out, err = run(capsys, "hf-to-te", source, tmp_path / "te", "--dtype", "bfloat16", *VERIFY_CPU)
     assert status == 0, out + err
-    assert f"tolerance {convert_checkpoint.DEFAULT_VERIFY_ATOL['bfloat16']:g}" in out and "bfloat16" in out
+    assert f"tolerance {verification.DEFAULT_VERIFY_ATOL['bfloat16']:g}" in out and "bfloat16" in out
 
 
 def swap_query_and_key(real):
@@ -272,7 +270,7 @@ def nudge_one_bias_logit(real):
     "target,corrupt", [("fuse_qkv", swap_query_and_key), ("pad_vocab", nudge_one_bias_logit)], ids=["qkv", "bias"]
 )
 def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, tiny_source, target, corrupt):
-    monkeypatch.setattr(convert_checkpoint, target, corrupt(getattr(convert_checkpoint, target)))
+    monkeypatch.setattr(state_dict_mapping, target, corrupt(getattr(state_dict_mapping, target)))
     status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 3
     assert "FAILED" in err and "| P42212 | 238 |" in err and "was not written" in err
@@ -281,7 +279,7 @@ def test_verify_fails_on_a_corrupted_conversion(tmp_path, capsys, monkeypatch, t
 
 
 def test_verify_atol_sets_the_tolerance(tmp_path, capsys, monkeypatch, tiny_source):
-    monkeypatch.setattr(convert_checkpoint, "pad_vocab", nudge_one_bias_logit(convert_checkpoint.pad_vocab))
+    monkeypatch.setattr(state_dict_mapping, "pad_vocab", nudge_one_bias_logit(state_dict_mapping.pad_vocab))
     status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU, "--verify-atol", "0.01")
     assert status == 0 and "tolerance 0.01" in out
     largest = float(re.search(r"largest max abs Δlogit ([0-9.e+-]+)", out).group(1))
@@ -290,7 +288,7 @@ def test_verify_atol_sets_the_tolerance(tmp_path, capsys, monkeypatch, tiny_sour
 
 def test_verify_device_cpu_runs_the_exact_path_even_when_a_gpu_is_visible(tmp_path, capsys, monkeypatch, tiny_source):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine reports
-    assert convert_checkpoint.verify_device("auto") == "cuda"
+    assert verification.verify_device("auto") == "cuda"
     status, out, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0, err
     assert "device cpu" in out and "backend torch" in out and "tolerance 0.0001" in out
@@ -423,7 +421,7 @@ def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypa
     if existing:
         out.mkdir()
         (out / "keep.txt").write_text("old conversion")
-    real_write, calls = convert_checkpoint.SafetensorsWriter.write, []
+    real_write, calls = checkpoint_io.SafetensorsWriter.write, []
 
     def failing_write(self, name, tensor):
         calls.append(name)
@@ -431,7 +429,7 @@ def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypa
             raise OSError(28, "No space left on device")
         real_write(self, name, tensor)
 
-    monkeypatch.setattr(convert_checkpoint.SafetensorsWriter, "write", failing_write)
+    monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", failing_write)
     status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")
     assert status == 1 and "No space left on device" in err and len(calls) == 10
     assert sorted(path.name for path in tmp_path.iterdir()) == (["te"] if existing else [])
@@ -617,10 +615,10 @@ def test_source_tokenizer_files_cannot_bring_remote_code(tmp_path, capsys, tiny_
     assert status == 0, err
     written = {path.name: json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json")}
     assert set(written) == {"config.json", "tokenizer_config.json"}
-    assert written["config.json"].get("auto_map") == (convert_checkpoint.AUTO_MAP if direction == "hf-to-te" else None)
+    assert written["config.json"].get("auto_map") == (hub_folder.AUTO_MAP if direction == "hf-to-te" else None)
     assert "extra" not in written["config.json"]
     tokenizer_keys = {"added_tokens_decoder", "backend", "model_max_length", "tokenizer_class"}
-    assert set(written["tokenizer_config.json"]) == tokenizer_keys | set(convert_checkpoint.SPECIAL_TOKENS)
+    assert set(written["tokenizer_config.json"]) == tokenizer_keys | set(hub_folder.SPECIAL_TOKENS)
     assert written["tokenizer_config.json"]["tokenizer_class"] == "EsmTokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", trust_remote_code=True)
     assert type(tokenizer).__name__ == "EsmTokenizer"
@@ -630,21 +628,21 @@ def test_source_tokenizer_files_cannot_bring_remote_code(tmp_path, capsys, tiny_
 
 STALLED_CONVERSION = """
 import sys, time
-sys.path.insert(0, {root!r})
 import convert_checkpoint
+from nv_esm import checkpoint_io
 
 def stall(self, name, tensor):
     print("writing", flush=True)
     time.sleep(300)
 
-convert_checkpoint.SafetensorsWriter.write = stall
+checkpoint_io.SafetensorsWriter.write = stall
 sys.exit(convert_checkpoint.main(["hf-to-te", {source!r}, {out!r}]))
 """
 
 
 def start_stalled_conversion(source: Path, out: Path) -> subprocess.Popen:
     """A conversion in another process that stops at its first tensor."""
-    script = STALLED_CONVERSION.format(root=str(ROOT), source=str(source), out=str(out))
+    script = STALLED_CONVERSION.format(source=str(source), out=str(out))
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -801,8 +799,6 @@ def test_parse_size_rejects_nonsense():
 # ---- memory --------------------------------------------------------------------------------------------------------
 
 MEMORY_PROBE = """
-import sys
-sys.path.insert(0, {root!r})
 import convert_checkpoint
 
 def status(field):
@@ -829,7 +825,7 @@ def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
         ("hf-to-te", source, tmp_path / "te"),
         ("te-to-hf", tmp_path / "te", tmp_path / "back"),
     ):
-        script = MEMORY_PROBE.format(root=str(ROOT), direction=direction, source=str(src), out=str(out))
+        script = MEMORY_PROBE.format(direction=direction, source=str(src), out=str(out))
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         code, peak = map(int, result.stdout.splitlines()[-1].split()[1:])
         assert code == 0, result.stderr

@@ -18,6 +18,7 @@ from conftest import (
     GPU_MARKS,
     PADDING_SIDES,
     PADDING_WIDTHS,
+    TE_FP32_ATOL,
     make_hf_model,
     make_nv_model,
     pack_batch,
@@ -27,15 +28,14 @@ from conftest import (
     random_proteins,
     relative_error,
 )
-from convert_checkpoint import nv_to_hf_state_dict
-from modeling_nv_esm import NVEsmForMaskedLM
+from modeling_nv_esm import NVEsmForMaskedLM, import_transformer_engine
+from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
 pytestmark = GPU_MARKS
 
 CUDA = "cuda"
 LENGTHS = [1, 300, 37, 2, 1026, 129, 64]  # includes length 1 and max length; heavy padding when padded
 BF16_FACTOR, BF16_FLOOR = 1.5, 2e-2
-TE_FP32_ATOL = 2e-2  # TE fp32 vs transformers fp32 logits: tanh GELU approximation through 6 layers
 FP8_LOSS_RTOL = 0.02  # FP8 MLM loss within 2% of bf16 on the same batch
 
 
@@ -238,7 +238,7 @@ def test_from_pretrained_builds_te_layers_on_gpu(hf_fp32, tmp_path):
     make_nv_model(hf_fp32).save_pretrained(tmp_path)
     model = NVEsmForMaskedLM.from_pretrained(tmp_path, backend="auto", dtype=torch.bfloat16, device_map=CUDA).eval()
     assert model.esm.backend == "te"
-    assert type(model.esm.encoder.layers[0]).__name__ == "TransformerLayer"
+    assert isinstance(model.esm.encoder.layers[0], import_transformer_engine().TransformerLayer)
     reference = te_model(hf_fp32)
     input_ids, attention_mask = padded_inputs(seed=106)
     with torch.no_grad():
@@ -274,7 +274,7 @@ def test_gradient_checkpointing_with_te(hf_fp32):
 def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
     """recipes/train.py saves TE's delayed-scaling state per rank: a restored model quantises like the original,
     a model without it (fresh amax history) does not."""
-    from recipes.train import fp8_scaling_state, set_fp8_scaling_state
+    from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 
     layers = hf_fp32.config.num_hidden_layers
     fp8 = dict(attn_input_format="thd", layer_precision=["fp8"] * layers, fp8_recipe="delayed")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import (
@@ -17,6 +19,7 @@ from transformers import (
 )
 
 from conftest import (
+    ROOT,
     TINY_CHECKPOINT,
     make_head_models,
     make_hf_model,
@@ -28,13 +31,10 @@ from conftest import (
 )
 from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
+from nv_esm.alphabet import GFP
+from nv_esm.hub_folder import AUTO_MAP
 
 ATOL_FP32 = 1e-5  # fp32 CPU, as in test_model.py
-GFP = (  # UniProt P42212, green fluorescent protein (Aequorea victoria)
-    "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQHDFFKSAMPEGYVQERTIFF"
-    "KDDGNYKTRAEVKFEGDTLVNRIELKGIDFKEDGNILGHKLEYNYNSHNVYIMADKQKNGIKVNFKIRHNIEDGSVQLADHYQQNTPIGDGPVLLPDNHY"
-    "LSTQSALSKDPNEKRDHMVLLEFVTAAGITHGMDELYK"
-)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,11 @@ def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("hub") / "esm2_tiny_nv"
     convert_hf_to_nv(TINY_CHECKPOINT, out)
     return out
+
+
+def test_repository_config_points_at_the_remote_code_as_exported_folders_do():
+    config = json.loads((ROOT / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP
 
 
 @pytest.fixture(scope="module")

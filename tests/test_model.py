@@ -23,7 +23,7 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
-from convert_checkpoint import nv_to_hf_state_dict
+from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
 ATOL_FP32 = 1e-5
 MAX_TOKENS = 1026  # max_position_embeddings: 1024 residues + <cls> + <eos>

@@ -1,8 +1,9 @@
-"""recipes/data.py: reading, tokenizing, cropping, masking, packing, sharding, exact resume, fine-tuning CSVs."""
+"""nv_esm.data: reading, tokenizing, cropping, masking, packing, sharding, exact resume, fine-tuning CSVs."""
 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import math
 import pickle
@@ -14,9 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT, make_hf_model, make_nv_model
-from convert_checkpoint import ESM_VOCAB
-from recipes import make_demo_data
-from recipes.data import (
+from nv_esm.alphabet import ESM_VOCAB
+from nv_esm.data import (
     Batches,
     ClassificationStream,
     MLMStream,
@@ -54,7 +54,7 @@ def write_fasta(path: Path, sequences: list[str], width: int = 7) -> Path:
 
 
 def decode(ids: list[int]) -> str:
-    """Residue letters of token ids, CLS/EOS dropped (independent of recipes.data's tables)."""
+    """Residue letters of token ids, CLS/EOS dropped (independent of nv_esm.data's tables)."""
     return "".join(ESM_VOCAB[i] for i in ids if i not in (CLS, EOS))
 
 
@@ -470,6 +470,10 @@ def test_demo_data_parses() -> None:
 
 
 def test_demo_data_generator_is_deterministic(tmp_path: Path) -> None:
+    # recipes/make_demo_data.py is a script, not part of the installed package: load it from its file.
+    spec = importlib.util.spec_from_file_location("make_demo_data", ROOT / "recipes" / "make_demo_data.py")
+    make_demo_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_demo_data)
     make_demo_data.main(tmp_path)
     for name in ("demo.fasta", "secondary_structure.csv", "solubility.csv"):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
@@ -477,8 +481,6 @@ def test_demo_data_generator_is_deterministic(tmp_path: Path) -> None:
 
 def test_sequence_task_crops_keep_cls_and_eos(tmp_path) -> None:
     """The sequence head reads each protein's first token: long proteins keep <cls> first and <eos> last."""
-    from recipes.data import ClassificationStream
-
     path = tmp_path / "long.csv"
     rows = ["sequence,label"] + [f"{'ACDEFGHIKLMNPQRSTVWY' * (3 + k)},{k % 2}" for k in range(6)]
     path.write_text("\n".join(rows) + "\n")

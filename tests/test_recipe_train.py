@@ -1,4 +1,5 @@
-"""recipes/train.py on CPU: 2-process gloo runs of the FSDP2 loop with the PyTorch twin, checkpoint resume, export.
+"""The training recipe (nv_esm.train, launched as recipes/train.py) on CPU: 2-process gloo runs of the FSDP2
+loop with the PyTorch twin, checkpoint resume, export.
 
 The runs are real `torchrun` launches (a few seconds each) of the tiny ESM-2 shape on the demo FASTA."""
 
@@ -15,11 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trace_summary
 from conftest import ROOT, TINY_CHECKPOINT
 from convert_checkpoint import convert_hf_to_nv
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
-from recipes import train
+from nv_esm import trace_summary
+from nv_esm.train.config import ModelConfig, OptimizerConfig
+from nv_esm.train.export import export_weights
+from nv_esm.train.loop import learning_rate_factor
+from nv_esm.train.lora import add_lora
+from nv_esm.train.materialize import fresh_tensor
 
 DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 SECONDARY_STRUCTURE = ROOT / "recipes" / "demo_data" / "secondary_structure.csv"
@@ -126,17 +131,15 @@ def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path,
 def test_lora_merge_reproduces_the_adapted_model(nv_tiny: Path) -> None:
     """export_weights merges W + alpha/r B A; the merged plain model gives the PEFT model's logits."""
     pytest.importorskip("peft")
-    import argparse
-
     base = NVEsmForTokenClassification.from_pretrained(nv_tiny, num_labels=3, backend="torch").eval()
-    args = argparse.Namespace(lora_rank=4, lora_alpha=8.0, task="token")
-    adapted = train.add_lora(base, args).eval()
+    settings = ModelConfig(lora_rank=4, lora_alpha=8.0, task="token")
+    adapted = add_lora(base, settings).eval()
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
                 parameter.normal_(0, 0.3)
     merged = NVEsmForTokenClassification(base.config).eval()
-    merged.load_state_dict(train.export_weights(adapted.state_dict(), base.config, 8.0), strict=True)
+    merged.load_state_dict(export_weights(adapted.state_dict(), base.config, 8.0), strict=True)
     input_ids = torch.randint(4, 24, (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids).logits, adapted(input_ids).logits, rtol=1e-5, atol=1e-5)
@@ -144,10 +147,8 @@ def test_lora_merge_reproduces_the_adapted_model(nv_tiny: Path) -> None:
 
 @pytest.mark.parametrize("step", [0, 4, 9, 10, 55, 99])
 def test_learning_rate_schedule(step: int) -> None:
-    import argparse
-
-    args = argparse.Namespace(warmup_steps=10, steps=100, decay="cosine", min_lr_ratio=0.1)
-    factor = train.learning_rate_factor(step, args)
+    settings = OptimizerConfig(warmup_steps=10, steps=100, decay="cosine", min_lr_ratio=0.1)
+    factor = learning_rate_factor(step, settings)
     if step < 10:
         assert factor == pytest.approx((step + 1) / 10)
     else:
@@ -167,7 +168,7 @@ def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
     torch.manual_seed(0)
     reference = NVEsmForMaskedLM(config)
     for index, (name, parameter) in enumerate(reference.named_parameters()):
-        fresh = train.fresh_tensor(name, tuple(parameter.shape), config, index, torch.device("cpu"))
+        fresh = fresh_tensor(name, tuple(parameter.shape), config, index, torch.device("cpu"))
         if torch.all(parameter == parameter.flatten()[0]):
             torch.testing.assert_close(fresh, parameter.detach(), msg=name)  # ones / zeros
         else:  # scale checked where there are enough values for a stable std (not the 8-value contact head)

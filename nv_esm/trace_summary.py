@@ -1,6 +1,6 @@
-"""Where the time of a traced training step goes: `recipes/train.py --profile-steps K` traces, one per rank.
+"""Where the time of a traced training step goes: `python -m nv_esm.train --profile-steps K` traces, one per rank.
 
-    python bench/trace_summary.py RUN/profile/rank*.json.gz [--json OUT.json]
+    python -m nv_esm.trace_summary RUN/profile/rank*.json.gz [--json OUT.json]
 
 Per rank, over the traced steps: wall time per step (first to last GPU kernel), time the GPU ran compute kernels,
 NCCL kernels, both at once, and none (idle: waiting for the CPU or for another rank), the CPU time of the steps'
@@ -27,10 +27,12 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length covered by both the intervals `a` and the intervals `b`."""
     return union_length(a) + union_length(b) - union_length(a + b)
 
 
 def summarise(path: Path, top: int) -> dict:
+    """The summary of one Chrome trace (`.json` or `.json.gz`), with the `top` kernels by GPU time."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as file:
         events = json.load(file)["traceEvents"]
@@ -75,12 +77,15 @@ def summarise(path: Path, top: int) -> dict:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    """The command line: summarise the traces given, print the summaries as JSON (and write them with --json)."""
+    parser = argparse.ArgumentParser(
+        prog="nv_esm.trace_summary", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=15, help="kernels listed")
     parser.add_argument("--json", type=Path, help="also write the summaries here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     summaries = [summarise(path, args.top) for path in args.traces]
     text = json.dumps(summaries, indent=1)
     if args.json:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import gzip
 import random
-import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,17 +27,10 @@ from typing import IO
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from modeling_nv_esm import pack_proteins
+from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta
 
-from convert_checkpoint import ESM_VOCAB, iter_fasta  # noqa: E402
-
-CLS, PAD, EOS, UNK, MASK = (ESM_VOCAB.index(t) for t in ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>"))
-RESIDUE_TO_ID = {token: index for index, token in enumerate(ESM_VOCAB) if len(token) == 1}  # 20 standard + XBUZO.-
-STANDARD_AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
-STANDARD_IDS = tuple(RESIDUE_TO_ID[a] for a in STANDARD_AMINO_ACIDS)  # 4..23
 IGNORE_INDEX = -100
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa")
 SEQUENCE_SUFFIXES = (*FASTA_SUFFIXES, ".txt", *(s + ".gz" for s in (*FASTA_SUFFIXES, ".txt")), ".parquet")
@@ -224,15 +216,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _packed_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:
-    """Pack proteins `tokens` with per-token `labels` (lists like `tokens`) or per-protein labels `[N]`."""
-    lengths = [len(t) for t in tokens]
-    cu_seq_lens = torch.zeros(len(tokens) + 1, dtype=torch.int32)
-    cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
-    input_ids = torch.tensor([t for protein in tokens for t in protein], dtype=torch.int64)[None]
-    if isinstance(labels, list):
-        labels = torch.tensor([t for protein in labels for t in protein], dtype=torch.int64)[None]
-    return PackedBatch(input_ids, labels, cu_seq_lens, max(lengths))
+def pack_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:
+    """Pack proteins `tokens` (N lists of token ids) with per-token `labels` (N lists, each as long as its
+    protein: `[1, T]` int64) or per-protein labels (a tensor `[N]`, kept as it is), by `pack_proteins`."""
+    if isinstance(labels, torch.Tensor):
+        packed = pack_proteins(tokens)
+        packed_labels = labels
+    else:
+        packed = pack_proteins(tokens, labels)
+        packed_labels = packed["labels"]
+    return PackedBatch(packed["input_ids"], packed_labels, packed["cu_seq_lens_q"], packed["max_length_q"])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -305,7 +298,7 @@ class _PackedStream:
         raise NotImplementedError
 
     def _collate(self, tokens: list[list[int]], labels: list) -> PackedBatch:
-        return _packed_batch(tokens, labels)
+        return pack_batch(tokens, labels)
 
     # Iteration --------------------------------------------------------------------------------------------------
 
@@ -502,8 +495,8 @@ class ClassificationStream(_PackedStream):
 
     def _collate(self, tokens: list[list[int]], labels: list) -> PackedBatch:
         if self.task == "token":
-            return _packed_batch(tokens, labels)
-        return _packed_batch(tokens, torch.tensor(labels, dtype=torch.float32 if self.regression else torch.int64))
+            return pack_batch(tokens, labels)
+        return pack_batch(tokens, torch.tensor(labels, dtype=torch.float32 if self.regression else torch.int64))
 
 
 # --------------------------------------------------------------------------------------------------------------

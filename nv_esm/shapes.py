@@ -1,4 +1,4 @@
-"""ESM-2 shapes and model FLOPs, shared by the benchmarks and the training recipe.
+"""ESM-2 shapes, a transformers config of any of them, and model FLOPs for MFU.
 
 MFU = model FLOP/s / peak dense bf16 FLOP/s of the GPU. Model FLOPs count every matmul of a step, 2 FLOPs per
 multiply-add: per token and layer QKV + output projection (4 h^2) and the MLP (2 h i), the LM head dense layer and
@@ -9,9 +9,12 @@ tokens (no causal halving: ESM attends both ways). Backward is twice forward, so
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+from nv_esm.alphabet import ESM_VOCAB
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM
-# The published ESM-2 sizes (config fields that differ between them).
+# The published ESM-2 sizes (config fields that differ between them), and the bundled tiny test checkpoint's.
 ESM2_SHAPES = {
     "8M": dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=20, intermediate_size=1280),
     "150M": dict(hidden_size=640, num_hidden_layers=30, num_attention_heads=20, intermediate_size=2560),
@@ -19,6 +22,27 @@ ESM2_SHAPES = {
     "3B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=40, intermediate_size=10240),
     "15B": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, intermediate_size=20480),
 }
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+
+def esm2_config(**fields: object) -> Any:
+    """A transformers `EsmConfig` as `facebook/esm2_*` ship them; `fields` set the shape and override any default."""
+    from transformers import EsmConfig
+
+    defaults = dict(
+        vocab_size=len(ESM_VOCAB),
+        mask_token_id=ESM_VOCAB.index("<mask>"),
+        pad_token_id=ESM_VOCAB.index("<pad>"),
+        max_position_embeddings=1026,
+        layer_norm_eps=1e-5,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        position_embedding_type="rotary",
+        emb_layer_norm_before=False,
+        token_dropout=True,
+        architectures=["EsmForMaskedLM"],
+    )
+    return EsmConfig(**{**defaults, **fields})
 
 
 def model_flops(

@@ -1,0 +1,16 @@
+"""nv-esm's installed parts: what the converter, the trainer, the benchmarks and the tests share.
+
+The model itself is the Hub remote code at the top of the repository (`configuration_nv_esm.py`,
+`modeling_nv_esm.py`), which imports nothing from here. Modules:
+
+- `alphabet`: the ESM-2 vocabulary, residue ids, FASTA reading, an example protein.
+- `shapes`: the published ESM-2 shapes, a transformers config of any of them, model FLOPs and GPU peaks.
+- `checkpoint_io`: safetensors reading and writing, sharding, sizes.
+- `hub_folder`: a Hub-ready model folder (config + `auto_map`, tokenizer, remote code, LICENSE), written
+  atomically, and pushing it.
+- `model_card`: the README.md of converted and of trained models.
+- `verification`: does a converted model give the source model's logits on real proteins?
+- `data`: the training data pipeline (read, tokenize, crop, mask, pack).
+- `train`: the FSDP2 training recipe, split by concern.
+- `cli`: the `nv-esm` command.
+"""

@@ -1,0 +1,270 @@
+"""A Hub-ready NVEsm model folder: config.json with the `auto_map` of the remote code, tokenizer, the remote code
+itself and LICENSE; written in a staging folder and moved into place atomically; a Hub id resolved to a local
+snapshot, and a finished folder pushed to the Hub.
+
+Both the checkpoint converter and the trainer's export write their folders with these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import huggingface_hub
+
+from nv_esm.alphabet import ESM_VOCAB
+from nv_esm.checkpoint_io import format_bytes, read_json
+
+if TYPE_CHECKING:
+    from configuration_nv_esm import NVEsmConfig
+
+# The remote code of an NVEsm folder, and the `auto_map` of its config.json that points AutoConfig/AutoModel*
+# at it (the repository's own config.json carries the same; tests/test_hub.py checks that).
+REMOTE_CODE_FILES = ("configuration_nv_esm.py", "modeling_nv_esm.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_nv_esm.NVEsmConfig",
+    "AutoModel": "modeling_nv_esm.NVEsmModel",
+    "AutoModelForMaskedLM": "modeling_nv_esm.NVEsmForMaskedLM",
+    "AutoModelForTokenClassification": "modeling_nv_esm.NVEsmForTokenClassification",
+    "AutoModelForSequenceClassification": "modeling_nv_esm.NVEsmForSequenceClassification",
+}
+TOKENIZER_SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# What the output's tokenizer takes from a source folder's tokenizer files; nothing else of them is written
+# (an `auto_map` there would make AutoTokenizer(..., trust_remote_code=True) run code from another repository).
+SPECIAL_TOKENS = ("cls_token", "pad_token", "eos_token", "unk_token", "mask_token")
+MIT_LICENSE = """MIT License
+
+Copyright (c) Meta Platforms, Inc. and affiliates (ESM-2 model weights).{code_copyright}
+
+Permission is hereby granted, free of charge, to any person obtaining a copy
+of this software and associated documentation files (the "Software"), to deal
+in the Software without restriction, including without limitation the rights
+to use, copy, modify, merge, publish, distribute, sublicense, and/or sell
+copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all
+copies or substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+SOFTWARE.
+"""
+CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm.py)."
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The folder's files
+# --------------------------------------------------------------------------------------------------------------
+
+
+def nv_config_dict(config: NVEsmConfig) -> dict:
+    """config.json of an NVEsm folder: the config, its architecture and the `auto_map` of the remote code."""
+    config_dict = config.to_dict()
+    config_dict.update(auto_map=AUTO_MAP, architectures=["NVEsmForMaskedLM"])
+    return config_dict
+
+
+def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int) -> None:
+    """An `EsmTokenizer` with the vocabulary and settings of the checkpoint in `source_folder`, checked; ESM-2's
+    when there is no source folder or it has no vocab.txt (fair-esm checkpoints carry no tokenizer). The source's
+    tokenizer files are read, never copied: only `SPECIAL_TOKENS` and `model_max_length` are taken from them."""
+    if source_folder is None or not (source_folder / "vocab.txt").exists():
+        write_esm_tokenizer(out)
+        return
+    vocab = read_vocab(source_folder / "vocab.txt", vocab_size)
+    settings: dict[str, Any] = {}
+    for path in (source_folder / name for name in TOKENIZER_SETTINGS_FILES if (source_folder / name).exists()):
+        data = read_json(path)
+        for key in (*SPECIAL_TOKENS, "model_max_length"):
+            value = data.get(key)
+            if isinstance(value, dict):  # an AddedToken's fields
+                value = value.get("content")
+            if value is None:
+                continue
+            special = key in SPECIAL_TOKENS
+            if (value not in vocab) if special else (type(value) is not int or value < 1):
+                raise ValueError(f"{path}: {key} {value!r} is not {'a token of vocab.txt' if special else 'a count'}.")
+            settings[key] = value
+    write_esm_tokenizer(out, vocab, **settings)
+
+
+def read_vocab(path: Path, vocab_size: int) -> list[str]:
+    """The tokens of a vocab.txt, one a line, as `EsmTokenizer` reads them; ValueError unless they are distinct
+    words without spaces whose ids fit the model's `vocab_size`."""
+    tokens = [line.strip() for line in path.read_text().splitlines()]
+    bad = [token for token in tokens if not token or len(token.split()) != 1]
+    if bad or len(set(tokens)) != len(tokens) or not 0 < len(tokens) <= vocab_size:
+        raise ValueError(
+            f"{path} is not a vocabulary of this model: {len(tokens)} lines ({len(set(tokens))} distinct, "
+            f"{len(bad)} empty or with spaces) for vocab_size {vocab_size}."
+        )
+    return tokens
+
+
+def write_esm_tokenizer(folder: Path, vocab: list[str] = ESM_VOCAB, **settings: Any) -> None:
+    """vocab.txt (default: the ESM-2 alphabet) and the `EsmTokenizer` files that AutoTokenizer loads; `settings`
+    are `EsmTokenizer` arguments (special tokens, `model_max_length`)."""
+    from transformers import EsmTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    EsmTokenizer(str(folder / "vocab.txt"), **settings).save_pretrained(folder)
+
+
+def copy_remote_code(out: Path) -> None:
+    """The two files that `trust_remote_code=True` loads, copied from where Python imports them."""
+    for name in REMOTE_CODE_FILES:
+        spec = importlib.util.find_spec(Path(name).stem)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(f"{name} is not importable; install nv-esm (pip install -e .).")
+        shutil.copy2(spec.origin, out / name)
+
+
+def write_license(out: Path, with_code: bool) -> None:
+    """ESM-2's MIT license for the weights, naming this project's remote code when the folder holds it."""
+    (out / "LICENSE").write_text(MIT_LICENSE.format(code_copyright=CODE_COPYRIGHT if with_code else ""))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing atomically: a staging folder beside OUT, renamed into place
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse a file as OUT, and a non-empty OUT without `force`."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder.")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"{out} is not empty; pass --force to replace it, or choose another folder.")
+
+
+# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), so a later run can
+# tell those of runs that died (kill -9, a crash, a power cut) from those of runs still going.
+STAGING_NAME = re.compile(r"\..*\.partial-(?P<host>[\w.-]*)-(?P<pid>\d+)-[a-z0-9_]{8}")
+
+
+def _host() -> str:
+    return re.sub(r"[^\w.-]", "_", socket.gethostname())
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(parent: Path) -> None:
+    """Delete the staging folders in `parent` whose writing process, on this host, has ended."""
+    for path in parent.iterdir():
+        match = STAGING_NAME.fullmatch(path.name)
+        if match and match["host"] == _host() and path.is_dir() and not _process_alive(int(match["pid"])):
+            print(f"removing {path}, left by an interrupted run (process {match['pid']})", file=sys.stderr)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging_folder(out: Path, force: bool) -> Iterator[Path]:
+    """A new folder next to `out`, moved to `out` when the block succeeds and deleted when it fails; staging
+    folders of ended runs in the same parent are deleted first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out.parent)
+    prefix = f".{out.name}.partial-{_host()}-{os.getpid()}-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    try:
+        yield staging
+        check_out(out, force)
+        replace_folder(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def replace_folder(staging: Path, out: Path) -> None:
+    """Rename `staging` to `out`; an existing `out` is set aside first and deleted only once the rename worked."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()
+    out.rename(old)
+    try:
+        staging.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Hub
+# --------------------------------------------------------------------------------------------------------------
+
+
+def hub_id_of(folder: Path) -> str | None:
+    """The Hub id of a folder inside the Hugging Face cache (`models--org--name/snapshots/<commit>`), else None."""
+    for part in folder.resolve().parts:
+        if part.startswith("models--"):
+            return part[len("models--") :].replace("--", "/")
+    return None
+
+
+def resolve_source(source: str, revision: str | None = None) -> Path:
+    """A local folder, or a Hub id downloaded with `huggingface_hub.snapshot_download` (token and cache from the
+    usual `HF_TOKEN`/`HF_HOME` settings)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{source} is a file; pass the folder that holds config.json and the weights.")
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ValueError(f"{source}: no such folder.")
+    try:
+        return Path(
+            huggingface_hub.snapshot_download(
+                source, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt"]
+            )
+        )
+    except Exception as error:
+        raise ValueError(
+            f"{source} is neither a local folder nor a Hub repository that can be reached "
+            f"(revision {revision or 'main'}): {type(error).__name__}: {error}\n"
+            "Check the id and the network; private or gated repositories need HF_TOKEN or `hf auth login`."
+        ) from error
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, commit_message: str, dry_run: bool) -> None:
+    """Upload `folder` to a Hub model repository (created if needed); `dry_run` only lists what would go."""
+    files = sorted(path for path in folder.rglob("*") if path.is_file())
+    total = sum(path.stat().st_size for path in files)
+    visibility = "private" if private else "default visibility"
+    if dry_run:
+        print(f"dry run: would upload {len(files)} files ({format_bytes(total)}) to {repo_id} ({visibility}):")
+        width = max(len(str(path.relative_to(folder))) for path in files)
+        for path in files:
+            print(f"  {str(path.relative_to(folder)):<{width}}  {format_bytes(path.stat().st_size):>10}")
+        print(f"  commit message: {commit_message}")
+        return
+    huggingface_hub.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
+    commit = huggingface_hub.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+    print(f"uploaded {len(files)} files ({format_bytes(total)}) to {getattr(commit, 'commit_url', repo_id)}")

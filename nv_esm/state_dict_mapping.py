@@ -1,0 +1,382 @@
+"""The ESM-2 tensor and config mapping between transformers / fair-esm and NVEsm: one table, both directions.
+
+`RULES` (and `LAYER_RULES`, once per layer) name every tensor on both sides and the transform between them (query,
+key and value fused per head into TE's interleaved `layernorm_qkv`; the vocabulary padded to a multiple of 8).
+The pure functions here map whole state dicts and configs; `convert_checkpoint.py` streams the same table one rule
+at a time over files, and the tests, the benchmarks and the trainer use these functions directly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from configuration_nv_esm import NVEsmConfig
+from nv_esm.alphabet import ESM_VOCAB
+
+# EsmConfig fields that NVEsmConfig carries unchanged.
+SHARED_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "max_position_embeddings",
+    "initializer_range",
+    "layer_norm_eps",
+    "position_embedding_type",
+    "emb_layer_norm_before",
+    "token_dropout",
+    "mask_token_id",
+    "pad_token_id",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The mapping table
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One NVEsm tensor and the transformers tensors it is made of.
+
+    `kind`: "copy" (same tensor), "buffer" (same tensor, never cast by `--dtype`: the rotary frequencies set
+    every position's angle, and ESM-2 ran with the exact values stored), "vocab" (rows padded with zeros from
+    `vocab_size` to `padded_vocab_size`), "qkv" (query, key, value fused into rows interleaved per head
+    `[h0: q, k, v | h1: ...]`). Names with `{i}` exist once per layer. `optional` tensors may be absent (tied
+    decoder weight). `dims` is the shape of each transformers tensor in config sizes (see `dim_sizes`).
+    """
+
+    hf: tuple[str, ...]
+    nv: str
+    kind: str = "copy"
+    optional: bool = False
+    dims: tuple[str, ...] = ()
+
+    def for_layer(self, index: int) -> Rule:
+        return replace(self, hf=tuple(n.format(i=index) for n in self.hf), nv=self.nv.format(i=index))
+
+
+HF_LAYER = "esm.encoder.layer.{i}."
+NV_LAYER = "esm.encoder.layers.{i}."
+H, HH = ("H",), ("H", "H")
+RULES: tuple[Rule, ...] = (
+    Rule(("esm.embeddings.word_embeddings.weight",), "esm.embeddings.word_embeddings.weight", "vocab", dims=("V", "H")),
+    Rule(("esm.rotary_embeddings.inv_freq",), "esm.rotary_embeddings.inv_freq", "buffer", dims=("R",)),
+    Rule(("esm.encoder.emb_layer_norm_after.weight",), "esm.encoder.emb_layer_norm_after.weight", dims=H),
+    Rule(("esm.encoder.emb_layer_norm_after.bias",), "esm.encoder.emb_layer_norm_after.bias", dims=H),
+    Rule(("esm.contact_head.regression.weight",), "esm.contact_head.regression.weight", dims=("1", "C")),
+    Rule(("esm.contact_head.regression.bias",), "esm.contact_head.regression.bias", dims=("1",)),
+    Rule(("lm_head.dense.weight",), "lm_head.dense.weight", dims=HH),
+    Rule(("lm_head.dense.bias",), "lm_head.dense.bias", dims=H),
+    Rule(("lm_head.layer_norm.weight",), "lm_head.decoder.layer_norm_weight", dims=H),
+    Rule(("lm_head.layer_norm.bias",), "lm_head.decoder.layer_norm_bias", dims=H),
+    Rule(("lm_head.decoder.weight",), "lm_head.decoder.weight", "vocab", optional=True, dims=("V", "H")),
+    Rule(("lm_head.bias",), "lm_head.decoder.bias", "vocab", dims=("V",)),
+)
+LAYER_RULES: tuple[Rule, ...] = (
+    Rule(
+        (HF_LAYER + "attention.LayerNorm.weight",), NV_LAYER + "self_attention.layernorm_qkv.layer_norm_weight", dims=H
+    ),
+    Rule((HF_LAYER + "attention.LayerNorm.bias",), NV_LAYER + "self_attention.layernorm_qkv.layer_norm_bias", dims=H),
+    Rule(
+        tuple(HF_LAYER + f"attention.self.{name}.weight" for name in ("query", "key", "value")),
+        NV_LAYER + "self_attention.layernorm_qkv.weight",
+        "qkv",
+        dims=HH,
+    ),
+    Rule(
+        tuple(HF_LAYER + f"attention.self.{name}.bias" for name in ("query", "key", "value")),
+        NV_LAYER + "self_attention.layernorm_qkv.bias",
+        "qkv",
+        dims=H,
+    ),
+    Rule((HF_LAYER + "attention.output.dense.weight",), NV_LAYER + "self_attention.proj.weight", dims=HH),
+    Rule((HF_LAYER + "attention.output.dense.bias",), NV_LAYER + "self_attention.proj.bias", dims=H),
+    Rule((HF_LAYER + "LayerNorm.weight",), NV_LAYER + "layernorm_mlp.layer_norm_weight", dims=H),
+    Rule((HF_LAYER + "LayerNorm.bias",), NV_LAYER + "layernorm_mlp.layer_norm_bias", dims=H),
+    Rule((HF_LAYER + "intermediate.dense.weight",), NV_LAYER + "layernorm_mlp.fc1_weight", dims=("I", "H")),
+    Rule((HF_LAYER + "intermediate.dense.bias",), NV_LAYER + "layernorm_mlp.fc1_bias", dims=("I",)),
+    Rule((HF_LAYER + "output.dense.weight",), NV_LAYER + "layernorm_mlp.fc2_weight", dims=("H", "I")),
+    Rule((HF_LAYER + "output.dense.bias",), NV_LAYER + "layernorm_mlp.fc2_bias", dims=H),
+)
+# Names that transformers checkpoints use besides the current ones: (pattern, canonical name or None = dropped).
+# transformers >= 5 saves LayerNorms as gamma/beta and the rotary inv_freq as `encoder.layer.*.…`; older
+# versions keep one inv_freq per layer and a `position_ids` buffer.
+HF_ALIASES: tuple[tuple[re.Pattern, str | None], ...] = (
+    (re.compile(r"esm\.embeddings\.position_ids"), None),
+    (
+        re.compile(r"esm\.encoder\.layer\.(\d+|\*)\.attention\.self\.rotary_embeddings\.inv_freq"),
+        "esm.rotary_embeddings.inv_freq",
+    ),
+    (re.compile(r"(.*LayerNorm)\.gamma"), r"\1.weight"),
+    (re.compile(r"(.*LayerNorm)\.beta"), r"\1.bias"),
+)
+# fair-esm (fairseq) names of an ESM-2 `.pt` -> transformers names, as in fair-esm's ESM2 module (`layers.{i}`
+# are `TransformerLayer`s, `lm_head` a `RobertaLMHead`). `{i}` is a layer, `{p}` weight or bias. The
+# `lm_head.weight` of fair-esm is the embedding matrix itself (tied), so it is dropped (None). The contact
+# regression lives in a separate `-contact-regression.pt`, with or without the `encoder.` prefix.
+FAIR_ESM_NAMES: dict[str, str | None] = {
+    "encoder.sentence_encoder.embed_tokens.weight": "esm.embeddings.word_embeddings.weight",
+    "encoder.sentence_encoder.emb_layer_norm_after.{p}": "esm.encoder.emb_layer_norm_after.{p}",
+    "encoder.sentence_encoder.layers.{i}.self_attn.rot_emb.inv_freq": "esm.rotary_embeddings.inv_freq",
+    "encoder.sentence_encoder.layers.{i}.self_attn.q_proj.{p}": HF_LAYER + "attention.self.query.{p}",
+    "encoder.sentence_encoder.layers.{i}.self_attn.k_proj.{p}": HF_LAYER + "attention.self.key.{p}",
+    "encoder.sentence_encoder.layers.{i}.self_attn.v_proj.{p}": HF_LAYER + "attention.self.value.{p}",
+    "encoder.sentence_encoder.layers.{i}.self_attn.out_proj.{p}": HF_LAYER + "attention.output.dense.{p}",
+    "encoder.sentence_encoder.layers.{i}.self_attn_layer_norm.{p}": HF_LAYER + "attention.LayerNorm.{p}",
+    "encoder.sentence_encoder.layers.{i}.final_layer_norm.{p}": HF_LAYER + "LayerNorm.{p}",
+    "encoder.sentence_encoder.layers.{i}.fc1.{p}": HF_LAYER + "intermediate.dense.{p}",
+    "encoder.sentence_encoder.layers.{i}.fc2.{p}": HF_LAYER + "output.dense.{p}",
+    "encoder.lm_head.dense.{p}": "lm_head.dense.{p}",
+    "encoder.lm_head.layer_norm.{p}": "lm_head.layer_norm.{p}",
+    "encoder.lm_head.bias": "lm_head.bias",
+    "encoder.lm_head.weight": None,
+    "encoder.contact_head.regression.{p}": "esm.contact_head.regression.{p}",
+    "contact_head.regression.{p}": "esm.contact_head.regression.{p}",
+}
+
+
+def _template_pattern(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(pattern)
+
+
+FAIR_ESM_ALIASES: tuple[tuple[re.Pattern, str | None], ...] = tuple(
+    (_template_pattern(name), target) for name, target in FAIR_ESM_NAMES.items()
+)
+
+
+def rules_for(config: NVEsmConfig) -> list[Rule]:
+    """Every rule of a model of this shape, layers expanded."""
+    layers = [rule.for_layer(i) for i in range(config.num_hidden_layers) for rule in LAYER_RULES]
+    return list(RULES) + layers
+
+
+def dim_sizes(config: NVEsmConfig) -> dict[str, int]:
+    """Sizes of the symbols in `Rule.dims`."""
+    return {
+        "V": config.vocab_size,
+        "H": config.hidden_size,
+        "I": config.intermediate_size,
+        "R": config.head_dim // 2,
+        "C": config.num_hidden_layers * config.num_attention_heads,
+        "1": 1,
+    }
+
+
+def hf_shape(rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
+    """Shape of each transformers tensor of `rule`."""
+    sizes = dim_sizes(config)
+    return tuple(sizes[dim] for dim in rule.dims)
+
+
+def nv_shape(rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
+    """Shape of the NVEsm tensor of `rule`."""
+    shape = hf_shape(rule, config)
+    if rule.kind == "vocab":
+        return (config.padded_vocab_size, *shape[1:])
+    if rule.kind == "qkv":
+        return (3 * shape[0], *shape[1:])
+    return shape
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tensor transforms (one pair per rule kind)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def fuse_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`[H, ...]` x3 -> `[3H, ...]` with rows `[h0: q, k, v | h1: q, k, v | ...]`."""
+    stacked = torch.stack([query, key, value])  # [3, H, ...]
+    head_dim = query.shape[0] // num_heads
+    stacked = stacked.view(3, num_heads, head_dim, *query.shape[1:]).transpose(0, 1)
+    return stacked.reshape(3 * query.shape[0], *query.shape[1:]).contiguous()
+
+
+def split_qkv(fused: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    hidden = fused.shape[0] // 3
+    per_head = fused.view(num_heads, 3, hidden // num_heads, *fused.shape[1:]).transpose(0, 1)
+    query, key, value = (part.reshape(hidden, *fused.shape[1:]).contiguous() for part in per_head)
+    return query, key, value
+
+
+def pad_vocab(tensor: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """Append zero rows up to `padded_vocab_size`."""
+    padding = tensor.new_zeros(padded_vocab_size - tensor.shape[0], *tensor.shape[1:])
+    return torch.cat([tensor, padding]).contiguous()
+
+
+def apply_rule_hf_to_nv(rule: Rule, tensors: list[torch.Tensor], config: NVEsmConfig) -> torch.Tensor:
+    """The NVEsm tensor of `rule` from its transformers tensors."""
+    if rule.kind == "qkv":
+        return fuse_qkv(*tensors, config.num_attention_heads)
+    if rule.kind == "vocab":
+        return pad_vocab(tensors[0], config.padded_vocab_size)
+    return tensors[0]
+
+
+def apply_rule_nv_to_hf(rule: Rule, tensor: torch.Tensor, config: NVEsmConfig) -> list[torch.Tensor]:
+    """The transformers tensors of `rule` from its NVEsm tensor."""
+    if rule.kind == "qkv":
+        return list(split_qkv(tensor, config.num_attention_heads))
+    if rule.kind == "vocab":
+        return [tensor[: config.vocab_size].contiguous()]
+    return [tensor]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# State dicts
+# --------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointMismatch(ValueError):
+    """The source does not hold the tensors an ESM-2 checkpoint of its config holds."""
+
+    def __init__(self, missing: Iterable[str], unexpected: Iterable[str]) -> None:
+        self.missing, self.unexpected = sorted(missing), sorted(unexpected)
+        lines = ["The checkpoint is not an ESM-2 checkpoint of the shape its config describes."]
+        if self.missing:
+            lines.append(f"Missing ({len(self.missing)}): " + ", ".join(self.missing[:20]))
+        if self.unexpected:
+            lines.append(f"Unexpected ({len(self.unexpected)}): " + ", ".join(self.unexpected[:20]))
+        super().__init__("\n".join(lines))
+
+
+class ConfigMismatch(ValueError):
+    """The tensors have other shapes than the config describes."""
+
+    def __init__(self, mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]], config: NVEsmConfig) -> None:
+        self.mismatches = mismatches
+        shape = ", ".join(
+            f"{name}={getattr(config, name)}"
+            for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        )
+        lines = [f"The tensors do not have the shapes the config describes ({shape}):"]
+        lines += [f"  {name}: {list(actual)}, expected {list(expected)}" for name, actual, expected in mismatches[:20]]
+        if len(mismatches) > 20:
+            lines.append(f"  ... and {len(mismatches) - 20} more")
+        super().__init__("\n".join(lines))
+
+
+def canonical_hf_name(key: str) -> str | None:
+    """The current transformers name of a tensor an ESM-2 checkpoint may hold (None: not needed)."""
+    return _apply_aliases(key, HF_ALIASES)
+
+
+def canonical_fair_esm_name(key: str) -> str | None:
+    """The transformers name of a tensor of a fair-esm ESM-2 `.pt` (None: not needed; unknown names unchanged)."""
+    return _apply_aliases(key, FAIR_ESM_ALIASES)
+
+
+def canonical_nv_name(key: str) -> str | None:
+    """NVEsm names are canonical; Transformer Engine's `._extra_state` (FP8 scaling state) is not a weight."""
+    return None if key.endswith("._extra_state") else key
+
+
+def _apply_aliases(key: str, aliases: tuple[tuple[re.Pattern, str | None], ...]) -> str | None:
+    for pattern, canonical in aliases:
+        match = pattern.fullmatch(key)
+        if match:
+            if canonical is None:
+                return None
+            groups = match.groupdict()
+            return pattern.sub(canonical, key) if not groups else canonical.format(**groups)
+    return key
+
+
+def hf_to_nv_state_dict(hf_state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
+    """transformers `EsmForMaskedLM` state dict -> NVEsm state dict. Raises CheckpointMismatch on other keys."""
+    renamed = {canonical_hf_name(key): value for key, value in hf_state.items()}
+    renamed.pop(None, None)
+    rules = rules_for(config)
+    check_keys(renamed, [rule.hf for rule in rules], rules)
+    return {
+        rule.nv: apply_rule_hf_to_nv(rule, [renamed[name] for name in rule.hf], config)
+        for rule in rules
+        if all(name in renamed for name in rule.hf)
+    }
+
+
+def nv_to_hf_state_dict(nv_state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
+    """NVEsm state dict -> transformers `EsmForMaskedLM` state dict. Raises CheckpointMismatch on other keys."""
+    nv_state = {key: value for key, value in nv_state.items() if not key.endswith("._extra_state")}
+    rules = rules_for(config)
+    check_keys(nv_state, [(rule.nv,) for rule in rules], rules)
+    hf_state = {}
+    for rule in rules:
+        if rule.nv in nv_state:
+            hf_state.update(zip(rule.hf, apply_rule_nv_to_hf(rule, nv_state[rule.nv], config)))
+    return hf_state
+
+
+def check_keys(state: dict, names_per_rule: list[tuple[str, ...]], rules: list[Rule]) -> None:
+    expected = {name for names in names_per_rule for name in names}
+    required = {name for names, rule in zip(names_per_rule, rules) if not rule.optional for name in names}
+    missing, unexpected = required - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise CheckpointMismatch(missing, unexpected)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def nv_config_from_hf(hf_config: dict, **overrides: object) -> NVEsmConfig:
+    """An NVEsmConfig from a transformers `EsmConfig` dict (config.json of `facebook/esm2_*`)."""
+    if hf_config.get("model_type") not in (None, "esm"):
+        raise ValueError(f"Expected an ESM config (model_type 'esm'), got model_type {hf_config.get('model_type')!r}.")
+    if hf_config.get("is_folding_model"):
+        raise ValueError("This is an ESMFold config; only ESM-2 language models convert.")
+    if hf_config.get("is_decoder"):
+        raise ValueError("is_decoder=True: ESM-2 is an encoder; decoder configs do not convert.")
+    fields = {name: hf_config[name] for name in SHARED_CONFIG_FIELDS if hf_config.get(name) is not None}
+    return NVEsmConfig(**fields, **overrides)
+
+
+def hf_config_from_nv(config: NVEsmConfig) -> dict:
+    """A transformers `EsmConfig` dict (loadable by plain transformers) for an NVEsm config."""
+    fields = {name: getattr(config, name) for name in SHARED_CONFIG_FIELDS}
+    return {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_act": config.hidden_act, **fields}
+
+
+def hf_config_from_fair_esm(model_args: Any) -> dict:
+    """A transformers `EsmConfig` dict for the `cfg["model"]` of a fair-esm ESM-2 checkpoint (Namespace or dict)."""
+
+    def arg(name: str, default: Any = None) -> Any:
+        return model_args.get(name, default) if isinstance(model_args, dict) else getattr(model_args, name, default)
+
+    needed = ("encoder_layers", "encoder_embed_dim", "encoder_attention_heads")
+    missing = [name for name in needed if arg(name) is None]
+    if missing:
+        raise ValueError(f"The fair-esm checkpoint's cfg['model'] lacks {', '.join(missing)}; is it ESM-2?")
+    hidden = int(arg("encoder_embed_dim"))
+    return {
+        "model_type": "esm",
+        "vocab_size": len(ESM_VOCAB),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(arg("encoder_layers")),
+        "num_attention_heads": int(arg("encoder_attention_heads")),
+        "intermediate_size": int(arg("encoder_ffn_embed_dim", 4 * hidden)),
+        "token_dropout": bool(arg("token_dropout", True)),
+        "mask_token_id": ESM_VOCAB.index("<mask>"),
+        "pad_token_id": ESM_VOCAB.index("<pad>"),
+        "max_position_embeddings": 1026,  # as transformers' ESM-2 configs: 1024 residues + <cls> + <eos>
+        "layer_norm_eps": 1e-5,
+        "position_embedding_type": "rotary",
+        "emb_layer_norm_before": False,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "tie_word_embeddings": True,
+    }

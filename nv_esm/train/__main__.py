@@ -1,0 +1,6 @@
+"""`python -m nv_esm.train ...` and `torchrun -m nv_esm.train ...`: the training command (`nv_esm.train.loop.main`)."""
+
+from nv_esm.train.loop import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""The settings of a training run: typed sections (`TrainConfig`) and the command line that fills them.
+
+    config = parse_config(["--config", "config.json", "--data", "demo.fasta", "--steps", "100", "--out", "runs/x"])
+    config.optimizer.lr, config.data.token_budget, config.parallel.keep_gathered, config.checkpoint.save_every
+
+Every section has the command line's defaults, so a test or a script builds only what it needs, e.g.
+`OptimizerConfig(steps=100, warmup_steps=10)`. `TrainConfig.validate` makes the checks the trainer makes before
+it starts (argparse makes the others: choices, required options, `--model` or `--config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROG = "nv_esm.train"
+TASKS = ("mlm", "sequence", "token")  # MLM pretraining, or a fine-tuning head (materialize.MODEL_CLASSES)
+DESCRIPTION = """\
+Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pretraining and fine-tuning.
+
+    python convert_checkpoint.py hf-to-te assets/esm2_tiny runs/esm2_tiny_nv
+    torchrun --nproc-per-node 2 -m nv_esm.train --model runs/esm2_tiny_nv \\
+        --data recipes/demo_data/demo.fasta --steps 100 --out runs/demo
+
+(`recipes/train.py` is the same command as a script: `torchrun --nproc-per-node 2 recipes/train.py ...`.)
+
+Each transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16
+compute, fp32 master weights and gradient reduction). The model is built on the meta device and each rank
+materialises only its own shard: read from a converted checkpoint's safetensors row slices (`--model`) or drawn
+from scratch (`--config`) with one seeded generator per tensor, so every world size starts from the same weights.
+
+Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` tokens. With W ranks and
+`--grad-accum` A, the data is split into W*A streams and rank r owns streams r*A .. r*A+A-1, so a step sees the
+same proteins for any W and A with the same product; the loss of a step is the sum over its masked tokens divided
+by their global count, so the gradients are those of one big batch whatever the split.
+
+Checkpoints (`torch.distributed.checkpoint`, every `--save-every` steps, in OUT/checkpoints/step_NNNNNNN) hold the
+sharded model and optimizer, the step, every data stream's position, every rank's RNG and FP8 scaling history
+(delayed scaling); `--resume` continues exactly where the latest one stopped. `python -m nv_esm.train export
+CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub folder in the converter's layout.
+"""
+
+
+@dataclass
+class ModelConfig:
+    """What is trained: the starting point (exactly one of `checkpoint` and `config_file`, paths as given on the
+    command line), the task head, the layer implementation, FP8 and LoRA."""
+
+    checkpoint: str | None = None  # --model: an NVEsm folder (convert_checkpoint.py hf-to-te output)
+    config_file: str | None = None  # --config: config.json of a model trained from scratch
+    task: str = "mlm"  # one of TASKS
+    backend: str = "auto"  # auto, te or torch
+    fp8: str = "off"  # off, all, or inner (all layers but the first and last)
+    fp8_recipe: str = "delayed"  # delayed, current or block
+    lora_rank: int = 0  # 0: train all weights
+    lora_alpha: float = 16.0
+
+    @property
+    def source(self) -> Path:
+        """The checkpoint folder or config file the model's architecture comes from."""
+        return Path(self.checkpoint or self.config_file)
+
+
+@dataclass
+class DataConfig:
+    """The data (`files`, as given: they are compared on resume) and how it is cut into micro-batches."""
+
+    files: list[str]  # --data: FASTA/.txt/.parquet (mlm) or one labelled CSV
+    token_budget: int = 16384  # tokens per micro-batch and rank
+    max_length: int = 1024  # proteins are cropped to this many tokens
+    mask_prob: float = 0.15
+    workers: int = 1  # --data-workers: 1 process prepares batches ahead, or 0
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its schedule: `steps` optimizer steps of `grad_accum` micro-batches per rank, linear warm-up and
+    linear or cosine decay to `min_lr_ratio * lr`."""
+
+    steps: int
+    grad_accum: int = 1
+    lr: float = 4e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    decay: str = "linear"  # linear or cosine
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    clip_grad: float = 1.0  # max global gradient norm; 0: no clipping
+
+
+@dataclass
+class ParallelConfig:
+    """How the model runs on the ranks: compute precision, FSDP2 options, activation checkpointing, compilation."""
+
+    precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
+    compile: bool = False  # torch.compile each layer (torch backend)
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints in OUT/checkpoints, resuming, and the final Hub export."""
+
+    enabled: bool = True  # False: --no-checkpoint (no checkpoint, hence no export)
+    save_every: int = 0  # 0: only at the end
+    keep: int = 2
+    resume: bool = False
+    stop_at_step: int | None = None  # stop (with a checkpoint) after this step
+    export: bool = True  # False: --no-export
+
+
+@dataclass
+class LoggingConfig:
+    """metrics.jsonl every `log_every` steps, TensorBoard, and torch.profiler traces of `profile_steps` steps."""
+
+    log_every: int = 10
+    tensorboard: bool = False
+    profile_steps: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """A training run: the sections above, the run folder `out` and the seed of data order, init and RNG."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    out: Path
+    seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        """The checks made before training starts; messages name the command-line options."""
+        if (self.model.checkpoint is None) == (self.model.config_file is None):
+            raise ValueError("Give exactly one of --model and --config.")
+        at_least_one = {
+            "steps": self.optimizer.steps,
+            "grad_accum": self.optimizer.grad_accum,
+            "token_budget": self.data.token_budget,
+            "max_length": self.data.max_length,
+            "log_every": self.logging.log_every,
+        }
+        for name, value in at_least_one.items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+        profile_steps, log_every, steps = self.logging.profile_steps, self.logging.log_every, self.optimizer.steps
+        if profile_steps and log_every + profile_steps > steps:
+            raise ValueError("--profile-steps traces the steps after the first --log-every ones: raise --steps.")
+        if self.optimizer.warmup_steps >= steps:
+            raise ValueError(f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({steps}).")
+        for path in self.data.files:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"--data {path} does not exist.")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The training command line (usage names `prog`); `config_from_args` turns what it parses into a
+    `TrainConfig`."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    model = parser.add_argument_group("model")
+    start = model.add_mutually_exclusive_group(required=True)
+    start.add_argument("--model", help="NVEsm checkpoint folder (convert_checkpoint.py hf-to-te output) to start from")
+    start.add_argument("--config", help="config.json of a model trained from scratch (e.g. the repo's 650M one)")
+    model.add_argument("--task", choices=TASKS, default=ModelConfig.task, help="mlm, or a fine-tuning head")
+    model.add_argument("--backend", choices=("auto", "te", "torch"), default=ModelConfig.backend)
+    model.add_argument(
+        "--fp8",
+        choices=("off", "all", "inner"),
+        default=ModelConfig.fp8,
+        help="FP8 layers (TE): all, or all but first/last",
+    )
+    model.add_argument("--fp8-recipe", choices=("delayed", "current", "block"), default=ModelConfig.fp8_recipe)
+    model.add_argument("--activation-checkpointing", action="store_true")
+    model.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="keep layers gathered between forward and backward (FSDP2 "
+        "reshard_after_forward=False): one all-gather less per layer and step, more memory",
+    )
+    model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
+    model.add_argument(
+        "--lora-rank",
+        type=int,
+        default=ModelConfig.lora_rank,
+        help="train LoRA adapters of this rank (PEFT) and the head",
+    )
+    model.add_argument("--lora-alpha", type=float, default=ModelConfig.lora_alpha)
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", nargs="+", required=True, help="FASTA/.txt/.parquet (mlm) or a labelled CSV")
+    data.add_argument(
+        "--token-budget", type=int, default=DataConfig.token_budget, help="tokens per micro-batch and rank"
+    )
+    data.add_argument("--max-length", type=int, default=DataConfig.max_length, help="crop proteins to this many tokens")
+    data.add_argument("--mask-prob", type=float, default=DataConfig.mask_prob)
+    data.add_argument(
+        "--data-workers",
+        type=int,
+        choices=(0, 1),
+        default=DataConfig.workers,
+        help="1: a process prepares batches ahead; 0: none",
+    )
+
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--steps", type=int, required=True, help="optimizer steps of the schedule")
+    optim.add_argument("--grad-accum", type=int, default=OptimizerConfig.grad_accum)
+    optim.add_argument("--lr", type=float, default=OptimizerConfig.lr)
+    optim.add_argument("--min-lr-ratio", type=float, default=OptimizerConfig.min_lr_ratio, help="final LR / peak LR")
+    optim.add_argument("--warmup-steps", type=int, default=OptimizerConfig.warmup_steps)
+    optim.add_argument("--decay", choices=("linear", "cosine"), default=OptimizerConfig.decay)
+    optim.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
+    optim.add_argument("--betas", type=float, nargs=2, default=OptimizerConfig.betas)
+    optim.add_argument(
+        "--clip-grad", type=float, default=OptimizerConfig.clip_grad, help="max global grad norm (0: off)"
+    )
+    optim.add_argument("--precision", choices=("bf16", "fp32"), help="compute dtype (default bf16 on GPU)")
+    optim.add_argument("--seed", type=int, default=TrainConfig.seed)
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, final export")
+    run.add_argument(
+        "--save-every",
+        type=int,
+        default=CheckpointConfig.save_every,
+        help="checkpoint every N steps (0: only at the end)",
+    )
+    run.add_argument("--keep", type=int, default=CheckpointConfig.keep, help="checkpoints kept")
+    run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    run.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step, e.g. for job limits")
+    run.add_argument("--no-export", action="store_true", help="skip the consolidated Hub folder at the end")
+    run.add_argument(
+        "--no-checkpoint", action="store_true", help="write no checkpoint, hence no export (throughput tests)"
+    )
+    run.add_argument(
+        "--log-every", type=int, default=LoggingConfig.log_every, help="steps between logs (each waits for the GPU)"
+    )
+    run.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
+    run.add_argument(
+        "--profile-steps",
+        type=int,
+        default=LoggingConfig.profile_steps,
+        help="trace this many steps after the first --log-every ones (torch.profiler, OUT/profile/rank*.json.gz; "
+        "summarise with python -m nv_esm.trace_summary); their interval's tokens/s includes the tracing",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The `TrainConfig` of the options `build_parser()` parsed."""
+    return TrainConfig(
+        model=ModelConfig(
+            checkpoint=args.model,
+            config_file=args.config,
+            task=args.task,
+            backend=args.backend,
+            fp8=args.fp8,
+            fp8_recipe=args.fp8_recipe,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+        ),
+        data=DataConfig(
+            files=list(args.data),
+            token_budget=args.token_budget,
+            max_length=args.max_length,
+            mask_prob=args.mask_prob,
+            workers=args.data_workers,
+        ),
+        optimizer=OptimizerConfig(
+            steps=args.steps,
+            grad_accum=args.grad_accum,
+            lr=args.lr,
+            min_lr_ratio=args.min_lr_ratio,
+            warmup_steps=args.warmup_steps,
+            decay=args.decay,
+            weight_decay=args.weight_decay,
+            betas=tuple(args.betas),
+            clip_grad=args.clip_grad,
+        ),
+        out=Path(args.out),
+        seed=args.seed,
+        parallel=ParallelConfig(
+            precision=args.precision,
+            activation_checkpointing=args.activation_checkpointing,
+            keep_gathered=args.keep_gathered,
+            compile=args.compile,
+        ),
+        checkpoint=CheckpointConfig(
+            enabled=not args.no_checkpoint,
+            save_every=args.save_every,
+            keep=args.keep,
+            resume=args.resume,
+            stop_at_step=args.stop_at_step,
+            export=not args.no_export,
+        ),
+        logging=LoggingConfig(log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps),
+    )
+
+
+def parse_config(argv: list[str] | None = None, prog: str = PROG) -> TrainConfig:
+    """The `TrainConfig` of a training command line (`sys.argv[1:]` when None); exits with usage on bad options."""
+    return config_from_args(build_parser(prog).parse_args(argv))

@@ -1,0 +1,81 @@
+"""A consolidated Hub folder from a sharded training checkpoint, in the converter's NVEsm layout.
+
+    python -m nv_esm.train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
+
+The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configuration_nv_esm import NVEsmConfig
+from nv_esm.checkpoint_io import WEIGHTS_NAME
+from nv_esm.hub_folder import (
+    check_out,
+    copy_remote_code,
+    nv_config_dict,
+    staging_folder,
+    write_esm_tokenizer,
+    write_license,
+)
+from nv_esm.model_card import training_card
+from nv_esm.train.checkpoint import TRAIN_STATE
+from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
+
+
+def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
+    """Write `out` in the converter's NVEsm layout (config, safetensors, tokenizer, remote code, LICENSE, card)
+    from the model part of a DCP checkpoint. Runs in one process; needs CPU memory for the fp32 weights."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = json.loads((checkpoint / TRAIN_STATE).read_text())["run"]
+    config, task = NVEsmConfig.from_dict(run["config"]), run["settings"]["task"]
+    check_out(out, force)
+    with staging_folder(out, force) as staging:
+        consolidated = staging / "consolidated.pt"
+        dcp_to_torch_save(checkpoint, consolidated)
+        model_state = torch.load(consolidated, weights_only=False)["model"]
+        consolidated.unlink()
+        weights = export_weights(model_state, config, run["lora_alpha"])
+        save_file(weights, staging / WEIGHTS_NAME, metadata={"format": "pt"})
+        config_dict = nv_config_dict(config)
+        # Inference defaults: whichever backend is there, no FP8 (training-time settings are in train_state.json).
+        config_dict.update(architectures=[MODEL_CLASSES[task].__name__], backend="auto", layer_precision=None)
+        config_dict["check_inputs"] = True
+        config_dict["dtype"] = "float32"
+        (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+        write_esm_tokenizer(staging)
+        copy_remote_code(staging)
+        write_license(staging, with_code=True)
+        (staging / "README.md").write_text(training_card(checkpoint, run, weights))
+    return out
+
+
+def export_weights(model_state: dict[str, Any], config: NVEsmConfig, lora_alpha: float) -> dict[str, torch.Tensor]:
+    """Checkpoint names, contiguous fp32 tensors; LoRA adapters merged into the weights they adapt (W + alpha/r BA);
+    the tied decoder weight and TE's `_extra_state` left out, as the converter writes them."""
+    state = {canonical_name(k): v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    for key in [k for k in state if ".lora_A." in k]:
+        prefix, adapter = key.split(".lora_A.")
+        down, up = state.pop(key).float(), state.pop(f"{prefix}.lora_B.{adapter}").float()
+        state[f"{prefix}.weight"] = state[f"{prefix}.weight"].float() + lora_alpha / down.shape[0] * up @ down
+    state = {k.replace(".modules_to_save.default.", "."): v for k, v in state.items() if ".original_module." not in k}
+    tied = {"lm_head.decoder.weight"} if config.tie_word_embeddings else set()
+    return {k: v.float().contiguous() for k, v in state.items() if not k.endswith("_extra_state") and k not in tied}
+
+
+def export_main(argv: list[str], prog: str) -> None:
+    """The `export` command: `prog CHECKPOINT OUT [--force]`."""
+    parser = argparse.ArgumentParser(prog=prog, description="Write a Hub folder from a training checkpoint.")
+    parser.add_argument("checkpoint", type=Path, help="OUT/checkpoints/step_NNNNNNN")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    args = parser.parse_args(argv)
+    export(args.checkpoint, args.out, args.force)

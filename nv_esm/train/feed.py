@@ -1,0 +1,80 @@
+"""This rank's micro-batches: its data streams (`nv_esm.data`) as the run's config asks, prepared ahead of the
+training loop in a background process, with the exact data position of each for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nv_esm.data import Batches, ClassificationStream, PackedBatch, rank_stream_indices, rank_streams
+from nv_esm.train.config import TrainConfig
+from nv_esm.train.parallel import Dist
+
+
+def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, Any]]:
+    """This rank's micro-batches, and the config fields of a classification task's labels (`label_fields`)."""
+    data, task = config.data, config.model.task
+    grad_accum = config.optimizer.grad_accum
+    common = dict(token_budget=data.token_budget, max_length=data.max_length, seed=config.seed)
+    if task == "mlm":
+        batches = rank_streams(data.files, world.rank, world.world_size, grad_accum, mask_prob=data.mask_prob, **common)
+        return batches, {}
+    if len(data.files) != 1:
+        raise ValueError(f"--task {task} reads one labelled CSV, got {len(data.files)} files.")
+    indices, num_streams = rank_stream_indices(world.rank, world.world_size, grad_accum)
+    streams = [ClassificationStream(data.files[0], task, index, num_streams, **common) for index in indices]
+    return Batches(streams), label_fields(streams[0])
+
+
+def label_fields(stream: ClassificationStream) -> dict[str, Any]:
+    """num_labels, the label names (so the exported config names the classes) and the problem type."""
+    if stream.regression:
+        return dict(num_labels=1, problem_type="regression")
+    names = dict(enumerate(stream.label_names))
+    return dict(
+        num_labels=stream.num_labels,
+        id2label=names,
+        label2id={name: index for index, name in names.items()},
+        problem_type="single_label_classification",
+    )
+
+
+class DataFeed:
+    """A rank's micro-batches, prepared ahead in `workers` background processes (0: in this one).
+
+    Each item comes with the data position just after it, so `state_dict()` is exactly where the training loop is,
+    however far the workers have read ahead."""
+
+    def __init__(self, batches: Batches, workers: int) -> None:
+        self.position = batches.state_dict()
+        if workers == 0:
+            self.items = _with_positions(batches)
+        else:
+            loader = torch.utils.data.DataLoader(
+                _PositionedBatches(batches), batch_size=None, num_workers=workers, prefetch_factor=4
+            )
+            self.items = iter(loader)
+
+    def __next__(self) -> PackedBatch:
+        batch, self.position = next(self.items)
+        return batch
+
+    def state_dict(self) -> dict:
+        """The `Batches.state_dict()` just after the last micro-batch returned."""
+        return self.position
+
+
+def _with_positions(batches: Batches) -> Iterator[tuple[PackedBatch, dict]]:
+    for batch in batches:
+        yield batch, batches.state_dict()
+
+
+class _PositionedBatches(torch.utils.data.IterableDataset):
+    def __init__(self, batches: Batches) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[PackedBatch, dict]]:
+        return _with_positions(self.batches)

@@ -1,0 +1,172 @@
+"""The trainer: one optimizer step (`train_step`), the training loop (`train`) and the command line (`main`).
+
+    torchrun --nproc-per-node 2 -m nv_esm.train --model runs/esm2_tiny_nv --data demo.fasta --steps 100 --out runs/x
+    python -m nv_esm.train export runs/x/checkpoints/step_0000100 runs/x_hub
+
+A step's loss is the sum over the masked tokens (or labels) of all its micro-batches on all ranks divided by their
+global count, so the gradients are those of one big batch whatever the split into ranks and accumulation steps.
+The model comes from `materialize.build_model` (which calls `parallel.parallelize`: the loop never wraps FSDP
+itself), the batches from `feed`, checkpoints from `checkpoint`, logs from `metrics`, the Hub folder from `export`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from configuration_nv_esm import NVEsmConfig
+from nv_esm.data import PackedBatch, to_device
+from nv_esm.shapes import model_flops
+from nv_esm.train.checkpoint import load_checkpoint, load_rng_state, prepare_out, resume_settings, save_checkpoint
+from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, parse_config
+from nv_esm.train.export import export, export_main
+from nv_esm.train.feed import DataFeed, make_batches
+from nv_esm.train.materialize import build_model, model_config
+from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
+from nv_esm.train.parallel import Dist, init_distributed
+
+
+def summed_loss(model: nn.Module, batch: PackedBatch, task: str) -> torch.Tensor:
+    """Sum (not mean) of the per-label losses of a micro-batch, a scalar; the caller divides by the step's label
+    count. Cross-entropy over token logits `[1, T, V]` (mlm, token) or protein logits `[N, C]` (sequence), or the
+    squared error of `[N, 1]` predictions against float labels `[N]` (sequence regression)."""
+    logits = model(**batch.model_inputs()).logits.float()
+    labels = batch.labels.to(logits.device)
+    if task == "sequence" and labels.is_floating_point():
+        return F.mse_loss(logits.squeeze(-1), labels, reduction="sum")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+
+
+def learning_rate_factor(step: int, settings: OptimizerConfig) -> float:
+    """Linear warm-up to 1, then linear or cosine decay to `min_lr_ratio` at `steps`."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    progress = min(1.0, (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps))
+    shape = 1 - progress if settings.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * shape
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[PackedBatch],
+    config: TrainConfig,
+    world: Dist,
+    nv_config: NVEsmConfig,
+) -> StepResult:
+    """Forward/backward every micro-batch of the step, then clip and step. The loss is the global mean over the
+    step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
+    scaled by the world size because FSDP averages gradients over ranks. Nothing here waits for the GPU."""
+    counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
+    counts = to_device(torch.tensor(counts, dtype=torch.float64), world.device)
+    dist.all_reduce(counts)
+    scale = world.world_size / counts[0].clamp(min=1)
+    loss_sum = torch.zeros(1, device=world.device, dtype=torch.float64)
+    for index, batch in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        loss = summed_loss(model, batch.to(world.device), config.model.task)
+        (loss * scale).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_gradients(model, config.optimizer.clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum)
+    lengths = [b.cu_seq_lens.diff().tolist() for b in micro_batches]  # CPU tensors: no sync
+    shape = (nv_config.hidden_size, nv_config.num_hidden_layers, nv_config.intermediate_size)
+    step_flops = sum(model_flops(*shape, ls, training=True) for ls in lengths)
+    return StepResult(torch.cat([loss_sum, counts]), grad_norm, optimizer.param_groups[0]["lr"], step_flops)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all shards (clipped to `max_norm` unless 0), as a device tensor."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train(config: TrainConfig) -> None:
+    """Validate `config`, join the process group (torchrun's, or a world of one) and run the training."""
+    config.validate()
+    world = init_distributed()
+    try:
+        run_training(config, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_training(config: TrainConfig, world: Dist) -> None:
+    """Train from scratch, from a converted checkpoint or from the latest checkpoint of the run (`--resume`);
+    checkpoint, log and profile as `config` asks, and export OUT/final when the schedule is complete."""
+    out, settings = config.out, config.optimizer
+    resume_from = prepare_out(out, config.checkpoint.resume, world)
+    random.seed(config.seed + world.rank)
+    torch.manual_seed(config.seed + world.rank)
+    batches, labels = make_batches(config, world)
+    nv_config = model_config(config.model, world, labels)
+    model = build_model(config, nv_config, world)
+    for name, parameter in model.named_parameters():
+        if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state
+            parameter.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=settings.lr,
+        betas=tuple(settings.betas),
+        weight_decay=settings.weight_decay,
+        fused=world.device.type == "cuda",
+    )
+    run_info = dict(
+        config=nv_config.to_dict(),
+        lora_alpha=config.model.lora_alpha,
+        start=config.model.checkpoint or "scratch",
+        settings=resume_settings(config),
+    )
+    step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0
+    feed = DataFeed(batches, config.data.workers)  # before restoring the RNG: the DataLoader draws from it
+    if resume_from:
+        load_rng_state(resume_from, world)
+    last = min(settings.steps, config.checkpoint.stop_at_step or settings.steps)
+    log_every = config.logging.log_every
+    metrics = MetricsLog(out, config.logging, settings.steps, world, step)
+    profiler = StepProfiler(out, step + log_every, config.logging.profile_steps, world)
+    model.train()
+    checkpoint = resume_from
+    pending: list[StepResult] = []
+    interval_start = time.perf_counter()
+    while step < last:
+        micro_batches = [next(feed) for _ in range(settings.grad_accum)]
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * learning_rate_factor(step, settings)
+        with profiler.step(step):
+            pending.append(train_step(model, optimizer, micro_batches, config, world, nv_config))
+        step += 1
+        save_every = config.checkpoint.save_every
+        saving = config.checkpoint.enabled and ((save_every and step % save_every == 0) or step == last)
+        if step % log_every == 0 or step == last or saving:
+            metrics.log(step - len(pending) + 1, pending, interval_start)
+            pending = []
+        if saving:
+            checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, config.checkpoint.keep, run_info)
+        if not pending:
+            interval_start = time.perf_counter()
+    metrics.close()
+    if world.is_main and step == settings.steps and config.checkpoint.export and checkpoint is not None:
+        final = export(checkpoint, out / "final", force=True)
+        print(f"exported {final}", flush=True)
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    """`prog [OPTIONS]` trains (see `--help`); `prog export CHECKPOINT OUT [--force]` writes a Hub folder.
+    `argv` defaults to `sys.argv[1:]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        export_main(argv[1:], prog=f"{prog} export")
+        return
+    train(parse_config(argv, prog=prog))

@@ -1,0 +1,158 @@
+"""The model of a run: its config, a meta-device build, and per-rank materialisation of its FSDP2 shards.
+
+The model is built on the meta device (no memory), prepared by `nv_esm.train.parallel.parallelize` (FSDP2 and
+friends), then each rank fills only its own rows of every parameter: read from a converted checkpoint's
+safetensors row slices (`--model`), or drawn fresh (`--config`, or tensors the checkpoint lacks, such as a new
+head or LoRA adapters) from one seeded generator per tensor, so every world size starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from configuration_nv_esm import NVEsmConfig
+from modeling_nv_esm import (
+    NVEsmForMaskedLM,
+    NVEsmForSequenceClassification,
+    NVEsmForTokenClassification,
+    NVEsmRotaryEmbedding,
+    transformer_engine_available,
+)
+from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from nv_esm.train.config import ModelConfig, TrainConfig
+from nv_esm.train.lora import add_lora
+from nv_esm.train.parallel import Dist, parallelize
+
+MODEL_CLASSES = {
+    "mlm": NVEsmForMaskedLM,
+    "token": NVEsmForTokenClassification,
+    "sequence": NVEsmForSequenceClassification,
+}
+
+
+def model_config(settings: ModelConfig, world: Dist, labels: dict[str, Any]) -> NVEsmConfig:
+    """The NVEsm config of the run: the source's architecture, the layer backend (`auto`: TE on GPU when it is
+    installed), packed (THD) inputs, FP8 layers, and the classification `labels` fields (`label_fields`)."""
+    source = settings.source
+    path = source / "config.json" if source.is_dir() else source
+    fields = json.loads(path.read_text())
+    if fields.get("model_type", "nv_esm") != "nv_esm":
+        raise ValueError(
+            f"{source} is a {fields['model_type']!r} checkpoint; convert it first: "
+            f"python convert_checkpoint.py hf-to-te {source} OUT"
+        )
+    for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
+        fields.pop(key, None)
+    backend = settings.backend
+    if backend == "auto":
+        backend = "te" if world.device.type == "cuda" and transformer_engine_available() else "torch"
+    if settings.lora_rank and backend == "te":
+        raise ValueError("--lora-rank needs --backend torch: PEFT cannot wrap Transformer Engine's fused layers.")
+    num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
+    fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(settings.fp8, num_layers))
+    # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
+    fields.update(fp8_recipe=settings.fp8_recipe, check_inputs=False)
+    fields.update(labels)
+    return NVEsmConfig(**fields)
+
+
+def fp8_layers(mode: str, num_layers: int) -> list[str | None] | None:
+    """`layer_precision` for --fp8: none, all layers, or all but the first and last (often kept in bf16)."""
+    if mode == "off":
+        return None
+    if mode == "all" or num_layers <= 2:
+        return ["fp8"] * num_layers
+    return [None] + ["fp8"] * (num_layers - 2) + [None]
+
+
+def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:
+    """The model of `nv_config` for `config.model.task` (with LoRA adapters if asked), parallelized
+    (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.model.task](nv_config)
+    if config.model.lora_rank:
+        model = add_lora(model, config.model)
+    parallelize(model, config.parallel, world, nv_config.backend)
+    model.to_empty(device=world.device)
+    source = CheckpointReader(Path(config.model.checkpoint)) if config.model.checkpoint else None
+    materialise(model, nv_config, source, config.seed, world)
+    return model
+
+
+class CheckpointReader:
+    """Row ranges of the tensors of an NVEsm checkpoint folder (single or sharded safetensors), read lazily."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        index = folder / WEIGHTS_INDEX_NAME
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / WEIGHTS_NAME).exists():
+            files = [WEIGHTS_NAME]
+        else:
+            raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}; is it an NVEsm folder?")
+        self.handles = [safe_open(folder / name, framework="pt") for name in files]
+        self.where = {key: handle for handle in self.handles for key in handle.keys()}
+
+    def rows(self, name: str, start: int, stop: int | None) -> torch.Tensor | None:
+        """Rows `start:stop` (dim 0) of tensor `name`, or None when the checkpoint does not hold it."""
+        handle = self.where.get(name)
+        return None if handle is None else handle.get_slice(name)[start:stop]
+
+
+def canonical_name(name: str) -> str:
+    """The checkpoint key of a model parameter: without PEFT's wrapping."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader | None, seed: int, world: Dist) -> None:
+    """Fill every parameter shard and buffer, from `source` where it has the tensor, else a fresh initialisation.
+
+    A fresh tensor is drawn whole (on the device, one at a time) from a generator seeded by `seed` and the
+    parameter's index, then cut to this rank's rows, so the weights do not depend on the world size."""
+    loaded, fresh = 0, []
+    with torch.no_grad():
+        for index, (name, tensor) in enumerate(model.named_parameters()):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            start = world.rank * math.ceil(tensor.shape[0] / world.world_size) if local is not tensor else 0
+            stop = min(start + local.shape[0], tensor.shape[0])
+            rows = source.rows(canonical_name(name), start, stop) if source is not None else None
+            if rows is None:
+                fresh.append(name)
+                rows = fresh_tensor(name, tuple(tensor.shape), config, seed * 100_003 + index, world.device)[start:stop]
+            else:
+                loaded += 1
+            local[: stop - start].copy_(rows)
+        for module in model.modules():
+            if isinstance(module, NVEsmRotaryEmbedding):
+                stored = source.rows("esm.rotary_embeddings.inv_freq", 0, None) if source is not None else None
+                module.inv_freq = (stored if stored is not None else module.default_inv_freq(config)).to(world.device)
+    if world.is_main:
+        print(f"weights: {loaded} tensors from the checkpoint, {len(fresh)} initialised fresh {fresh[:6]}", flush=True)
+
+
+def fresh_tensor(
+    name: str, shape: tuple[int, ...], config: NVEsmConfig, seed: int, device: torch.device
+) -> torch.Tensor:
+    """A new tensor of `shape` for parameter `name`, by `NVEsmPreTrainedModel._init_weights`' rules (and LoRA's):
+    zeros for biases and LoRA B, ones for LayerNorm gains, else normal(0, initializer_range) drawn from a generator
+    seeded by `seed` (LoRA A: std 1/sqrt(fan_in)), with zero padding and padded-vocabulary embedding rows."""
+    short = name.rsplit(".", 1)[-1]
+    if short.endswith("bias") or "lora_B" in name:
+        return torch.zeros(shape, device=device)
+    if short == "layer_norm_weight" or name.endswith("emb_layer_norm_after.weight"):
+        return torch.ones(shape, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = 1 / math.sqrt(shape[1]) if "lora_A" in name else config.initializer_range
+    tensor = torch.randn(shape, generator=generator, device=device) * std
+    if name.endswith("word_embeddings.weight") or name.endswith("lm_head.decoder.weight"):
+        tensor[config.vocab_size :] = 0
+        tensor[config.pad_token_id] = 0
+    return tensor

@@ -1,0 +1,128 @@
+"""What a training run reports: per-step numbers (`StepResult`), metrics.jsonl / tqdm / TensorBoard
+(`MetricsLog`), and torch.profiler traces of chosen steps (`StepProfiler`; summarised by `nv_esm.trace_summary`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nv_esm.shapes import peak_tflops
+from nv_esm.train.config import LoggingConfig
+from nv_esm.train.parallel import Dist
+
+
+@dataclass
+class StepResult:
+    """One step's numbers, left on the device (reading them would wait for the GPU) until they are logged.
+
+    `sums` `[3]` float64 holds the global summed loss, label count and token count; `grad_norm` (a scalar) the
+    global gradient norm; `lr` the learning rate and `flops` the model FLOPs of the step on this rank."""
+
+    sums: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    flops: float
+
+
+class MetricsLog:
+    """metrics.jsonl (rank 0), a tqdm bar on rank 0, optional TensorBoard; peak GPU memory of every rank."""
+
+    def __init__(self, out: Path, settings: LoggingConfig, total_steps: int, world: Dist, first_step: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.world = world
+        self.peak = peak_tflops(torch.cuda.get_device_name()) if world.device.type == "cuda" else None
+        self.file = open(out / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
+        self.bar = tqdm(
+            total=total_steps, initial=first_step, disable=not world.is_main, unit="step", dynamic_ncols=True
+        )
+        self.tensorboard = None
+        if settings.tensorboard and world.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(out / "tensorboard")
+
+    def log(self, first_step: int, results: list[StepResult], started: float) -> None:
+        """Write the steps `first_step`, `first_step + 1`, ... of `results`, launched since `started`
+        (`time.perf_counter()`). One wait for the GPU per call; throughput is the interval's."""
+        memory = [torch.zeros(1, device=self.world.device) for _ in range(self.world.world_size)]
+        dist.all_gather(memory, torch.tensor([self.memory_gb()], device=self.world.device))
+        values = torch.stack([torch.cat([r.sums.float(), r.grad_norm.reshape(1).float()]) for r in results]).tolist()
+        seconds = time.perf_counter() - started
+        tokens = sum(v[2] for v in values)
+        tflops_per_gpu = sum(r.flops for r in results) / seconds / 1e12
+        interval = dict(
+            tokens_per_s=tokens / seconds,
+            tokens_per_s_per_gpu=tokens / seconds / self.world.world_size,
+            tflops_per_gpu=tflops_per_gpu,
+            mfu=None if self.peak is None else tflops_per_gpu / self.peak,
+            max_memory_gb=max(m.item() for m in memory),
+            memory_gb_per_rank=[round(m.item(), 2) for m in memory],
+            step_seconds=seconds / len(results),
+        )
+        self.bar.update(len(results))
+        if not self.world.is_main:
+            return
+        for step, result, (loss_sum, labels, step_tokens, grad_norm) in zip(
+            range(first_step, first_step + len(results)), results, values
+        ):
+            record = dict(step=step, loss=loss_sum / max(labels, 1), lr=result.lr, grad_norm=grad_norm)
+            record.update(tokens=int(step_tokens), **interval)
+            self.file.write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.tensorboard.add_scalar(key, value, step)
+        self.file.flush()
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
+
+    def memory_gb(self) -> float:
+        """This rank's peak GPU memory allocated so far, in GiB (0 on CPU)."""
+        return torch.cuda.max_memory_allocated() / 2**30 if self.world.device.type == "cuda" else 0.0
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class StepProfiler:
+    """torch.profiler over steps `first .. first + count - 1` (CPU ops and GPU kernels); each rank writes
+    OUT/profile/rank{r}.json.gz (a Chrome/Perfetto trace; one `record_function` span per step)."""
+
+    def __init__(self, out: Path, first: int, count: int, world: Dist) -> None:
+        self.path = out / "profile" / f"rank{world.rank}.json.gz"
+        self.first, self.last = first, first + count - 1
+        self.profiler = None
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around step `step`: starts the trace before the first traced step, writes it after the last."""
+        if not self.first <= step <= self.last:
+            yield
+            return
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+        with torch.profiler.record_function(f"train_step_{step}"):
+            yield
+        if step == self.last:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
+            self.profiler = None

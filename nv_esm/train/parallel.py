@@ -1,0 +1,102 @@
+"""How the model runs on many ranks: the process group and device mesh, FSDP2 sharding with explicit prefetch,
+mixed precision, activation checkpointing and per-layer compilation.
+
+`parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist);
+new scale-out options belong here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nv_esm.train.config import ParallelConfig
+
+
+@dataclass
+class Dist:
+    """This process's place in the run: its rank of `world_size`, its device and the 1-D data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return Dist(dist.get_rank(), dist.get_world_size(), device, mesh)
+
+
+def compute_dtype(settings: ParallelConfig, device: torch.device) -> torch.dtype:
+    """The dtype layers compute in (FSDP2 casts the fp32 master weights to it): `settings.precision`, or bf16 on
+    GPU and fp32 on CPU."""
+    precision = settings.precision or ("bf16" if device.type == "cuda" else "fp32")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def find_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers (`...encoder.layers`) of an NVEsm model, PEFT-wrapped or not, in order."""
+    return list(next(m for name, m in model.named_modules() if name.endswith("encoder.layers")))
+
+
+def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend: str) -> None:
+    """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing,
+    `torch.compile` of each layer, then FSDP2 sharding in `compute_dtype` (the weights are materialised after).
+    `backend` is the model config's layer backend (`te` or `torch`)."""
+    if settings.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = find_layers(model)
+    if settings.compile:
+        if backend == "te":
+            raise ValueError("--compile is for --backend torch; Transformer Engine layers are fused already.")
+        for layer in layers:
+            layer.compile()
+    dtype = compute_dtype(settings, world.device)
+    shard(model, layers, world, dtype, reshard_after_forward=not settings.keep_gathered)
+
+
+def shard(
+    model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype, reshard_after_forward: bool
+) -> None:
+    """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group, computing in
+    `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    prefetch_layers(layers)
+
+
+def prefetch_layers(layers: list[nn.Module]) -> None:
+    """Gather layer i+1 while layer i computes (and i-1 during i's backward), even when the CPU is not ahead:
+    FSDP2's implicit prefetch waits for the CPU to reach a layer."""
+    for previous, current in zip(layers, layers[1:]):
+        previous.set_modules_to_forward_prefetch([current])
+        current.set_modules_to_backward_prefetch([previous])

@@ -82,12 +82,13 @@ def import_transformer_engine() -> Any:
     return importlib.import_module("transformer_engine.pytorch")
 
 
-def resolve_backend(config: NVEsmConfig) -> str:
-    """Turn `config.backend` into `"te"` or `"torch"` for a model built now."""
-    if config.backend == "torch":
+def resolve_backend(backend: str) -> str:
+    """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now:
+    `"auto"` is Transformer Engine when it is installed and a CUDA GPU is visible."""
+    if backend == "torch":
         return "torch"
     usable = transformer_engine_available() and torch.cuda.is_available()
-    if config.backend == "te":
+    if backend == "te":
         if not torch.cuda.is_available():
             raise RuntimeError(f"backend='te' needs a CUDA GPU, and none is visible. {TE_INSTALL_HINT}")
         import_transformer_engine()
@@ -884,7 +885,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
 
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__(config)
-        self.backend = resolve_backend(config)
+        self.backend = resolve_backend(config.backend)
         self.embeddings = NVEsmEmbeddings(config)
         self.rotary_embeddings = NVEsmRotaryEmbedding(config)
         self.encoder = NVEsmEncoder(config, self.backend)

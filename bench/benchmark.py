@@ -46,12 +46,12 @@ from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins, pad_proteins, trans
 
 assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
 
-from plot_speed import plot  # noqa: E402  (bench/plot_speed.py, beside this script)
 from transformers import EsmForMaskedLM  # noqa: E402
 
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
 from nv_esm import shapes  # noqa: E402
 from nv_esm.alphabet import CLS, EOS, MASK, PAD  # noqa: E402
+from plot_speed import plot  # noqa: E402  (bench/plot_speed.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = shapes.ESM2_SHAPES

@@ -36,6 +36,14 @@ SHAPES = {
 }
 
 
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny ESM-2 checkpoint in transformers' format (the converter tests' source)."""
+    from convert_helpers import save_hf
+
+    return save_hf(make_hf_model("tiny", seed=7), tmp_path_factory.mktemp("src") / "esm2_random_tiny")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA and Transformer Engine (skipped otherwise)")
 

@@ -1,4 +1,4 @@
-"""The checkpoint converter: streaming round trips, fair-esm input, --verify, safety, Hub upload, model card, memory.
+"""The checkpoint converter: streaming round trips, fair-esm input, --verify, Hub upload, model card, memory.
 
 Checkpoints are random ESM-2-shaped models saved by transformers itself; comparisons are against what transformers
 loads, or against the pure state-dict functions that the model tests check against transformers' outputs.
@@ -6,7 +6,6 @@ loads, or against the pure state-dict functions that the model tests check again
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -17,17 +16,24 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
-import convert_checkpoint
 from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
 from convert_checkpoint import main
-from nv_esm import alphabet, checkpoint_io, hub_folder, state_dict_mapping, verification
-from nv_esm.alphabet import ESM_VOCAB, GFP
+from convert_helpers import (
+    NV_FILES,
+    VERIFY_CPU,
+    assert_same_tensors,
+    current_hf_names,
+    read_folder,
+    run,
+    save_hf,
+    write_fair_esm_checkpoint,
+)
+from nv_esm import alphabet, state_dict_mapping, verification
+from nv_esm.alphabet import GFP
 from nv_esm.checkpoint_io import DTYPES, parse_size
-from nv_esm.hub_folder import write_esm_tokenizer
 from nv_esm.shapes import esm2_config
 from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
@@ -35,67 +41,6 @@ try:
     import yaml
 except ImportError:  # PyYAML is a dev dependency; huggingface_hub parses model-card metadata too
     yaml = None
-
-# --verify on the CPU: the exact PyTorch path on every machine (with a GPU, "auto" runs Transformer Engine, whose
-# tanh GELU moves float32 logits by ~3e-3; tests/test_gpu.py covers that path).
-VERIFY_CPU = ("--verify", "--verify-device", "cpu")
-NV_FILES = {
-    "config.json",
-    "configuration_nv_esm.py",
-    "modeling_nv_esm.py",
-    "LICENSE",
-    "README.md",
-    "vocab.txt",
-    "tokenizer_config.json",
-}
-
-
-# ---- helpers ----------------------------------------------------------------------------------------------------
-
-
-def save_hf(model: EsmForMaskedLM, folder: Path, dtype: str = "float32", shard: int | None = None) -> Path:
-    """A transformers checkpoint folder as `save_pretrained` writes it, with the ESM tokenizer."""
-    kwargs = {"max_shard_size": shard} if shard else {}
-    model.to(DTYPES[dtype]).save_pretrained(folder, **kwargs)
-    write_esm_tokenizer(folder)
-    return folder
-
-
-def read_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors files, by stored name."""
-    state = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as file:
-            state.update({key: file.get_tensor(key) for key in file.keys()})
-    return state
-
-
-def current_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers >= 5 saves LayerNorms as gamma/beta and inv_freq under a `layer.*` name; use the module names."""
-    renamed = {}
-    for key, value in state.items():
-        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
-        key = re.sub(r"encoder\.layer\.\*\.attention\.self\.rotary_embeddings", "rotary_embeddings", key)
-        renamed[key] = value
-    return renamed
-
-
-def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        assert actual[key].dtype == expected[key].dtype, key
-        assert torch.equal(actual[key], expected[key]), key
-
-
-def run(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
-    status = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-@pytest.fixture(scope="module")
-def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_hf(make_hf_model("tiny", seed=7), tmp_path_factory.mktemp("src") / "esm2_random_tiny")
 
 
 # ---- round trips --------------------------------------------------------------------------------------------------
@@ -147,47 +92,6 @@ def test_dtype_option_casts_weights_and_keeps_rotary_frequencies(tmp_path, capsy
 
 
 # ---- fair-esm .pt input ---------------------------------------------------------------------------------------------
-
-
-def write_fair_esm_checkpoint(model: EsmForMaskedLM, path: Path, regression_beside: bool) -> None:
-    """The layout of fair-esm's esm2_*.pt (names written out here, independent of the converter's table)."""
-    hf, config = model.state_dict(), model.config
-    fair = {
-        "encoder.sentence_encoder.embed_tokens.weight": hf["esm.embeddings.word_embeddings.weight"],
-        "encoder.sentence_encoder.emb_layer_norm_after.weight": hf["esm.encoder.emb_layer_norm_after.weight"],
-        "encoder.sentence_encoder.emb_layer_norm_after.bias": hf["esm.encoder.emb_layer_norm_after.bias"],
-        "encoder.lm_head.weight": hf["esm.embeddings.word_embeddings.weight"],
-        "encoder.lm_head.bias": hf["lm_head.bias"],
-    }
-    for part in ("weight", "bias"):
-        fair[f"encoder.lm_head.dense.{part}"] = hf[f"lm_head.dense.{part}"]
-        fair[f"encoder.lm_head.layer_norm.{part}"] = hf[f"lm_head.layer_norm.{part}"]
-    for i in range(config.num_hidden_layers):
-        fair_layer, hf_layer = f"encoder.sentence_encoder.layers.{i}.", f"esm.encoder.layer.{i}."
-        fair[fair_layer + "self_attn.rot_emb.inv_freq"] = hf["esm.rotary_embeddings.inv_freq"].clone()
-        for part in ("weight", "bias"):
-            fair[fair_layer + f"self_attn.q_proj.{part}"] = hf[hf_layer + f"attention.self.query.{part}"]
-            fair[fair_layer + f"self_attn.k_proj.{part}"] = hf[hf_layer + f"attention.self.key.{part}"]
-            fair[fair_layer + f"self_attn.v_proj.{part}"] = hf[hf_layer + f"attention.self.value.{part}"]
-            fair[fair_layer + f"self_attn.out_proj.{part}"] = hf[hf_layer + f"attention.output.dense.{part}"]
-            fair[fair_layer + f"self_attn_layer_norm.{part}"] = hf[hf_layer + f"attention.LayerNorm.{part}"]
-            fair[fair_layer + f"final_layer_norm.{part}"] = hf[hf_layer + f"LayerNorm.{part}"]
-            fair[fair_layer + f"fc1.{part}"] = hf[hf_layer + f"intermediate.dense.{part}"]
-            fair[fair_layer + f"fc2.{part}"] = hf[hf_layer + f"output.dense.{part}"]
-    regression = {f"contact_head.regression.{p}": hf[f"esm.contact_head.regression.{p}"] for p in ("weight", "bias")}
-    if regression_beside:
-        torch.save({"model": regression}, path.with_name(path.stem + "-contact-regression.pt"))
-    else:
-        fair.update({"encoder." + key: value for key, value in regression.items()})
-    args = argparse.Namespace(
-        encoder_layers=config.num_hidden_layers,
-        encoder_embed_dim=config.hidden_size,
-        encoder_ffn_embed_dim=config.intermediate_size,
-        encoder_attention_heads=config.num_attention_heads,
-        token_dropout=True,
-        arch="esm2",
-    )
-    torch.save({"model": {k: v.clone() for k, v in fair.items()}, "cfg": {"model": args}}, path)
 
 
 @pytest.mark.parametrize("regression_beside", [True, False], ids=["regression-file", "regression-inside"])
@@ -410,273 +314,6 @@ def test_verifying_leaves_nothing_in_the_modules_cache(tmp_path, capsys, tiny_so
     assert run(capsys, "verify", te, back, "--verify-device", "cpu")[0] == 0
     assert sorted(modules_cache.rglob("*")) == []
     assert not any(name.split(".")[0] == "transformers_modules" for name in sys.modules)
-
-
-# ---- safety ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "forced-over-existing"])
-def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypatch, tiny_source, existing):
-    out = tmp_path / "te"
-    if existing:
-        out.mkdir()
-        (out / "keep.txt").write_text("old conversion")
-    real_write, calls = checkpoint_io.SafetensorsWriter.write, []
-
-    def failing_write(self, name, tensor):
-        calls.append(name)
-        if len(calls) == 10:
-            raise OSError(28, "No space left on device")
-        real_write(self, name, tensor)
-
-    monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", failing_write)
-    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")
-    assert status == 1 and "No space left on device" in err and len(calls) == 10
-    assert sorted(path.name for path in tmp_path.iterdir()) == (["te"] if existing else [])
-    if existing:
-        assert [path.name for path in out.iterdir()] == ["keep.txt"]
-
-
-def test_refuses_to_overwrite_without_force(tmp_path, capsys, tiny_source):
-    out = tmp_path / "te"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
-    status, _, err = run(capsys, "hf-to-te", tiny_source, out)
-    assert status == 1 and "--force" in err and (out / "keep.txt").read_text() == "precious"
-    assert run(capsys, "hf-to-te", tiny_source, out, "--force")[0] == 0
-    assert {path.name for path in out.iterdir()} == NV_FILES | {"model.safetensors"}
-    status, _, err = run(capsys, "te-to-hf", out, out, "--force")  # would delete its own source
-    assert status == 1 and "holds the source" in err and (out / "model.safetensors").exists()
-
-
-def test_clear_errors_for_sources_that_are_not_esm2(tmp_path, capsys, tiny_source, monkeypatch):
-    def broken_copy(name: str, edit) -> Path:
-        folder = tmp_path / name
-        folder.mkdir()
-        for path in tiny_source.iterdir():
-            (folder / path.name).write_bytes(path.read_bytes())
-        edit(folder)
-        return folder
-
-    def drop_tensor(folder):
-        state = read_folder(folder)
-        state.pop("esm.encoder.layer.1.output.dense.bias")
-        state["classifier.weight"] = torch.zeros(2, 2)
-        (folder / "model.safetensors").unlink()
-        save_file(state, str(folder / "model.safetensors"))
-
-    def edit_config(**fields):
-        def edit(folder):
-            config = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps(config | fields))
-
-        return edit
-
-    cases = {
-        "missing": (drop_tensor, ["Missing (1): esm.encoder.layer.1.output.dense.bias", "classifier.weight"]),
-        "bert": (edit_config(model_type="bert"), ["not an ESM-2 checkpoint", "'bert'"]),
-        "shape": (edit_config(intermediate_size=96), ["intermediate_size=96", "expected [96, 32]"]),
-    }
-    for name, (edit, messages) in cases.items():
-        status, _, err = run(capsys, "hf-to-te", broken_copy(name, edit), tmp_path / f"out_{name}")
-        assert status == 1 and all(message in err for message in messages), (name, err)
-        assert not (tmp_path / f"out_{name}").exists()
-    status, _, err = run(capsys, "te-to-hf", tiny_source, tmp_path / "out_direction")
-    assert status == 1 and "not an NVEsm checkpoint" in err
-
-    def unreachable(*args, **kwargs):
-        raise OSError("Failed to resolve 'huggingface.co'")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
-    status, _, err = run(capsys, "hf-to-te", "facebook/esm2_t99_does_not_exist", tmp_path / "out_hub")
-    assert status == 1 and "Hub repository that can be reached" in err and "Failed to resolve" in err
-
-
-def write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data))
-
-
-def sharded_copy(folder: Path) -> Path:
-    """tiny-shaped random checkpoint in 3 shards with an index."""
-    model = make_hf_model("tiny", seed=9)
-    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
-    return save_hf(model, folder, shard=nbytes // 3)
-
-
-def edit_index(edit):
-    def apply(tmp_path: Path) -> Path:
-        source = sharded_copy(tmp_path / "src")
-        index = source / "model.safetensors.index.json"
-        edit(index, json.loads(index.read_text()))
-        return source
-
-    return apply
-
-
-def leave_the_folder(absolute: bool):
-    def edit(index: Path, data: dict) -> None:
-        shard = sorted(set(data["weight_map"].values()))[0]
-        outside = index.parent.parent / "elsewhere"
-        outside.mkdir()
-        (index.parent / shard).rename(outside / shard)
-        target = str(outside / shard) if absolute else f"../elsewhere/{shard}"
-        data["weight_map"] = {key: target if value == shard else value for key, value in data["weight_map"].items()}
-        write_json(index, data)
-
-    return edit
-
-
-def float64_source(tmp_path: Path) -> Path:
-    make_hf_model("tiny", seed=10).double().save_pretrained(tmp_path / "src")
-    write_esm_tokenizer(tmp_path / "src")
-    return tmp_path / "src"
-
-
-def fair_esm_file(edit):
-    def apply(tmp_path: Path) -> Path:
-        path = tmp_path / "esm2_t2_random_UR50D.pt"
-        write_fair_esm_checkpoint(make_hf_model("tiny", seed=22), path, regression_beside=True)
-        edit(path)
-        return path
-
-    return apply
-
-
-def cfg_without_model(path: Path) -> None:
-    data = torch.load(path, weights_only=False)
-    torch.save({"model": data["model"], "cfg": {"optimizer": {}}}, path)
-
-
-def regression_without_model(path: Path) -> None:
-    regression = path.with_name(path.stem + "-contact-regression.pt")
-    torch.save({"state": torch.load(regression)["model"]}, regression)
-
-
-def copy_with(name: str, text: str):
-    def apply(tmp_path: Path) -> Path:
-        source = sharded_copy(tmp_path / "src")
-        (source / name).write_text(text)
-        return source
-
-    return apply
-
-
-@pytest.mark.parametrize(
-    "make_source,extra,needles",
-    [
-        (float64_source, VERIFY_CPU, ["float64", "--dtype float32"]),
-        (edit_index(lambda index, data: write_json(index, {"metadata": {}})), (), ["index.json", "weight_map"]),
-        (edit_index(lambda index, data: index.write_text("{not json")), (), ["index.json", "not valid JSON"]),
-        (edit_index(leave_the_folder(absolute=False)), (), ["index.json", "../elsewhere/model-", "refused"]),
-        (edit_index(leave_the_folder(absolute=True)), (), ["index.json", "elsewhere/model-", "refused"]),
-        (fair_esm_file(cfg_without_model), (), ["esm2_t2_random_UR50D.pt", "'model'"]),
-        (fair_esm_file(regression_without_model), (), ["esm2_t2_random_UR50D-contact-regression.pt", "'model'"]),
-        (copy_with("config.json", '{"model_type": "esm",'), (), ["config.json", "not valid JSON"]),
-        (copy_with("vocab.txt", "\n".join(ESM_VOCAB * 2)), (), ["vocab.txt", "vocab_size 33"]),
-        (copy_with("tokenizer_config.json", '{"mask_token": "<MASK>"}'), (), ["tokenizer_config.json", "<MASK>"]),
-    ],
-    ids=[
-        "float64-verify",
-        "index-without-weight-map",
-        "index-not-json",
-        "index-shard-outside",
-        "index-shard-absolute",
-        "fair-esm-cfg-without-model",
-        "regression-without-model",
-        "config-not-json",
-        "vocab-too-long",
-        "unknown-special-token",
-    ],  # fmt: skip
-)
-def test_malformed_sources_get_a_one_line_error_naming_the_file(tmp_path, capsys, make_source, extra, needles):
-    source = make_source(tmp_path)
-    capsys.readouterr()  # transformers' progress bars while saving the source
-    status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te", *extra)
-    assert status == 1 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert all(needle in err for needle in needles), err
-    assert not (tmp_path / "te").exists() and not list(tmp_path.glob(".te.*"))
-
-
-@pytest.mark.parametrize("direction", ["hf-to-te", "te-to-hf"])
-def test_source_tokenizer_files_cannot_bring_remote_code(tmp_path, capsys, tiny_source, direction):
-    source = tmp_path / "src"
-    if direction == "hf-to-te":
-        shutil.copytree(tiny_source, source)
-    else:
-        assert run(capsys, "hf-to-te", tiny_source, source)[0] == 0
-    elsewhere = ["attacker/esm2--tokenization_evil.EvilTokenizer", None]
-    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
-    injected = {"auto_map": {"AutoTokenizer": elsewhere}, "tokenizer_class": "EvilTokenizer", "extra": 1}
-    write_json(source / "tokenizer_config.json", tokenizer_config | injected)
-    write_json(source / "special_tokens_map.json", {"mask_token": {"content": "<mask>"}, "auto_map": elsewhere})
-    config = json.loads((source / "config.json").read_text())
-    write_json(source / "config.json", config | {"auto_map": {"AutoTokenizer": elsewhere}, "extra": 1})
-    status, _, err = run(capsys, direction, source, tmp_path / "out")
-    assert status == 0, err
-    written = {path.name: json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json")}
-    assert set(written) == {"config.json", "tokenizer_config.json"}
-    assert written["config.json"].get("auto_map") == (hub_folder.AUTO_MAP if direction == "hf-to-te" else None)
-    assert "extra" not in written["config.json"]
-    tokenizer_keys = {"added_tokens_decoder", "backend", "model_max_length", "tokenizer_class"}
-    assert set(written["tokenizer_config.json"]) == tokenizer_keys | set(hub_folder.SPECIAL_TOKENS)
-    assert written["tokenizer_config.json"]["tokenizer_class"] == "EsmTokenizer"
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", trust_remote_code=True)
-    assert type(tokenizer).__name__ == "EsmTokenizer"
-    reference = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
-    assert tokenizer(GFP + "<mask>")["input_ids"] == reference(GFP + "<mask>")["input_ids"]
-
-
-STALLED_CONVERSION = """
-import sys, time
-import convert_checkpoint
-from nv_esm import checkpoint_io
-
-def stall(self, name, tensor):
-    print("writing", flush=True)
-    time.sleep(300)
-
-checkpoint_io.SafetensorsWriter.write = stall
-sys.exit(convert_checkpoint.main(["hf-to-te", {source!r}, {out!r}]))
-"""
-
-
-def start_stalled_conversion(source: Path, out: Path) -> subprocess.Popen:
-    """A conversion in another process that stops at its first tensor."""
-    script = STALLED_CONVERSION.format(source=str(source), out=str(out))
-    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_until_writing(process: subprocess.Popen) -> None:
-    line = process.stdout.readline()
-    assert line == "writing\n", process.stderr.read()
-
-
-def test_sigterm_removes_the_staging_folder(tmp_path, tiny_source):
-    process = start_stalled_conversion(tiny_source, tmp_path / "te")
-    wait_until_writing(process)
-    assert len(list(tmp_path.glob(".te.partial-*"))) == 1
-    process.terminate()
-    _, err = process.communicate(timeout=60)
-    assert process.returncode == 143 and "interrupted (SIGTERM)" in err and err.count("\n") == 1, err
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_run_removes_staging_folders_of_dead_runs_only(tmp_path, capsys, tiny_source):
-    killed, live = (start_stalled_conversion(tiny_source, tmp_path / name) for name in ("killed", "live"))
-    try:
-        wait_until_writing(killed)
-        wait_until_writing(live)
-        killed.kill()  # kill -9: nothing runs in the process
-        killed.communicate(timeout=60)
-        assert len(list(tmp_path.glob(".killed.partial-*"))) == 1
-        status, _, err = run(capsys, "hf-to-te", tiny_source, tmp_path / "te")
-        assert status == 0 and "left by an interrupted run" in err
-        names = sorted(path.name for path in tmp_path.iterdir())
-        assert len(names) == 2 and names[0].startswith(".live.partial-") and names[1] == "te"
-    finally:
-        for process in (killed, live):
-            process.kill()
-            process.communicate(timeout=60)
 
 
 # ---- Hub id source, model card, upload --------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     random.seed(config.seed + world.rank)
     torch.manual_seed(config.seed + world.rank)
     batches, labels = make_batches(config, world)
-    nv_config = model_config(config.model, world, labels)
+    nv_config = model_config(config.model, labels)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():
         if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state

@@ -22,7 +22,7 @@ from modeling_nv_esm import (
     NVEsmForSequenceClassification,
     NVEsmForTokenClassification,
     NVEsmRotaryEmbedding,
-    transformer_engine_available,
+    resolve_backend,
 )
 from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from nv_esm.train.config import ModelConfig, TrainConfig
@@ -36,7 +36,7 @@ MODEL_CLASSES = {
 }
 
 
-def model_config(settings: ModelConfig, world: Dist, labels: dict[str, Any]) -> NVEsmConfig:
+def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
     """The NVEsm config of the run: the source's architecture, the layer backend (`auto`: TE on GPU when it is
     installed), packed (THD) inputs, FP8 layers, and the classification `labels` fields (`label_fields`)."""
     source = settings.source
@@ -49,9 +49,7 @@ def model_config(settings: ModelConfig, world: Dist, labels: dict[str, Any]) -> 
         )
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)
-    backend = settings.backend
-    if backend == "auto":
-        backend = "te" if world.device.type == "cuda" and transformer_engine_available() else "torch"
+    backend = resolve_backend(settings.backend)
     if settings.lora_rank and backend == "te":
         raise ValueError("--lora-rank needs --backend torch: PEFT cannot wrap Transformer Engine's fused layers.")
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)

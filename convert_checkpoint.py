@@ -651,7 +651,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
-    parser.add_argument("--verify", action="store_true", help="compare both models' logits on assets/proteins.fasta")
+    parser.add_argument("--verify", action="store_true", help="compare both models' logits on 22 real proteins")
     parser.add_argument(
         "--verify-atol", type=float, metavar="ATOL", help="logit tolerance of --verify and verify (default: by dtype)"
     )

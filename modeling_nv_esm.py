@@ -85,6 +85,8 @@ def import_transformer_engine() -> Any:
 def resolve_backend(backend: str) -> str:
     """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now:
     `"auto"` is Transformer Engine when it is installed and a CUDA GPU is visible."""
+    if backend not in ("auto", "te", "torch"):
+        raise ValueError(f"backend must be 'auto', 'te' or 'torch', got {backend!r}.")
     if backend == "torch":
         return "torch"
     usable = transformer_engine_available() and torch.cuda.is_available()
@@ -228,7 +230,12 @@ def pad_proteins(
     padding and `attention_mask [N, S]` int64 (1 = token), S the longest protein, padding on `padding_side`."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
+    if not proteins:
+        raise ValueError("pad_proteins needs at least one protein.")
     ids = [torch.as_tensor(protein, dtype=torch.int64).reshape(-1) for protein in proteins]
+    empty = [index for index, protein in enumerate(ids) if len(protein) == 0]
+    if empty:
+        raise ValueError(f"protein {empty[0]} has no tokens.")
     width = max(len(protein) for protein in ids)
     input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
@@ -432,6 +439,8 @@ def te_layer_class() -> type[nn.Module]:
             """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
             return super().forward(hidden_states, **inputs.te_kwargs)
 
+    NVEsmTELayer.__qualname__ = "NVEsmTELayer"  # a module-level name, so that models pickle (torch.save(model))
+    globals()["NVEsmTELayer"] = NVEsmTELayer
     return NVEsmTELayer
 
 
@@ -990,14 +999,13 @@ class NVEsmModel(NVEsmPreTrainedModel):
         embeddings = torch.empty(len(token_lists), self.config.hidden_size)
         progress = tqdm(total=len(token_lists), desc="embedding", unit="protein", disable=not show_progress)
         for batch in _length_sorted_batches(token_lists, max_tokens_per_batch):
-            proteins = [torch.tensor(token_lists[i]) for i in batch]
-            lengths = torch.tensor([len(p) for p in proteins])
-            cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+            packed = pack_proteins([token_lists[i] for i in batch])
+            cu_seq_lens = packed["cu_seq_lens_q"].to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 output = self(
-                    torch.cat(proteins)[None].to(device),
+                    packed["input_ids"].to(device),
                     cu_seq_lens_q=cu_seq_lens,
-                    max_length_q=int(lengths.max()),
+                    max_length_q=packed["max_length_q"],
                     output_hidden_states=layer not in (-1, num_states - 1),
                 )
             states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]

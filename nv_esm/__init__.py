@@ -5,12 +5,14 @@ The model itself is the Hub remote code at the top of the repository (`configura
 
 - `alphabet`: the ESM-2 vocabulary, residue ids, FASTA reading, an example protein.
 - `shapes`: the published ESM-2 shapes, a transformers config of any of them, model FLOPs and GPU peaks.
+- `state_dict_mapping`: the tensor table between transformers / fair-esm and NVEsm, state-dict and config mapping.
 - `checkpoint_io`: safetensors reading and writing, sharding, sizes.
 - `hub_folder`: a Hub-ready model folder (config + `auto_map`, tokenizer, remote code, LICENSE), written
   atomically, and pushing it.
 - `model_card`: the README.md of converted and of trained models.
 - `verification`: does a converted model give the source model's logits on real proteins?
 - `data`: the training data pipeline (read, tokenize, crop, mask, pack).
+- `trace_summary`: where a profiled step's time went (`python -m nv_esm.trace_summary`).
 - `train`: the FSDP2 training recipe, split by concern.
 - `cli`: the `nv-esm` command.
 """

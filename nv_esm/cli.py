@@ -20,6 +20,7 @@ COMMANDS = {
 
 
 def usage() -> str:
+    """The `nv-esm --help` text: the commands and what each does."""
     lines = ["usage: nv-esm COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<9} {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "`nv-esm COMMAND --help` describes a command's arguments."]

@@ -27,7 +27,6 @@ from typing import IO
 
 import torch
 
-from modeling_nv_esm import pack_proteins
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
@@ -219,6 +218,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def pack_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:
     """Pack proteins `tokens` (N lists of token ids) with per-token `labels` (N lists, each as long as its
     protein: `[1, T]` int64) or per-protein labels (a tensor `[N]`, kept as it is), by `pack_proteins`."""
+    from modeling_nv_esm import pack_proteins  # the model's packing helper (imports transformers: on first batch)
+
     if isinstance(labels, torch.Tensor):
         packed = pack_proteins(tokens)
         packed_labels = labels

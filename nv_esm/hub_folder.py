@@ -8,7 +8,6 @@ Both the checkpoint converter and the trainer's export write their folders with 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import shutil
@@ -125,13 +124,17 @@ def write_esm_tokenizer(folder: Path, vocab: list[str] = ESM_VOCAB, **settings: 
     EsmTokenizer(str(folder / "vocab.txt"), **settings).save_pretrained(folder)
 
 
+# The remote-code files lie beside the nv_esm package: at the top of a checkout (editable install) and in
+# site-packages (`pip install .`), whatever the current directory holds.
+REMOTE_CODE_FOLDER = Path(__file__).resolve().parents[1]
+
+
 def copy_remote_code(out: Path) -> None:
-    """The two files that `trust_remote_code=True` loads, copied from where Python imports them."""
+    """The two files that `trust_remote_code=True` loads, copied from beside the installed nv_esm package."""
     for name in REMOTE_CODE_FILES:
-        spec = importlib.util.find_spec(Path(name).stem)
-        if spec is None or spec.origin is None:
-            raise FileNotFoundError(f"{name} is not importable; install nv-esm (pip install -e .).")
-        shutil.copy2(spec.origin, out / name)
+        if not (REMOTE_CODE_FOLDER / name).is_file():
+            raise FileNotFoundError(f"{REMOTE_CODE_FOLDER / name} is missing; reinstall nv-esm (pip install .).")
+        shutil.copy2(REMOTE_CODE_FOLDER / name, out / name)
 
 
 def write_license(out: Path, with_code: bool) -> None:

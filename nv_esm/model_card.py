@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from nv_esm.checkpoint_io import format_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from configuration_nv_esm import NVEsmConfig
     from nv_esm.verification import VerifyReport
 
@@ -212,12 +212,12 @@ def training_card(checkpoint: Path, run: dict, weights: dict[str, torch.Tensor])
     """
     config, settings = run["config"], run["settings"]
     parameters = sum(t.numel() for t in weights.values())
-    pipeline_tag = "fill-mask" if settings["task"] == "mlm" else "text-classification"
-    body = f"""# NVEsm model trained with `recipes/train.py`
+    pipeline_tag = {"mlm": "fill-mask", "token": "token-classification"}.get(settings["task"], "text-classification")
+    body = f"""# NVEsm model trained with `nv-esm train`
 
 ESM-2-shaped protein language model ({parameters / 1e6:.1f}M parameters: {config["num_hidden_layers"]} layers,
 hidden size {config["hidden_size"]}, {config["num_attention_heads"]} heads) exported from `{checkpoint.name}` of a
-`recipes/train.py` run (task `{settings["task"]}`, started from `{run["start"]}`, data {settings["data"]},
+`nv-esm train` run (task `{settings["task"]}`, started from `{run["start"]}`, data {settings["data"]},
 {settings["steps"]} scheduled steps). Load it with
 
 ```python
@@ -225,6 +225,6 @@ from transformers import AutoModel
 model = AutoModel.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
 ```
 
-The weights are float32, in the nv-esm layout (`convert_checkpoint.py te-to-hf` turns them into a transformers
+The weights are float32, in the nv-esm layout (`nv-esm convert te-to-hf` turns them into a transformers
 `EsmForMaskedLM` folder). Evaluate before use: this card records how the model was trained, not how well it works."""
     return _card(front_matter(pipeline_tag, TRAINED_TAGS), [body])

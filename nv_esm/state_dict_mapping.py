@@ -321,6 +321,8 @@ def nv_to_hf_state_dict(nv_state: dict[str, torch.Tensor], config: NVEsmConfig) 
 
 
 def check_keys(state: dict, names_per_rule: list[tuple[str, ...]], rules: list[Rule]) -> None:
+    """Raise CheckpointMismatch when `state` lacks a tensor that a non-optional rule needs or holds one that no
+    rule names (`names_per_rule[i]`: the names rule i reads)."""
     expected = {name for names in names_per_rule for name in names}
     required = {name for names, rule in zip(names_per_rule, rules) if not rule.optional for name in names}
     missing, unexpected = required - state.keys(), state.keys() - expected

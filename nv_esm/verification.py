@@ -25,7 +25,7 @@ import torch
 from nv_esm.alphabet import read_fasta
 from nv_esm.checkpoint_io import DTYPES, read_json
 
-PROTEINS_FASTA = Path(__file__).resolve().parents[1] / "assets" / "proteins.fasta"
+PROTEINS_FASTA = Path(__file__).resolve().parent / "proteins.fasta"  # package data: installed with nv_esm
 # Largest |logit difference| allowed, by the dtype of the converted weights; the reference always runs in
 # float32. float32: both implementations do the same arithmetic in another order (fused QKV GEMM, other
 # kernels): 4e-6 on a random 650M-shaped model (33 layers, H100 and CPU alike). bfloat16 keeps 8 significant bits

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
-from conftest import ROOT, SHAPES, TINY_CHECKPOINT, make_hf_model
+from conftest import SHAPES, TINY_CHECKPOINT, make_hf_model
 from convert_checkpoint import main
 from convert_helpers import (
     NV_FILES,
@@ -138,7 +138,7 @@ def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
 def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
     status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0
-    proteins = alphabet.read_fasta(ROOT / "assets" / "proteins.fasta")
+    proteins = alphabet.read_fasta(verification.PROTEINS_FASTA)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| protein")]
     assert [row.split("|")[1].strip() for row in rows] == [name for name, _ in proteins]
     assert all(row.split("|")[5].strip() == "100.0%" for row in rows)  # argmax agreement

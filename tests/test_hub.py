@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from conftest import (
+    ATOL_FP32,
     ROOT,
     TINY_CHECKPOINT,
     make_head_models,
@@ -33,8 +34,6 @@ from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 from nv_esm.alphabet import GFP
 from nv_esm.hub_folder import AUTO_MAP
-
-ATOL_FP32 = 1e-5  # fp32 CPU, as in test_model.py
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 import modeling_nv_esm
 from configuration_nv_esm import NVEsmConfig
-from conftest import ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+from conftest import PAD, ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
 
 @pytest.mark.parametrize(
@@ -244,3 +244,49 @@ def test_max_length_accepts_numpy_and_tensor_integers(model):
         for value in (np.int64(5), torch.tensor(5), 7):
             actual = model(**with_changes(batch, max_length_q=value, max_length_k=None)).logits
             assert (actual - expected).abs().max() <= 1e-5
+
+
+def test_pack_proteins_gives_what_data_collator_with_flattening_gives():
+    """The packing helper that the data pipeline, the benchmark and the tests use, against transformers' own
+    collator: same input_ids, position_ids, cu_seq_lens and max lengths (and labels, with -100 kept)."""
+    from transformers import DataCollatorWithFlattening
+
+    proteins = random_proteins([1, 37, 5, 120, 2], seed=31)
+    labels = [torch.where(torch.rand(len(p)) < 0.3, p, -100) for p in proteins]
+    features = [{"input_ids": p.tolist(), "labels": lab.tolist()} for p, lab in zip(proteins, labels)]
+    expected = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(features)
+    ours = modeling_nv_esm.pack_proteins(proteins, labels)
+    for name in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"):
+        assert torch.equal(ours[name], expected[name].to(ours[name].dtype)), name
+    assert ours["max_length_q"] == ours["max_length_k"] == int(expected["max_length_q"]) == 120
+    # The collator sets the first label of each protein to -100 (it shifts labels for causal models); ours keep them.
+    starts = ours["cu_seq_lens_q"][:-1].long()
+    keep = torch.ones(ours["labels"].shape[1], dtype=torch.bool)
+    keep[starts] = False
+    assert torch.equal(ours["labels"][0, keep], expected["labels"][0, keep])
+    assert torch.equal(ours["labels"][0, starts], torch.stack([lab[0] for lab in labels]))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: modeling_nv_esm.pack_proteins([]), "at least one protein"),
+        (lambda: modeling_nv_esm.pack_proteins([[0, 5, 2], []]), "protein 1 has no tokens"),
+        (lambda: modeling_nv_esm.pack_proteins([[0, 5, 2]], labels=[[1, 2]]), "one label per token"),
+        (lambda: modeling_nv_esm.pad_proteins([], PAD), "at least one protein"),
+        (lambda: modeling_nv_esm.pad_proteins([[0, 2], []], PAD), "protein 1 has no tokens"),
+        (lambda: modeling_nv_esm.pad_proteins([[0, 2]], PAD, padding_side="top"), "padding_side"),
+        (lambda: modeling_nv_esm.resolve_backend("cuda"), "backend must be"),
+    ],
+)
+def test_packing_helpers_and_backend_names_refuse_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_pad_proteins_pads_either_side():
+    padded = modeling_nv_esm.pad_proteins([[0, 5, 2], [0, 2]], PAD, padding_side="left")
+    assert padded["input_ids"].tolist() == [[0, 5, 2], [PAD, 0, 2]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
+    padded = modeling_nv_esm.pad_proteins([[0, 5, 2], [0, 2]], PAD)
+    assert padded["input_ids"].tolist() == [[0, 5, 2], [0, 2, PAD]]

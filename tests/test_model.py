@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import (
+    ATOL_FP32,
     EOS,
     MASK,
     SHAPES,
@@ -25,7 +26,6 @@ from conftest import (
 )
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
-ATOL_FP32 = 1e-5
 MAX_TOKENS = 1026  # max_position_embeddings: 1024 residues + <cls> + <eos>
 
 

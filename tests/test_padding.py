@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import EsmForSequenceClassification, EsmForTokenClassification
 
 from conftest import (
+    ATOL_FP32,
     PADDING_SIDES,
     PADDING_WIDTHS,
     make_head_models,
@@ -27,7 +28,6 @@ from conftest import (
 )
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 
-ATOL_FP32 = 1e-5
 MAX_TOKENS = 1026
 
 

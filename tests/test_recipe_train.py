@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_CHECKPOINT
+from conftest import ROOT, SHAPES, TINY_CHECKPOINT
 from convert_checkpoint import convert_hf_to_nv
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
 from nv_esm import trace_summary
@@ -28,7 +28,6 @@ from nv_esm.train.materialize import fresh_tensor
 
 DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 SECONDARY_STRUCTURE = ROOT / "recipes" / "demo_data" / "secondary_structure.csv"
-TINY_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 
 def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> subprocess.CompletedProcess:
@@ -50,7 +49,7 @@ def losses(out: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     fields = json.loads((ROOT / "config.json").read_text())
-    fields.update(TINY_SHAPE)
+    fields.update(SHAPES["tiny"])
     path = tmp_path_factory.mktemp("config") / "config.json"
     path.write_text(json.dumps(fields))
     return path

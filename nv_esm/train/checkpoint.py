@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nv_esm.data import Batches
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist
 
 if TYPE_CHECKING:
+    from nv_esm.data import Batches
     from nv_esm.train.feed import DataFeed
 
 CHECKPOINT_PREFIX = "step_"
@@ -80,7 +80,7 @@ def save_checkpoint(
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batches: DataFeed,
+    feed: DataFeed,
     world: Dist,
     keep: int,
     run_info: dict,
@@ -100,7 +100,7 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
     streams: list[Any] = [None] * world.world_size
-    dist.all_gather_object(streams, batches.state_dict())
+    dist.all_gather_object(streams, feed.state_dict())
     torch.save(rng_state(), partial / f"rng_rank{world.rank}.pt")
     scaling = fp8_scaling_state(model)
     if scaling:

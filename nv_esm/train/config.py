@@ -44,10 +44,10 @@ CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub fold
 
 @dataclass
 class ModelConfig:
-    """What is trained: the starting point (exactly one of `checkpoint` and `config_file`, paths as given on the
+    """What is trained: the starting point (exactly one of `init_from` and `config_file`, paths as given on the
     command line), the task head, the layer implementation, FP8 and LoRA."""
 
-    checkpoint: str | None = None  # --model: an NVEsm folder (convert_checkpoint.py hf-to-te output)
+    init_from: str | None = None  # --model: an NVEsm folder (convert_checkpoint.py hf-to-te output)
     config_file: str | None = None  # --config: config.json of a model trained from scratch
     task: str = "mlm"  # one of TASKS
     backend: str = "auto"  # auto, te or torch
@@ -59,7 +59,7 @@ class ModelConfig:
     @property
     def source(self) -> Path:
         """The checkpoint folder or config file the model's architecture comes from."""
-        return Path(self.checkpoint or self.config_file)
+        return Path(self.init_from or self.config_file)
 
 
 @dataclass
@@ -135,7 +135,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """The checks made before training starts; messages name the command-line options."""
-        if (self.model.checkpoint is None) == (self.model.config_file is None):
+        if (self.model.init_from is None) == (self.model.config_file is None):
             raise ValueError("Give exactly one of --model and --config.")
         at_least_one = {
             "steps": self.optimizer.steps,
@@ -255,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` of the options `build_parser()` parsed."""
     return TrainConfig(
         model=ModelConfig(
-            checkpoint=args.model,
+            init_from=args.model,
             config_file=args.config,
             task=args.task,
             backend=args.backend,

@@ -125,7 +125,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     run_info = dict(
         config=nv_config.to_dict(),
         lora_alpha=config.model.lora_alpha,
-        start=config.model.checkpoint or "scratch",
+        start=config.model.init_from or "scratch",
         settings=resume_settings(config),
     )
     step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0

@@ -78,7 +78,7 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
         model = add_lora(model, config.model)
     parallelize(model, config.parallel, world, nv_config.backend)
     model.to_empty(device=world.device)
-    source = CheckpointReader(Path(config.model.checkpoint)) if config.model.checkpoint else None
+    source = CheckpointReader(Path(config.model.init_from)) if config.model.init_from else None
     materialise(model, nv_config, source, config.seed, world)
     return model
 

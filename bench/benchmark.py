@@ -50,7 +50,7 @@ from transformers import EsmForMaskedLM  # noqa: E402
 
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
 from nv_esm import shapes  # noqa: E402
-from nv_esm.alphabet import CLS, EOS, MASK, PAD  # noqa: E402
+from nv_esm.alphabet import CLS, EOS, MASK, PAD, STANDARD_IDS  # noqa: E402
 from plot_speed import plot  # noqa: E402  (bench/plot_speed.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,8 @@ MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = shapes.PEAK_BF16_TFLOPS["H100"]
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024
+FIRST_RESIDUE, END_RESIDUES = STANDARD_IDS[0], STANDARD_IDS[-1] + 1  # the 20 standard residues' ids are contiguous
+assert STANDARD_IDS == tuple(range(FIRST_RESIDUE, END_RESIDUES))
 
 
 def draw_batches(num_batches: int, proteins: int, seed: int) -> list[list[torch.Tensor]]:
@@ -80,7 +82,7 @@ def draw_batches(num_batches: int, proteins: int, seed: int) -> list[list[torch.
     for _ in range(num_batches):
         lengths = torch.exp(math.log(MEDIAN_RESIDUES) + LENGTH_SIGMA * torch.randn(proteins, generator=generator))
         lengths = lengths.clamp(10, MAX_RESIDUES).long().tolist()
-        batches.append([torch.randint(4, 24, (n,), generator=generator) for n in lengths])
+        batches.append([torch.randint(FIRST_RESIDUE, END_RESIDUES, (n,), generator=generator) for n in lengths])
     return batches
 
 
@@ -93,7 +95,9 @@ def mlm_inputs(residues: list[torch.Tensor], seed: int) -> tuple[list[torch.Tens
         roll = torch.rand(protein.shape, generator=generator)
         inputs = torch.where(chosen & (roll < 0.8), MASK, protein)
         inputs = torch.where(
-            chosen & (roll >= 0.8) & (roll < 0.9), torch.randint(4, 24, protein.shape, generator=generator), inputs
+            chosen & (roll >= 0.8) & (roll < 0.9),
+            torch.randint(FIRST_RESIDUE, END_RESIDUES, protein.shape, generator=generator),
+            inputs,
         )
         tokens.append(torch.cat([torch.tensor([CLS]), inputs, torch.tensor([EOS])]))
         labels.append(torch.cat([torch.tensor([-100]), torch.where(chosen, protein, -100), torch.tensor([-100])]))

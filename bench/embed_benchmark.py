@@ -17,9 +17,8 @@ import torch
 from benchmark import ROOT, SHAPES, draw_batches
 
 from modeling_nv_esm import NVEsmForMaskedLM
+from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
-
-RESIDUES = "LAGVSERTIDPKQNFYMHWC"
 
 
 def naive_transformers(model, tokenizer, sequences: list[str], batch_size: int = 32) -> torch.Tensor:
@@ -58,7 +57,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "esm2_tiny")
     lengths = [len(p) for batch in draw_batches(args.proteins // 100, 100, seed=3) for p in batch]
     generator = torch.Generator().manual_seed(4)
-    sequences = ["".join(RESIDUES[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths]
+    sequences = [
+        "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths
+    ]
     torch.manual_seed(0)
     reference = EsmForMaskedLM(esm2_config(**SHAPES[args.shape]))
     config = nv_config_from_hf(reference.config.to_dict(), backend="te", check_inputs=False)

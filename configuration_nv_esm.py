@@ -36,7 +36,11 @@ class NVEsmConfig(PretrainedConfig):
             transformers does; Transformer Engine's fused `gelu` is the tanh approximation (see README).
         hidden_dropout_prob: Dropout after the attention projection and after the MLP.
         attention_probs_dropout_prob: Dropout on the attention probabilities.
-        max_position_embeddings: Longest protein, in tokens with `<cls>` and `<eos>` (1026 for ESM-2).
+        max_position_embeddings: Longest protein ESM-2 was trained on, in tokens with `<cls>` and `<eos>` (1026:
+            crops of 1024 residues). Longer proteins run (rotary positions need no table), with a one-time warning.
+        max_protein_length: Longest protein accepted, in tokens with `<cls>` and `<eos>` (default 8192); longer ones
+            raise `ValueError`. Raise it (e.g. `from_pretrained(..., max_protein_length=20_000)`) for longer
+            proteins: attention memory grows with the square of the length on the PyTorch backend.
         initializer_range: Standard deviation of the normal initialisation of fresh weights.
         layer_norm_eps: Epsilon of every LayerNorm.
         position_embedding_type: Only `"rotary"` (ESM-2). `"absolute"` is ESM-1 and is refused.
@@ -57,7 +61,7 @@ class NVEsmConfig(PretrainedConfig):
         fp8_recipe: Transformer Engine FP8 scaling recipe, by name: `"delayed"` (DelayedScaling),
             `"current"` (Float8CurrentScaling) or `"block"` (Float8BlockScaling).
         check_inputs: Validate data-dependent input properties (token ids within the vocabulary, `cu_seq_lens`
-            and `position_ids` consistent, proteins not longer than `max_position_embeddings`) and raise
+            and `position_ids` consistent, proteins not longer than `max_protein_length`) and raise
             `ValueError` on violations. This costs one device synchronisation per forward; a training loop whose
             data pipeline is trusted can set it to False. Shape and type errors are always raised.
         cuda_graphs: Transformer Engine backend, packed layers (`attn_input_format="thd"`) only: round each batch up to
@@ -82,6 +86,7 @@ class NVEsmConfig(PretrainedConfig):
         hidden_dropout_prob: float = 0.0,
         attention_probs_dropout_prob: float = 0.0,
         max_position_embeddings: int = 1026,
+        max_protein_length: int = 8192,
         initializer_range: float = 0.02,
         layer_norm_eps: float = 1e-5,
         position_embedding_type: str = "rotary",
@@ -111,6 +116,7 @@ class NVEsmConfig(PretrainedConfig):
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
         self.max_position_embeddings = max_position_embeddings
+        self.max_protein_length = max_protein_length
         self.initializer_range = initializer_range
         self.layer_norm_eps = layer_norm_eps
         self.position_embedding_type = position_embedding_type
@@ -151,6 +157,7 @@ class NVEsmConfig(PretrainedConfig):
             "num_attention_heads",
             "intermediate_size",
             "max_position_embeddings",
+            "max_protein_length",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

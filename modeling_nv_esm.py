@@ -976,7 +976,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         tokens (a longer protein runs alone); on CUDA the model runs under bf16 autocast.
 
         Args:
-            sequences: Amino-acid strings (one-letter codes), any lengths up to `max_position_embeddings - 2`.
+            sequences: Amino-acid strings (one-letter codes), any lengths up to `max_protein_length - 2`.
             tokenizer: The ESM tokenizer of this checkpoint (`AutoTokenizer.from_pretrained(...)`).
             layer: Which hidden state: 0 is the embedding output, `num_hidden_layers` (or -1) the final one.
             pooling: `"mean"` over the residues (without `<cls>`/`<eos>`), or `"cls"` (the `<cls>` token).
@@ -990,10 +990,10 @@ class NVEsmModel(NVEsmPreTrainedModel):
             raise ValueError(f"layer must be in [{-num_states}, {num_states}), got {layer}")
         token_lists = tokenizer(list(sequences), add_special_tokens=True)["input_ids"]
         for index, tokens in enumerate(token_lists):
-            if len(tokens) <= 2 or len(tokens) > self.config.max_position_embeddings:
+            if len(tokens) <= 2 or len(tokens) > self.config.max_protein_length:
                 raise ValueError(
                     f"Sequence {index} has {len(tokens) - 2} residues; embed needs 1 to "
-                    f"{self.config.max_position_embeddings - 2}."
+                    f"{self.config.max_protein_length - 2} (config.max_protein_length - 2)."
                 )
         device = self.embeddings.word_embeddings.weight.device
         embeddings = torch.empty(len(token_lists), self.config.hidden_size)
@@ -1214,8 +1214,9 @@ class InputBatch:
         if batch == 0 or length == 0:
             raise ValueError(f"The batch holds no tokens: input shape {tuple(tokens.shape)}.")
         if attention_mask is None:
-            if length > config.max_position_embeddings:
+            if length > config.max_protein_length:
                 raise ValueError(_too_long_message(config))
+            _warn_if_longer_than_trained(config, length)
             lengths = torch.full((batch,), float(length), device=tokens.device)
             raise_on_failed_checks(_token_id_checks(config, input_ids), config.check_inputs)
             packed = None
@@ -1242,10 +1243,11 @@ class InputBatch:
                 "attention_mask must keep one contiguous run of tokens per row (padding on the left and/or right "
                 "of each protein, none inside it).",
             ),
-            (longest <= config.max_position_embeddings, _too_long_message(config)),
+            (longest <= config.max_protein_length, _too_long_message(config)),
         ]
         raise_on_failed_checks(checks, config.check_inputs)
         packed = PackedSequences.from_attention_mask(key_mask, int(longest))
+        _warn_if_longer_than_trained(config, packed.max_length)
         return cls(False, counts.float(), packed)
 
     @classmethod
@@ -1295,7 +1297,7 @@ class InputBatch:
         max_length = max_length_q if max_length_q is not None else max_length_k
         lengths = cu_seq_lens.diff()
         longest = lengths.max()
-        checks.append((longest <= config.max_position_embeddings, _too_long_message(config)))
+        checks.append((longest <= config.max_protein_length, _too_long_message(config)))
         if max_length is not None:
             checks.append(
                 (longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein.")
@@ -1308,6 +1310,7 @@ class InputBatch:
             checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
         raise_on_failed_checks(checks, config.check_inputs)
         max_length = int(longest) if max_length is None else max_length
+        _warn_if_longer_than_trained(config, max_length)
         packed = PackedSequences.right_padded(cu_seq_lens, max_length, num_tokens)
         return cls(True, lengths.float(), packed)
 
@@ -1380,9 +1383,21 @@ def _as_length(name: str, value: Any) -> int | None:
 
 def _too_long_message(config: NVEsmConfig) -> str:
     return (
-        f"A protein is longer than max_position_embeddings ({config.max_position_embeddings} tokens including "
-        "<cls> and <eos>); crop it."
+        f"A protein is longer than max_protein_length ({config.max_protein_length} tokens including <cls> and "
+        "<eos>); crop it, or load the model with a larger max_protein_length (attention memory grows with the "
+        "square of the length)."
     )
+
+
+def _warn_if_longer_than_trained(config: NVEsmConfig, max_length: int) -> None:
+    """Once per process: `max_length` (the longest protein, or the packed batch's stated max_length) is past the
+    crops ESM-2 was trained on."""
+    if max_length > config.max_position_embeddings:
+        logger.warning_once(
+            f"A protein of up to {max_length} tokens: ESM-2 was trained on crops of {config.max_position_embeddings} "
+            "tokens (1024 residues). It runs (rotary positions need no table), but outputs past that length are "
+            "outside what the model saw in training."
+        )
 
 
 def _check_extra_inputs(kwargs: dict[str, Any]) -> None:

@@ -170,9 +170,10 @@ def test_bad_padded_inputs_raise(model):
 
 
 @pytest.mark.parametrize("layout", ["padded_no_mask", "padded_mask", "packed"])
-def test_protein_longer_than_max_position_embeddings_raises(model, layout):
-    too_long = random_proteins([1027], seed=33)
-    with pytest.raises(ValueError, match="longer than max_position_embeddings"):
+def test_protein_longer_than_max_protein_length_raises(layout):
+    model = make_nv_model(make_hf_model("tiny", seed=30), max_protein_length=100)
+    too_long = random_proteins([40, 101], seed=33)
+    with pytest.raises(ValueError, match="longer than max_protein_length .100 tokens"):
         if layout == "packed":
             model(**pack_batch(too_long))
         else:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import modeling_nv_esm
 from conftest import (
     ATOL_FP32,
     EOS,
     MASK,
+    PAD,
     SHAPES,
     make_hf_model,
     make_nv_model,
@@ -24,6 +26,7 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
+from modeling_nv_esm import pad_proteins
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
 MAX_TOKENS = 1026  # max_position_embeddings: 1024 residues + <cls> + <eos>
@@ -244,3 +247,29 @@ def test_tuple_outputs_when_return_dict_is_false():
         (states,) = nv.esm(input_ids, attention_mask=attention_mask, return_dict=False)
     assert torch.equal(loss, as_dict.loss) and torch.equal(logits, as_dict.logits)
     assert states.shape == (2, 6, nv.config.hidden_size)
+
+
+@pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
+def test_proteins_longer_than_esm2_crops_match_transformers(monkeypatch, attn_input_format):
+    """1,500 and 4,000 residues (past the 1,024 ESM-2 was trained on; transformers runs them, rotary positions have
+    no table): every protein's logits and hidden states equal transformers' for it alone, padded (left padding,
+    next to a short protein) and packed, with one warning that the model saw only 1,024-residue crops."""
+    warnings = []
+    monkeypatch.setattr(modeling_nv_esm.logger, "warning_once", warnings.append)
+    hf = make_hf_model("tiny", seed=60)
+    nv = make_nv_model(hf, attn_input_format=attn_input_format)
+    proteins = random_proteins([1502, 20, 4002], seed=61, mask_fraction=0.15)
+    padded = pad_proteins(proteins, PAD, padding_side="left")
+    with torch.no_grad():
+        expected = [hf_alone(hf, protein) for protein in proteins]
+        batch = nv(**padded, output_hidden_states=True)
+        packed = nv(**pack_batch(proteins), output_hidden_states=True)
+    keep = padded["attention_mask"].bool()
+    starts = [0, *torch.tensor([len(p) for p in proteins]).cumsum(0).tolist()]
+    spans = [slice(start, end) for start, end in zip(starts, starts[1:])]
+    for row, reference in enumerate(expected):
+        assert max_abs_diff(batch.logits[row, keep[row]], reference.logits[0]) <= ATOL_FP32, row
+        assert max_abs_diff(packed.logits[0, spans[row]], reference.logits[0]) <= ATOL_FP32, row
+        for ours, theirs in zip(batch.hidden_states, reference.hidden_states):
+            assert max_abs_diff(ours[row, keep[row]], theirs[0]) <= ATOL_FP32, row
+    assert warnings and all("trained on crops of 1026 tokens" in message for message in warnings)

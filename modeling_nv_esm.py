@@ -537,6 +537,38 @@ class NVEsmRotaryEmbedding(nn.Module):
         return torch.cat((freqs, freqs), dim=-1)
 
 
+def attention_probabilities(
+    layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, config: NVEsmConfig
+) -> torch.Tensor:
+    """`[N, heads, L, L]` float32 softmax attention of `layer` on the right-padded view of its input states.
+
+    An explicit (unfused) pass from the layer's own LayerNorm + QKV weights, which both backends name alike, so it
+    serves Transformer Engine layers too (their fused kernels form no maps). Zeros at padded keys and queries.
+    """
+    qkv_weights = layer.self_attention.layernorm_qkv
+    normed = F.layer_norm(
+        hidden_states,
+        hidden_states.shape[-1:],
+        qkv_weights.layer_norm_weight,
+        qkv_weights.layer_norm_bias,
+        config.layer_norm_eps,
+    )
+    qkv = F.linear(normed, qkv_weights.weight, qkv_weights.bias)
+    key_mask = inputs.key_mask
+    if inputs.packed is not None:
+        qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
+    batch, length = qkv.shape[:2]
+    if key_mask is None:
+        key_mask = torch.ones((batch, length), dtype=torch.bool, device=qkv.device)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    query, key, _ = qkv.view(batch, length, heads, 3, head_dim).transpose(1, 2).unbind(3)
+    query = apply_rotary(query * head_dim**-0.5, inputs.rotary_angles[:length])
+    key = apply_rotary(key, inputs.rotary_angles[:length])
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2))
+    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
+
+
 class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
 
@@ -564,17 +596,22 @@ class NVEsmEncoder(nn.Module):
         self.register_load_state_dict_post_hook(_ignore_missing_te_extra_state)
 
     def forward(
-        self, hidden_states: torch.Tensor, inputs: EncoderInputs, output_hidden_states: bool
+        self,
+        hidden_states: torch.Tensor,
+        inputs: EncoderInputs,
+        output_hidden_states: bool,
+        attention_sink: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
-        layer's output, with the last one LayerNormed as in ESM and transformers."""
+        layer's output, with the last one LayerNormed as in ESM and transformers. `attention_sink`, if given,
+        receives each layer's attention probabilities (`attention_probabilities`) as the layers run."""
         if inputs.static_shape:
             states = self.graphs.run(self, hidden_states, inputs)
             if states is not None:
                 return states, None
         all_hidden_states = [hidden_states] if output_hidden_states else None
         with self.fp8_region():
-            hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states)
+            hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states, attention_sink)
         hidden_states = self.emb_layer_norm_after(hidden_states)
         if all_hidden_states is None:
             return hidden_states, None
@@ -582,10 +619,17 @@ class NVEsmEncoder(nn.Module):
         return hidden_states, tuple(all_hidden_states)
 
     def run_layers(
-        self, hidden_states: torch.Tensor, inputs: EncoderInputs, all_hidden_states: list | None = None
+        self,
+        hidden_states: torch.Tensor,
+        inputs: EncoderInputs,
+        all_hidden_states: list | None = None,
+        attention_sink: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states`."""
+        """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states` and
+        handing each layer's attention probabilities to `attention_sink`."""
         for index, layer in enumerate(self.layers):
+            if attention_sink is not None:
+                attention_sink(attention_probabilities(layer, hidden_states, inputs, self.config))
             with self.layer_precision(index):
                 hidden_states = self.run_layer(layer, hidden_states, inputs)
             if all_hidden_states is not None:
@@ -805,11 +849,8 @@ def _ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) ->
 
 
 class NVEsmContactPredictionHead(nn.Module):
-    """Weights of ESM's contact-prediction regression (`esm.contact_head` in transformers).
-
-    Kept so conversions in both directions are lossless. Predicting contacts needs attention maps, which the
-    fused attention kernels do not materialise, so this model does not run it.
-    """
+    """Weights of ESM's contact-prediction regression (`esm.contact_head` in transformers), used by
+    `NVEsmModel.predict_contacts` through `StreamedContacts`."""
 
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__()
@@ -918,6 +959,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> NVEsmModelOutput | tuple:
@@ -934,12 +976,17 @@ class NVEsmModel(NVEsmPreTrainedModel):
         protein's outputs equal what it gets alone.
 
         Returns `NVEsmModelOutput` with `last_hidden_state`, `hidden_states` (embedding output and each layer's
-        output, the last one after the final LayerNorm) and, for packed inputs, `cu_seq_lens`.
+        output, the last one after the final LayerNorm), `attentions` (with `output_attentions`: one tensor of
+        softmax probabilities per layer; padded inputs `[B, heads, S, S]` as transformers, zeros at padded queries
+        and keys; packed inputs `[N, heads, L, L]`, protein i in the top-left `length_i x length_i` block of row i,
+        L = `max_length`) and, for packed inputs, `cu_seq_lens`. Attention maps come from an explicit pass per layer
+        (the fused kernels form none): memory grows with N x heads x L^2 per layer.
         """
         _check_extra_inputs(kwargs)
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         batch = self._prepare_inputs(
             input_ids,
             attention_mask,
@@ -951,14 +998,54 @@ class NVEsmModel(NVEsmPreTrainedModel):
             max_length_k,
         )
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
-        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch, output_hidden_states)
-        last_hidden_state, all_hidden_states = self.encoder(hidden_states, inputs, output_hidden_states)
+        eager = output_hidden_states or output_attentions
+        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch, eager)
+        maps: list[torch.Tensor] = []
+        last_hidden_state, all_hidden_states = self.encoder(
+            hidden_states, inputs, output_hidden_states, maps.append if output_attentions else None
+        )
         output = NVEsmModelOutput(
             last_hidden_state=restore(last_hidden_state),
             hidden_states=None if all_hidden_states is None else tuple(map(restore, all_hidden_states)),
+            attentions=tuple(_maps_to_input_layout(m, batch).to(last_hidden_state.dtype) for m in maps) or None,
             cu_seq_lens=batch.packed.cu_seq_lens if batch.input_is_packed else None,
         )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+    @torch.no_grad()
+    def predict_contacts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+    ) -> torch.Tensor:
+        """Contact probabilities between residues, as transformers' `EsmModel.predict_contacts`: ESM-2's contact
+        regression over every layer's attention maps (symmetrized, average-product corrected), then a sigmoid.
+
+        Streamed: each layer's maps go into the regression as they are formed, so memory stays near one layer's
+        maps (a 1,000-residue protein through 33 layers x 20 heads would hold 2.6 GB of fp32 maps otherwise).
+
+        Padded `input_ids [B, S]` (with `attention_mask`) give `[B, S - 2, S - 2]`; packed inputs (`cu_seq_lens_q`
+        or `position_ids`, as in `forward`) give `[N, L - 2, L - 2]`, L the longest protein. Protein i's residues
+        (its tokens after the first, `<cls>`, `<eos>` excluded) fill the top-left block of row i, in order; the
+        rest is 0. For right-padded input this is transformers' output at every residue pair.
+        """
+        batch = self._prepare_inputs(
+            input_ids, attention_mask, position_ids, None, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k
+        )
+        hidden_states = self._embed(input_ids, None, batch)
+        hidden_states, inputs, _ = self._to_run_layout(hidden_states, batch, True)
+        contacts = StreamedContacts(self.contact_head.regression, _run_token_ids(input_ids, batch), self.config)
+        self.encoder(hidden_states, inputs, False, contacts.add_layer)
+        result = contacts.probabilities()
+        if batch.input_is_packed:
+            return result
+        room = input_ids.shape[1] - 2 - result.shape[-1]
+        return F.pad(result, (0, room, 0, room))
 
     @torch.no_grad()
     def embed(
@@ -1065,14 +1152,15 @@ class NVEsmModel(NVEsmPreTrainedModel):
         return self.embeddings(token_ids, batch.lengths, packing.sequence_index)
 
     def _to_run_layout(
-        self, hidden_states: torch.Tensor, batch: InputBatch, output_hidden_states: bool
+        self, hidden_states: torch.Tensor, batch: InputBatch, eager: bool
     ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
         """Move embeddings from `_embed`'s layout to the layout the layers run in (`config.attn_input_format`).
 
         Packed runs take `[T, hidden]`. Padded runs take the right-padded view `[N, max_length, hidden]`: a padded
         input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
         sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
-        `FP8_TOKEN_MULTIPLE`; CUDA-graph runs pad the packed batch to its static shape (`static_shape`).
+        `FP8_TOKEN_MULTIPLE`; CUDA-graph runs pad the packed batch to its static shape (`static_shape`) unless the
+        call needs the layers run `eager` (per-layer outputs or attention maps).
 
         Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
         input layout: `[B, S, ...]` with zeros at padding for padded inputs, `[1, T, ...]` for packed ones.
@@ -1090,7 +1178,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
                 run.unpack(hidden_states), run.key_mask(), lambda states: to_input(run.pack(states))
             )
         num_tokens = run.num_tokens
-        graphed = self.encoder.uses_cuda_graphs(output_hidden_states)
+        graphed = self.encoder.uses_cuda_graphs(eager)
         if graphed:
             hidden_states, run = _pad_packed_to_static_shape(hidden_states, run)
         elif self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
@@ -1110,6 +1198,76 @@ class NVEsmModel(NVEsmPreTrainedModel):
             hidden_states, key_mask = _pad_padded_for_fp8(hidden_states, key_mask)
         inputs = EncoderInputs(self.rotary_embeddings(hidden_states.shape[1]), key_mask=key_mask)
         return hidden_states, inputs, lambda states: to_input(states[:, :length])
+
+
+def _maps_to_input_layout(maps: torch.Tensor, batch: InputBatch) -> torch.Tensor:
+    """One layer's attention probabilities from the run layout (`[N', heads, L', L']`, right-padded, maybe with
+    FP8 padding) to the documented output layout: `[B, heads, S, S]` where each padded input row's tokens lie,
+    or `[N, heads, L, L]` for packed inputs."""
+    packing = batch.packed
+    if packing is None:  # a padded input without padding ran as it came
+        width = int(batch.lengths[0])  # every row is a protein of the input's width
+        return maps[:, :, :width, :width]
+    count, length = packing.cu_seq_lens.numel() - 1, packing.max_length
+    maps = maps[:count, :, :length, :length]
+    if batch.input_is_packed:
+        return maps
+    rows, width = packing.padded_shape
+    sequence = packing.token_index // width
+    position = torch.arange(packing.num_tokens, device=maps.device) - packing.cu_seq_lens[sequence]
+    column = torch.full((count, length), width, dtype=torch.long, device=maps.device)  # `width`: off the input
+    column[sequence, position] = packing.token_index % width
+    placed = maps.new_zeros(rows, width + 1, width + 1, maps.shape[1])
+    row_index = torch.arange(count, device=maps.device)[:, None, None]
+    placed[row_index, column[:, :, None], column[:, None, :]] = maps.permute(0, 2, 3, 1)
+    return placed[:, :width, :width].permute(0, 3, 1, 2)
+
+
+def _run_token_ids(input_ids: torch.Tensor, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, L]` token ids in the right-padded run layout and the `[N, L]` bool mask of real tokens."""
+    packing = batch.packed
+    if packing is None:
+        return input_ids, torch.ones_like(input_ids, dtype=torch.bool)
+    packed_ids = input_ids.reshape(-1) if batch.input_is_packed else packing.pack(input_ids)
+    run = PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
+    return run.unpack(packed_ids), run.key_mask()
+
+
+class StreamedContacts:
+    """ESM-2's contact prediction (transformers' `EsmContactPredictionHead`) fed one layer's attention maps at a
+    time: per layer and head, the maps without `<eos>`, padding and the first token (`<cls>`) are symmetrized and
+    average-product corrected, and the regression, linear over (layer, head) channels, adds that layer's share.
+
+    Args:
+        regression: The contact head's `Linear(layers * heads, 1)`.
+        tokens: `[N, L]` token ids in the run layout and the `[N, L]` mask of real tokens (`_run_token_ids`).
+    """
+
+    def __init__(self, regression: nn.Linear, tokens: tuple[torch.Tensor, torch.Tensor], config: NVEsmConfig) -> None:
+        token_ids, key_mask = tokens
+        self.keep = (key_mask & (token_ids != config.eos_token_id)).float()
+        self.weight = regression.weight.detach().float().view(config.num_hidden_layers, config.num_attention_heads)
+        self.bias = regression.bias.detach().float()
+        count, length = token_ids.shape
+        self.logits = torch.zeros(count, length - 2, length - 2, device=token_ids.device)
+        self.layer = 0
+
+    def add_layer(self, maps: torch.Tensor) -> None:
+        """Add the regression's share of one layer: `maps [N', heads, L', L']` from `attention_probabilities`."""
+        count, length = self.keep.shape
+        maps = maps[:count, :, :length, :length].float() * self.keep[:, None, :, None] * self.keep[:, None, None, :]
+        maps = maps[..., 1:-1, 1:-1]  # as transformers: drop the last position, then the first (<cls>)
+        features = maps + maps.transpose(-1, -2)
+        total = features.sum((-1, -2), keepdim=True)
+        correction = features.sum(-1, keepdim=True) * features.sum(-2, keepdim=True) / total.where(total != 0, 1.0)
+        self.logits += torch.einsum("nhij,h->nij", features - correction, self.weight[self.layer])
+        self.layer += 1
+
+    def probabilities(self) -> torch.Tensor:
+        """`[N, L - 2, L - 2]` contact probabilities, 0 outside each protein's residues."""
+        residues = self.keep[:, 1:-1].bool()
+        probabilities = torch.sigmoid(self.logits + self.bias)
+        return torch.where(residues[:, :, None] & residues[:, None, :], probabilities, 0.0)
 
 
 def _length_sorted_batches(token_lists: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -1401,8 +1559,6 @@ def _warn_if_longer_than_trained(config: NVEsmConfig, max_length: int) -> None:
 
 
 def _check_extra_inputs(kwargs: dict[str, Any]) -> None:
-    if kwargs.pop("output_attentions", None):
-        raise ValueError("output_attentions is not supported: the fused attention kernels do not form attention maps.")
     unknown = set(kwargs) - KNOWN_EXTRA_INPUTS
     if unknown:
         raise TypeError(f"Unexpected inputs: {sorted(unknown)}")
@@ -1443,8 +1599,14 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.to(logits.device).reshape(-1))
-        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
+
+    def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **packing: Any):
+        """Residue contact probabilities: `NVEsmModel.predict_contacts` (as transformers' `EsmForMaskedLM`)."""
+        return self.esm.predict_contacts(input_ids, attention_mask, **packing)
 
 
 class NVEsmForTokenClassification(NVEsmPreTrainedModel):
@@ -1472,7 +1634,9 @@ class NVEsmForTokenClassification(NVEsmPreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, self.num_labels).float(), labels.to(logits.device).reshape(-1))
-        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
 
 
@@ -1522,7 +1686,9 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
             cls_states = states[:, 0]
         logits = self.classifier(cls_states)
         loss = None if labels is None else self._loss(logits, labels.to(logits.device))
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

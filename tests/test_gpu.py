@@ -295,3 +295,29 @@ def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
     print(f"\n[fp8 scaling state] next-batch loss {loss}")
     assert abs(loss["restored"] - loss["trained"]) <= 1e-6 * loss["trained"]
     assert abs(loss["fresh"] - loss["trained"]) > 1e-4 * loss["trained"]
+
+
+def test_te_attention_maps_and_contacts_match_transformers_within_bf16():
+    """TE layers form no maps: the explicit pass over their weights gives transformers' eager maps and contacts
+    (fp32 reference on the GPU) no worse than transformers' own bf16 run does, plus the floor."""
+    hf = make_hf_model("esm2_8M", seed=130, attn_implementation="eager")
+    model = make_nv_model(hf, backend="te").to(CUDA, torch.bfloat16).eval()
+    reference, hf_bf16 = hf.to(CUDA).eval(), make_hf_model("esm2_8M", seed=130, attn_implementation="eager")
+    hf_bf16.load_state_dict(hf.state_dict())
+    hf_bf16 = hf_bf16.to(CUDA, torch.bfloat16).eval()
+    proteins = random_proteins([300, 37, 1, 129], seed=131)
+    input_ids, attention_mask = (t.to(CUDA) for t in pad_batch(proteins))
+    real = attention_mask.bool()[:, None, :, None] & attention_mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        ours = model(input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+        expected = reference(input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+        theirs = hf_bf16(input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+        contacts = [m.predict_contacts(input_ids, attention_mask) for m in (model, reference, hf_bf16)]
+    for a, e, t in zip(ours, expected, theirs):
+        bound = BF16_FACTOR * max_err(t[real.expand_as(t)], e[real.expand_as(e)]) + BF16_FLOOR
+        assert max_err(a[real.expand_as(a)], e[real.expand_as(e)]) <= bound
+    for row, protein in enumerate(proteins):
+        r = len(protein) - 2
+        if r > 0:
+            bound = BF16_FACTOR * max_err(contacts[2][row, :r, :r], contacts[1][row, :r, :r]) + BF16_FLOOR
+            assert max_err(contacts[0][row, :r, :r], contacts[1][row, :r, :r]) <= bound, row

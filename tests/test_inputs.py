@@ -163,8 +163,6 @@ def test_bad_padded_inputs_raise(model):
         model(input_ids.tolist())
     with pytest.raises(ValueError, match="attention_mask must be a torch.Tensor"):
         model(input_ids, attention_mask=attention_mask.tolist())
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(input_ids, output_attentions=True)
     with pytest.raises(TypeError, match="Unexpected inputs"):
         model(input_ids, token_type_ids=input_ids)
 

@@ -1213,7 +1213,7 @@ def _maps_to_input_layout(maps: torch.Tensor, batch: InputBatch) -> torch.Tensor
     if batch.input_is_packed:
         return maps
     rows, width = packing.padded_shape
-    sequence = packing.token_index // width
+    sequence = packing.sequence_index
     position = torch.arange(packing.num_tokens, device=maps.device) - packing.cu_seq_lens[sequence]
     column = torch.full((count, length), width, dtype=torch.long, device=maps.device)  # `width`: off the input
     column[sequence, position] = packing.token_index % width

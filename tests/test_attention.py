@@ -1,8 +1,12 @@
 """Attention maps (`output_attentions`) and contact prediction (`predict_contacts`) against transformers'
 `EsmForMaskedLM` with `attn_implementation="eager"` on the same weights (PyTorch backend, fp32, CPU).
 
-Tolerance: ATOL_FP32 (1e-5, as tests/test_model.py) on probabilities in [0, 1]; observed ~3e-7. Transformers'
-maps hold values at padded query rows (softmax over the real keys); ours are 0 there, so comparisons cover the
+Tolerance: ATOL_MAPS_FP32 = 1e-4 on probabilities (and contact scores) in [0, 1]. Usually ~3e-7 here (1 to 16
+threads, AVX-512/AVX2/SSE kernels), but not in every process: CI's machine once gave 2.4e-5 on one protein, and
+this machine once 1.0e-5 in ~40 runs of the same comparison, neither reproduced since. Maps are softmaxes of logits
+carried through the layers, so rounding differences show here magnified. A real fault is far above the tolerance:
+rotary angles shifted by one position move these maps by 8e-3. Transformers' maps hold values at padded query
+rows (softmax over the real keys); ours are 0 there, so comparisons cover the
 positions both models define: real queries x real keys (transformers' padded keys are 0 too).
 """
 
@@ -16,7 +20,6 @@ import torch
 
 import modeling_nv_esm
 from conftest import (
-    ATOL_FP32,
     PADDING_SIDES,
     PADDING_WIDTHS,
     make_hf_model,
@@ -28,6 +31,8 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
+
+ATOL_MAPS_FP32 = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def test_attention_maps_of_padded_batches_match_transformers_per_protein(hf_eage
         for ours, theirs in zip(maps, expected):
             assert ours.shape == (len(proteins), 2, input_ids.shape[1], input_ids.shape[1])
             block = ours[row][:, columns][:, :, columns]
-            assert max_abs_diff(block, theirs[0]) <= ATOL_FP32, (row, side, width)
+            assert max_abs_diff(block, theirs[0]) <= ATOL_MAPS_FP32, (row, side, width)
             assert not ours[row][:, ~keep[row]].any() and not ours[row][:, :, ~keep[row]].any()
 
 
@@ -78,8 +83,8 @@ def test_right_padded_maps_equal_transformers_batch_and_packed_maps_are_per_prot
     real = attention_mask.bool()[:, None, :, None] & attention_mask.bool()[:, None, None, :]
     for ours, flat, theirs in zip(padded, packed, expected):
         assert ours.shape == theirs.shape and flat.shape == (4, 2, 60, 60)
-        assert max_abs_diff(ours[real.expand_as(ours)], theirs[real.expand_as(theirs)]) <= ATOL_FP32
-        assert max_abs_diff(flat, ours) <= ATOL_FP32  # right padding to the longest: the same layout
+        assert max_abs_diff(ours[real.expand_as(ours)], theirs[real.expand_as(theirs)]) <= ATOL_MAPS_FP32
+        assert max_abs_diff(flat, ours) <= ATOL_MAPS_FP32  # right padding to the longest: the same layout
 
 
 def test_config_output_attentions_is_honoured_and_heads_return_maps(hf_eager):
@@ -119,7 +124,7 @@ def test_predict_contacts_match_transformers(hf_eager, layout):
                 reference = hf_eager.predict_contacts(protein[None], torch.ones_like(protein)[None])[0]
         else:
             reference = expected[row]
-        assert max_abs_diff(contacts[row, :residues, :residues], reference[:residues, :residues]) <= ATOL_FP32
+        assert max_abs_diff(contacts[row, :residues, :residues], reference[:residues, :residues]) <= ATOL_MAPS_FP32
         assert not contacts[row, residues:].any() and not contacts[row, :, residues:].any()
 
 

@@ -1085,7 +1085,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         device = self.embeddings.word_embeddings.weight.device
         embeddings = torch.empty(len(token_lists), self.config.hidden_size)
         progress = tqdm(total=len(token_lists), desc="embedding", unit="protein", disable=not show_progress)
-        for batch in _length_sorted_batches(token_lists, max_tokens_per_batch):
+        for batch in length_sorted_batches(token_lists, max_tokens_per_batch):
             packed = pack_proteins([token_lists[i] for i in batch])
             cu_seq_lens = packed["cu_seq_lens_q"].to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -1096,7 +1096,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
                     output_hidden_states=layer not in (-1, num_states - 1),
                 )
             states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
-            embeddings[batch] = _pool(states.float(), cu_seq_lens, pooling).cpu()
+            embeddings[batch] = pool_proteins(states.float(), cu_seq_lens, pooling).cpu()
             progress.update(len(batch))
         progress.close()
         return embeddings
@@ -1270,8 +1270,9 @@ class StreamedContacts:
         return torch.where(residues[:, :, None] & residues[:, None, :], probabilities, 0.0)
 
 
-def _length_sorted_batches(token_lists: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Indices of the proteins, longest first, grouped so each group holds at most `max_tokens` tokens."""
+def length_sorted_batches(token_lists: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of the proteins, longest first, grouped so each group holds at most `max_tokens` tokens (a longer
+    protein forms a group of its own)."""
     order = sorted(range(len(token_lists)), key=lambda i: -len(token_lists[i]))
     batches: list[list[int]] = []
     used = max_tokens
@@ -1284,16 +1285,25 @@ def _length_sorted_batches(token_lists: list[list[int]], max_tokens: int) -> lis
     return batches
 
 
-def _pool(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
-    """`[T, hidden]` packed states -> `[N, hidden]`: `<cls>` state, or the mean over residues (no `<cls>`/`<eos>`)."""
+def residue_token_mask(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`[T]` bool over packed tokens: True at residues, False at each protein's first (`<cls>`) and last (`<eos>`)
+    token. `cu_seq_lens [N + 1]` covers the T tokens."""
+    sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
     starts = cu_seq_lens[:-1].long()
-    if pooling == "cls":
-        return states[starts]
-    sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
-    position = torch.arange(states.shape[0], device=states.device) - starts[sequence_index]
+    position = torch.arange(num_tokens, device=cu_seq_lens.device) - starts[sequence_index]
     lengths = cu_seq_lens.diff().long()
-    is_residue = (position > 0) & (position < lengths[sequence_index] - 1)
-    sums = torch.zeros(len(lengths), states.shape[1], device=states.device)
+    return (position > 0) & (position < lengths[sequence_index] - 1)
+
+
+def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
+    """`[T, hidden]` packed states -> `[N, hidden]`: the `<cls>` state (`pooling="cls"`), or the mean over the
+    residues (`"mean"`; `<cls>`/`<eos>` excluded)."""
+    if pooling == "cls":
+        return states[cu_seq_lens[:-1].long()]
+    is_residue = residue_token_mask(cu_seq_lens, states.shape[0])
+    sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
+    lengths = cu_seq_lens.diff().long()
+    sums = torch.zeros(len(lengths), states.shape[1], device=states.device, dtype=states.dtype)
     sums.index_add_(0, sequence_index[is_residue], states[is_residue])
     return sums / (lengths - 2).clamp_min(1)[:, None]
 

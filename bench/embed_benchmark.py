@@ -1,24 +1,37 @@
-"""Proteins/s of `NVEsmModel.embed` (length-sorted THD packing, bf16) vs the naive transformers loop.
+"""Proteins/s of `nv-esm embed` (and of `NVEsmModel.embed`) vs the naive transformers loop, in one run.
 
     python bench/embed_benchmark.py --shape 650M --proteins 10000 --out bench/results
 
-Naive loop: `EsmModel` in bf16, proteins in input order, padded batches of 32, mean over residues. Both models
-hold the same random weights; the script also reports the cosine similarity of the two embeddings per protein.
+Naive loop: transformers' `EsmModel` in bf16, proteins in input order, padded batches of 32, mean over residues.
+`embed()`: `NVEsmModel.embed` of the converted checkpoint (bf16 weights). The command: `nv_esm.embed.run` on a
+FASTA file of the same proteins, after loading (model loading excluded; the first pass over the file, shard
+writing and any CUDA-graph captures included), eager and with `--cuda-graphs`, bf16 and FP8. Each command variant
+first embeds 512 of the proteins into another folder (warm-up). All hold the same random weights; the JSON also
+has the cosine similarity of each variant's embeddings to the transformers loop's, per protein.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from benchmark import ROOT, SHAPES, draw_batches
 
-from modeling_nv_esm import NVEsmForMaskedLM
+import convert_checkpoint
+from nv_esm import embed
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
-from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
+
+COMMAND_VARIANTS = {  # name: (--fp8, --cuda-graphs)
+    "command": ("off", False),
+    "command_graphs": ("off", True),
+    "command_fp8": ("all", False),
+    "command_fp8_graphs": ("all", True),
+}
 
 
 def naive_transformers(model, tokenizer, sequences: list[str], batch_size: int = 32) -> torch.Tensor:
@@ -34,7 +47,7 @@ def naive_transformers(model, tokenizer, sequences: list[str], batch_size: int =
     return torch.cat(embeddings)
 
 
-def timed(function, *args, **kwargs) -> tuple[torch.Tensor, float]:
+def timed(function, *args, **kwargs) -> tuple[object, float]:
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = function(*args, **kwargs)
@@ -42,50 +55,105 @@ def timed(function, *args, **kwargs) -> tuple[torch.Tensor, float]:
     return result, time.perf_counter() - start
 
 
+def write_fasta(path: Path, sequences: list[str]) -> Path:
+    path.write_text("".join(f">p{i}\n{sequence}\n" for i, sequence in enumerate(sequences)))
+    return path
+
+
+def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path, fp8: str, graphs: bool, tokens: int):
+    """(embeddings [N, hidden], seconds, peak GB) of `nv_esm.embed.run` over `fasta`."""
+    model = embed.load_model(str(checkpoint), "auto", fp8, graphs, torch.device("cuda"))
+    for name, source in (("warm", warm_fasta), ("timed", fasta)):
+        folder = work / name
+        shutil.rmtree(folder, ignore_errors=True)
+        args = embed.parse_args([str(checkpoint), str(source), str(folder), "--tokens-per-batch", str(tokens)], "bench")
+        torch.cuda.reset_peak_memory_stats()
+        stats, seconds = timed(embed.run, args, model)
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    embeddings = torch.stack([outputs[next(iter(outputs))] for _, outputs in embed.iter_embeddings(work / "timed")])
+    del model
+    torch.cuda.empty_cache()
+    return embeddings.float(), seconds, peak
+
+
 def main() -> None:
-    from transformers import AutoTokenizer, EsmForMaskedLM
+    import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
+    from transformers import AutoModel, AutoTokenizer, EsmForMaskedLM
 
     from nv_esm.shapes import esm2_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))
     parser.add_argument("--proteins", type=int, default=10000)
-    parser.add_argument("--max-tokens-per-batch", type=int, default=32768)
+    parser.add_argument("--tokens-per-batch", type=int, default=16384)
+    parser.add_argument("--variants", nargs="+", default=[*COMMAND_VARIANTS], choices=[*COMMAND_VARIANTS])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "esm2_tiny")
+    work = Path(tempfile.mkdtemp(prefix="nv_esm_embed_bench_"))
     lengths = [len(p) for batch in draw_batches(args.proteins // 100, 100, seed=3) for p in batch]
     generator = torch.Generator().manual_seed(4)
     sequences = [
         "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths
     ]
+    fasta, warm_fasta = write_fasta(work / "all.fasta", sequences), write_fasta(work / "warm.fasta", sequences[:512])
+
     torch.manual_seed(0)
     reference = EsmForMaskedLM(esm2_config(**SHAPES[args.shape]))
-    config = nv_config_from_hf(reference.config.to_dict(), backend="te", check_inputs=False)
-    ours = NVEsmForMaskedLM(config)
-    ours.load_state_dict(hf_to_nv_state_dict(reference.state_dict(), config))
-    ours = ours.cuda().to(torch.bfloat16).eval()
-    reference = reference.esm.cuda().to(torch.bfloat16).eval()
-    ours.esm.embed(sequences[:64], tokenizer, show_progress=False)  # warm-up
-    naive_transformers(reference, tokenizer, sequences[:64])
-    embed_kwargs = dict(max_tokens_per_batch=args.max_tokens_per_batch, show_progress=False)
-    our_embeddings, our_seconds = timed(ours.esm.embed, sequences, tokenizer, **embed_kwargs)
-    their_embeddings, their_seconds = timed(naive_transformers, reference, tokenizer, sequences)
-    cosine = torch.nn.functional.cosine_similarity(our_embeddings, their_embeddings, dim=1)
-    result = {
+    reference.save_pretrained(work / "hf")
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets" / "esm2_tiny" / name, work / "hf" / name)
+    checkpoint = work / "nv"
+    assert convert_checkpoint.main(["hf-to-te", str(work / "hf"), str(checkpoint)]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    results: dict[str, dict] = {}
+    base = reference.esm.cuda().to(torch.bfloat16).eval()
+    naive_transformers(base, tokenizer, sequences[:64])  # warm-up
+    torch.cuda.reset_peak_memory_stats()
+    expected, seconds = timed(naive_transformers, base, tokenizer, sequences)
+    results["transformers_loop"] = {"seconds": seconds, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+    del base, reference
+    torch.cuda.empty_cache()
+
+    model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16).cuda().eval()
+    model.embed(sequences[:64], tokenizer, show_progress=False)  # warm-up
+    torch.cuda.reset_peak_memory_stats()
+    ours, seconds = timed(model.embed, sequences, tokenizer, max_tokens_per_batch=args.tokens_per_batch)
+    results["embed()"] = {"seconds": seconds, "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "embeddings": ours}
+    del model
+    torch.cuda.empty_cache()
+
+    for name in args.variants:
+        fp8, graphs = COMMAND_VARIANTS[name]
+        embeddings, seconds, peak = command_variant(
+            checkpoint, fasta, warm_fasta, work / name, fp8, graphs, args.tokens_per_batch
+        )
+        results[name] = {"seconds": seconds, "peak_gb": peak, "embeddings": embeddings}
+
+    summary = {
         "device": torch.cuda.get_device_name(),
         "shape": args.shape,
         "proteins": len(sequences),
         "residues": sum(lengths),
-        "nv_esm_embed_proteins_per_s": len(sequences) / our_seconds,
-        "transformers_naive_proteins_per_s": len(sequences) / their_seconds,
-        "speedup": their_seconds / our_seconds,
-        "cosine_similarity_min": cosine.min().item(),
-        "cosine_similarity_mean": cosine.mean().item(),
+        "tokens_per_batch": args.tokens_per_batch,
+        "variants": {},
     }
-    print(json.dumps(result, indent=1))
-    (args.out / "embed_benchmark.json").write_text(json.dumps(result, indent=1))
+    loop_seconds, embed_seconds = results["transformers_loop"]["seconds"], results["embed()"]["seconds"]
+    for name, result in results.items():
+        entry = {
+            "proteins_per_s": len(sequences) / result["seconds"],
+            "x_transformers_loop": loop_seconds / result["seconds"],
+            "x_embed()": embed_seconds / result["seconds"],
+            "peak_gb": result["peak_gb"],
+        }
+        if "embeddings" in result:
+            cosine = torch.nn.functional.cosine_similarity(result["embeddings"], expected, dim=1)
+            entry |= {"cosine_to_loop_min": cosine.min().item(), "cosine_to_loop_mean": cosine.mean().item()}
+        summary["variants"][name] = entry
+    print(json.dumps(summary, indent=1))
+    (args.out / "embed_benchmark.json").write_text(json.dumps(summary, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

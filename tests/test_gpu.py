@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModel, AutoTokenizer
 
+import convert_checkpoint
 from conftest import (
     GPU_MARKS,
     PADDING_SIDES,
@@ -28,7 +30,10 @@ from conftest import (
     random_proteins,
     relative_error,
 )
+from convert_helpers import save_hf
 from modeling_nv_esm import NVEsmForMaskedLM, import_transformer_engine
+from nv_esm import embed
+from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
 pytestmark = GPU_MARKS
@@ -321,3 +326,30 @@ def test_te_attention_maps_and_contacts_match_transformers_within_bf16():
         if r > 0:
             bound = BF16_FACTOR * max_err(contacts[2][row, :r, :r], contacts[1][row, :r, :r]) + BF16_FLOOR
             assert max_err(contacts[0][row, :r, :r], contacts[1][row, :r, :r]) <= bound, row
+
+
+@pytest.mark.parametrize("fp8", ["off", "inner"])
+def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8):
+    """`nv-esm embed` on the GPU (TE, bf16 weights; FP8 inner layers): per-protein means within cosine 0.9999
+    (bf16) / 0.99 (FP8) of transformers' fp32 mean over residues, and equal to `model.esm.embed` (bf16)."""
+    hf = make_hf_model("esm2_8M", seed=140)
+    source = save_hf(hf, tmp_path / "hf")
+    assert convert_checkpoint.main(["hf-to-te", str(source), str(tmp_path / "nv")]) == 0
+    proteins = random_proteins([1024, 3, 300, 37, 129, 64, 500], seed=141)
+    sequences = ["".join(ESM_VOCAB[t] for t in protein[1:-1].tolist()) for protein in proteins]
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">p{i}\n{s}\n" for i, s in enumerate(sequences)))
+    assert embed.main([str(tmp_path / "nv"), str(fasta), str(tmp_path / "out"), "--fp8", fp8, "--no-progress"]) == 0
+    ours = torch.stack([outputs["mean.layer_6"] for _, outputs in embed.iter_embeddings(tmp_path / "out")])
+    with torch.no_grad():
+        expected = torch.stack(
+            [hf.esm(p[None], output_hidden_states=True).hidden_states[-1][0, 1:-1].mean(0) for p in proteins]
+        )
+    cosine = torch.nn.functional.cosine_similarity(ours, expected)
+    print(f"\n[embed fp8={fp8}] cosine to transformers fp32: min {cosine.min().item():.6f}")
+    assert cosine.min() >= (0.9999 if fp8 == "off" else 0.99)
+    if fp8 == "off":
+        model = AutoModel.from_pretrained(tmp_path / "nv", trust_remote_code=True, dtype=torch.bfloat16).to(CUDA).eval()
+        assert model.backend == "te"
+        via_model = model.embed(sequences, AutoTokenizer.from_pretrained(tmp_path / "nv"), show_progress=False)
+        assert torch.nn.functional.cosine_similarity(ours, via_model).min() >= 0.99999

@@ -1,0 +1,617 @@
+"""`nv-esm embed`: a FASTA file of any size -> embeddings of an NVEsm checkpoint, in safetensors shards + an index.
+
+    nv-esm embed ./esm2_650M_te proteins.fasta ./embeddings                       # mean over residues, last layer
+    nv-esm embed ./esm2_650M_te proteins.fasta ./out --layers -1 -5 --include mean per_residue contacts
+    torchrun --nproc-per-node 8 -m nv_esm embed ./esm2_650M_te proteins.fasta ./out   # a slice of shards per rank
+
+The FASTA file is read twice and never held: a first pass checks every record (ids unique, letters of ESM-2's
+alphabet, lengths against `--max-length`) and fixes the plan, so a bad record stops the run before any work, with
+its id; the second pass embeds shard after shard. Record k (0-based, in file order) belongs to shard
+`k // --shard-size`; a shard is computed by rank `shard % world_size`, written to a temporary name and renamed, so
+a rerun with the same settings skips finished shards. `index.tsv` (written last, by rank 0) has one row per record:
+id, record number, residues, status, shard file and row.
+
+Shard `embeddings-00000.safetensors` holds, for the proteins it embedded (in file order; ids in its metadata):
+`mean.layer_{L}` / `cls.layer_{L}` `[n, hidden]`; `per_residue.layer_{L}` `[R, hidden]` with `residue_offsets`
+`[n + 1]` (protein i's residues are rows `residue_offsets[i]:residue_offsets[i + 1]`); `contacts` `[C]` with
+`contact_offsets [n + 1]` (protein i's `[r, r]` contact probabilities flattened). L counts layers as
+`hidden_states` does: 0 the embedding output, `num_hidden_layers` the last (final LayerNorm applied).
+`iter_embeddings(folder)` reads them back.
+
+Precision: bf16 weights and autocast on CUDA, fp32 on the CPU; `--fp8` runs Transformer Engine FP8 layers and
+`--cuda-graphs` replays the layers as CUDA graphs (`cuda_graphs=True`; other layers than the last, and contacts, run
+eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta
+
+FORMAT = "nv-esm-embed/1"
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.tsv"
+SHARD_PREFIX = "embeddings-"
+OUTPUTS = ("mean", "cls", "per_residue", "contacts")
+TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
+INVALID_POLICIES = ("error", "skip")
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Settings and the plan of a run
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbedSettings:
+    """Everything that decides the numbers written (the manifest; a rerun resumes only if they are equal)."""
+
+    checkpoint: str
+    fasta_sha256: str
+    layers: tuple[int, ...]  # absolute: 0 (embedding output) .. num_hidden_layers
+    include: tuple[str, ...]
+    max_length: int  # residues
+    too_long: str
+    invalid: str
+    shard_size: int
+    backend: str
+    fp8: str
+    save_dtype: str
+
+
+@dataclass
+class Record:
+    """One FASTA record as the first pass found it."""
+
+    id: str
+    number: int  # 1-based position in the file
+    residues: int
+    status: str  # embedded | cropped | windowed | skipped: too long | skipped: invalid letter
+
+
+@dataclass
+class Piece:
+    """One model input: a whole protein, its crop, or one window of it."""
+
+    row: int  # the protein's row in its shard
+    start: int  # first residue of the piece in the protein
+    tokens: list[int]
+
+
+def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tuple[list[Record], str]:
+    """First pass: every record's id, length and status, and the file's SHA-256. Raises `ValueError` naming the
+    record for a duplicate or missing id, an invalid letter (with `invalid="error"`) or a protein longer than
+    `max_length` residues (with `too_long="error"`)."""
+    records: list[Record] = []
+    first_seen: dict[str, int] = {}
+    digest = hashlib.sha256()
+    with open(path, "rb") as raw:
+        for number, (header, sequence) in enumerate(iter_fasta(_hashed_lines(raw, digest), path), 1):
+            record_id = header.split()[0] if header.split() else ""
+            if not record_id:
+                raise ValueError(f"{path}: record {number} has no id (an empty '>' header line).")
+            if record_id in first_seen:
+                raise ValueError(
+                    f"{path}: id {record_id!r} appears twice (records {first_seen[record_id]} and {number}); "
+                    "ids name the outputs, so they must be unique."
+                )
+            first_seen[record_id] = number
+            residues = len(sequence)
+            problem = invalid_letter(sequence.upper())
+            if problem is not None:
+                if invalid == "error":
+                    raise ValueError(f"{path}: record {record_id!r} (record {number}): {problem} (--invalid skip).")
+                status = "skipped: invalid letter"
+            elif residues <= max_length:
+                status = "embedded"
+            elif too_long == "error":
+                raise ValueError(
+                    f"{path}: record {record_id!r} (record {number}) has {residues} residues, more than "
+                    f"--max-length {max_length}; choose --too-long skip, crop or window, or raise --max-length."
+                )
+            else:
+                status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
+            records.append(Record(record_id, number, residues, status))
+    if not records:
+        raise ValueError(f"{path}: no FASTA records.")
+    return records, digest.hexdigest()
+
+
+def _hashed_lines(raw: IO[bytes], digest: Any) -> Iterator[str]:
+    for line in raw:
+        digest.update(line)
+        yield line.decode()
+
+
+def invalid_letter(sequence: str) -> str | None:
+    """A description of the first character of `sequence` outside ESM-2's alphabet, or None."""
+    for position, char in enumerate(sequence):
+        if char not in RESIDUE_TO_ID:
+            hint = " (a stop codon: remove it)" if char == "*" else ""
+            return f"{char!r} at residue {position + 1} is not a letter of ESM-2's alphabet{hint}"
+    return None
+
+
+def tokenize(sequence: str) -> list[int]:
+    """`<cls>`, one id per residue (upper-cased), `<eos>`."""
+    return [CLS, *(RESIDUE_TO_ID[char] for char in sequence.upper()), EOS]
+
+
+def pieces_of(row: int, sequence: str, status: str, max_length: int) -> list[Piece]:
+    """The model inputs of one protein: itself; its first `max_length` residues (`cropped`); or windows of
+    `max_length` residues every `max_length // 2` residues, the last one ending at the protein's end (`windowed`)."""
+    if status == "cropped":
+        sequence = sequence[:max_length]
+    if status != "windowed":
+        return [Piece(row, 0, tokenize(sequence))]
+    stride = max(max_length // 2, 1)
+    starts = [*range(0, len(sequence) - max_length, stride), len(sequence) - max_length]
+    return [Piece(row, start, tokenize(sequence[start : start + max_length])) for start in starts]
+
+
+def shard_name(shard: int) -> str:
+    return f"{SHARD_PREFIX}{shard:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Embedding one shard
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ShardEmbedder:
+    """Runs the model over the proteins of one shard, length-sorted and packed to a token budget."""
+
+    def __init__(self, model: torch.nn.Module, settings: EmbedSettings, max_tokens: int) -> None:
+        import modeling_nv_esm
+
+        self.model = model
+        self.settings = settings
+        self.max_tokens = max_tokens
+        self.device = model.embeddings.word_embeddings.weight.device
+        self.last_layer = model.config.num_hidden_layers
+        self.modeling = modeling_nv_esm
+
+    def __call__(self, sequences: list[str], statuses: list[str], progress: Any) -> dict[str, torch.Tensor]:
+        """The shard's tensors (see the module docstring) for `sequences` (all embedded; statuses say how)."""
+        pieces = [
+            piece
+            for row, (sequence, status) in enumerate(zip(sequences, statuses))
+            for piece in pieces_of(row, sequence, status, self.settings.max_length)
+        ]
+        lengths = [
+            len(sequence) if status != "cropped" else self.settings.max_length
+            for sequence, status in zip(sequences, statuses)
+        ]
+        need_residues = "per_residue" in self.settings.include or any(s == "windowed" for s in statuses)
+        outputs = _ShardOutputs(lengths, statuses, self.settings, self.model.config.hidden_size, need_residues)
+        done_rows = [0] * len(sequences)
+        pieces_left = [0] * len(sequences)
+        for piece in pieces:
+            pieces_left[piece.row] += 1
+        for batch in self.modeling.length_sorted_batches([piece.tokens for piece in pieces], self.max_tokens):
+            batch_pieces = [pieces[index] for index in batch]
+            self._run_batch(batch_pieces, outputs)
+            finished = 0
+            for piece in batch_pieces:
+                pieces_left[piece.row] -= 1
+                if pieces_left[piece.row] == 0 and not done_rows[piece.row]:
+                    done_rows[piece.row] = 1
+                    finished += 1
+            progress.update(finished)
+        return outputs.tensors()
+
+    @torch.no_grad()
+    def _run_batch(self, pieces: list[Piece], outputs: _ShardOutputs) -> None:
+        packed = self.modeling.pack_proteins([piece.tokens for piece in pieces])
+        input_ids = packed["input_ids"].to(self.device)
+        cu_seq_lens = packed["cu_seq_lens_q"].to(self.device)
+        packing = {"cu_seq_lens_q": cu_seq_lens, "max_length_q": packed["max_length_q"]}
+        layers = self.settings.layers
+        with self._autocast():
+            output = self.model(input_ids, output_hidden_states=layers != (self.last_layer,), **packing)
+            contacts = (
+                self.model.predict_contacts(input_ids, **packing) if "contacts" in self.settings.include else None
+            )
+        is_residue = self.modeling.residue_token_mask(cu_seq_lens, input_ids.shape[1])
+        for layer in layers:
+            states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
+            states = states.float()
+            cls = states[cu_seq_lens[:-1].long()].cpu()
+            mean = self.modeling.pool_proteins(states, cu_seq_lens, "mean").cpu()
+            residues = states[is_residue].cpu() if outputs.need_residues else None
+            outputs.add(layer, pieces, cls, mean, residues)
+        if contacts is not None:
+            outputs.add_contacts(pieces, contacts.float().cpu())
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+class _ShardOutputs:
+    """Per-protein results of a shard, filled piece by piece; windows are averaged residue by residue."""
+
+    def __init__(
+        self, lengths: list[int], statuses: list[str], settings: EmbedSettings, hidden: int, need_residues: bool
+    ) -> None:
+        self.lengths = lengths
+        self.statuses = statuses
+        self.settings = settings
+        self.need_residues = need_residues
+        count = len(lengths)
+        self.cls = {layer: torch.zeros(count, hidden) for layer in settings.layers}
+        self.mean = {layer: torch.zeros(count, hidden) for layer in settings.layers}
+        self.residues: dict[int, list[torch.Tensor | None]] = {layer: [None] * count for layer in settings.layers}
+        self.windows = [0] * count
+        self.coverage: list[torch.Tensor | None] = [None] * count
+        self.contacts: list[torch.Tensor | None] = [None] * count
+
+    def add(
+        self, layer: int, pieces: list[Piece], cls: torch.Tensor, mean: torch.Tensor, residues: torch.Tensor | None
+    ) -> None:
+        offset = 0
+        for index, piece in enumerate(pieces):
+            count = len(piece.tokens) - 2
+            self.cls[layer][piece.row] += cls[index]
+            if self.statuses[piece.row] != "windowed":
+                self.mean[layer][piece.row] = mean[index]
+                if residues is not None:
+                    self.residues[layer][piece.row] = residues[offset : offset + count]
+            else:
+                total = self.residues[layer][piece.row]
+                if total is None:
+                    total = self.residues[layer][piece.row] = torch.zeros(self.lengths[piece.row], cls.shape[1])
+                total[piece.start : piece.start + count] += residues[offset : offset + count]
+                if layer == self.settings.layers[0]:
+                    self.windows[piece.row] += 1
+                    if self.coverage[piece.row] is None:
+                        self.coverage[piece.row] = torch.zeros(self.lengths[piece.row])
+                    self.coverage[piece.row][piece.start : piece.start + count] += 1
+            offset += count
+
+    def add_contacts(self, pieces: list[Piece], contacts: torch.Tensor) -> None:
+        for index, piece in enumerate(pieces):
+            count = len(piece.tokens) - 2
+            self.contacts[piece.row] = contacts[index, :count, :count].clone()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        dtype = SAVE_DTYPES[self.settings.save_dtype]
+        for row, status in enumerate(self.statuses):
+            if status == "windowed":  # residues: mean over the windows holding each; cls: mean over windows
+                for layer in self.settings.layers:
+                    self.residues[layer][row] /= self.coverage[row][:, None]
+                    self.mean[layer][row] = self.residues[layer][row].mean(0)
+                    self.cls[layer][row] /= self.windows[row]
+        result: dict[str, torch.Tensor] = {}
+        for layer in self.settings.layers:
+            if "mean" in self.settings.include:
+                result[f"mean.layer_{layer}"] = self.mean[layer].to(dtype)
+            if "cls" in self.settings.include:
+                result[f"cls.layer_{layer}"] = self.cls[layer].to(dtype)
+            if "per_residue" in self.settings.include:
+                result[f"per_residue.layer_{layer}"] = _cat(self.residues[layer], (0, self.cls[layer].shape[1]), dtype)
+        if "per_residue" in self.settings.include:
+            result["residue_offsets"] = _offsets(self.lengths)
+        if "contacts" in self.settings.include:
+            result["contacts"] = _cat([contacts.flatten() for contacts in self.contacts], (0,), dtype)
+            result["contact_offsets"] = _offsets([length * length for length in self.lengths])
+        return result
+
+
+def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(tensors).to(dtype) if tensors else torch.zeros(empty_shape, dtype=dtype)
+
+
+def _offsets(counts: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The output folder
+# --------------------------------------------------------------------------------------------------------------
+
+
+def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> None:
+    """Create `folder` or check that it holds an earlier run with equal settings (then its shards are kept).
+    Refuses a folder with files this command did not write, and different settings unless `overwrite`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    foreign = sorted(path.name for path in folder.iterdir() if not _is_ours(path.name))
+    if foreign:
+        raise FileExistsError(
+            f"{folder} holds files nv-esm embed did not write ({', '.join(foreign[:5])}); choose a new or empty folder."
+        )
+    manifest = folder / MANIFEST_NAME
+    if manifest.exists():
+        earlier = json.loads(manifest.read_text())
+        current = {"format": FORMAT, **_jsonable(settings)}
+        changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
+        if changed and not overwrite:
+            details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
+            raise FileExistsError(
+                f"{folder} holds a run with other settings ({details}). Its shards would not match: pass "
+                "--overwrite to delete them, or choose another folder."
+            )
+        if changed:
+            for path in folder.iterdir():
+                path.unlink()
+    for stale in folder.glob("*.tmp"):
+        stale.unlink()
+    _write_atomically(folder / MANIFEST_NAME, json.dumps({"format": FORMAT, **_jsonable(settings)}, indent=2) + "\n")
+
+
+def _is_ours(name: str) -> bool:
+    return name in (MANIFEST_NAME, INDEX_NAME) or name.startswith(SHARD_PREFIX) or name.endswith(".tmp")
+
+
+def _jsonable(settings: EmbedSettings) -> dict[str, Any]:
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(settings).items()}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) -> None:
+    """`tensors` as safetensors under `path` (written to a temporary name, then renamed), the ids in metadata."""
+    temporary = path.with_name(path.name + ".tmp")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
+    os.replace(temporary, path)
+
+
+def write_index(folder: Path, records: list[Record], shard_size: int) -> None:
+    """`index.tsv`: id, record, residues, status, shard, row (empty shard and row -1 for skipped records)."""
+    lines = ["id\trecord\tresidues\tstatus\tshard\trow"]
+    row, current_shard = 0, -1
+    for position, record in enumerate(records):
+        shard = position // shard_size
+        if shard != current_shard:
+            row, current_shard = 0, shard
+        if record.status.startswith("skipped"):
+            lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t\t-1")
+        else:
+            lines.append(
+                f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{shard_name(shard)}\t{row}"
+            )
+            row += 1
+    _write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
+
+
+def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(id, outputs) of every embedded protein of an `nv-esm embed` folder, in FASTA order. Outputs are keyed as
+    in the shards: `mean.layer_L`/`cls.layer_L` `[hidden]`, `per_residue.layer_L` `[residues, hidden]`,
+    `contacts` `[residues, residues]`."""
+    folder = Path(folder)
+    for path in sorted(folder.glob(f"{SHARD_PREFIX}*.safetensors")):
+        with safe_open(path, "pt") as shard:
+            ids = json.loads(shard.metadata()["ids"])
+            tensors = {name: shard.get_tensor(name) for name in shard.keys()}
+        residue_offsets = tensors.pop("residue_offsets", None)
+        contact_offsets = tensors.pop("contact_offsets", None)
+        for row, protein_id in enumerate(ids):
+            outputs = {}
+            for name, tensor in tensors.items():
+                if name.startswith("per_residue."):
+                    outputs[name] = tensor[residue_offsets[row] : residue_offsets[row + 1]]
+                elif name == "contacts":
+                    flat = tensor[contact_offsets[row] : contact_offsets[row + 1]]
+                    side = int(round(flat.numel() ** 0.5))
+                    outputs[name] = flat.view(side, side)
+                else:
+                    outputs[name] = tensor[row]
+            yield protein_id, outputs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Embed the proteins of a FASTA file with an NVEsm checkpoint into safetensors shards + index.tsv.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
+    parser.add_argument("fasta", type=Path, help="the proteins, one FASTA record each (ids: first word of headers)")
+    parser.add_argument("output", type=Path, help="folder for the shards, index.tsv and manifest.json")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=[-1], help="hidden states to keep: 0 = embeddings, -1 = last"
+    )
+    parser.add_argument(
+        "--include", nargs="+", choices=OUTPUTS, default=["mean"], help="per-protein mean/cls, per-residue, contacts"
+    )
+    parser.add_argument(
+        "--max-length", type=int, help="longest protein in residues (default: the checkpoint's max_protein_length - 2)"
+    )
+    parser.add_argument(
+        "--too-long",
+        choices=TOO_LONG_POLICIES,
+        default="error",
+        help="longer proteins: stop; skip; keep the first --max-length residues; or overlapping windows (averaged)",
+    )
+    parser.add_argument("--invalid", choices=INVALID_POLICIES, default="error", help="letters outside ESM-2's alphabet")
+    parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
+    parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
+    parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32")
+    parser.add_argument("--backend", choices=("auto", "te", "torch"), default="auto")
+    parser.add_argument(
+        "--fp8", choices=("off", "all", "inner"), default="off", help="FP8 layers (Transformer Engine on CUDA)"
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay the layers as CUDA graphs (TE; last layer only, no contacts)"
+    )
+    parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.shard_size < 1 or args.tokens_per_batch < 1:
+        parser.error("--shard-size and --tokens-per-batch must be positive")
+    if "contacts" in args.include and args.too_long == "window":
+        parser.error("contacts of windowed proteins are not defined: use --too-long crop, skip or error")
+    return args
+
+
+def load_model(checkpoint: str, backend: str, fp8: str, cuda_graphs: bool, device: torch.device) -> torch.nn.Module:
+    """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
+    on CUDA, fp32 on the CPU."""
+    from transformers import AutoConfig, AutoModel
+
+    from nv_esm.train.materialize import fp8_layers
+
+    if (fp8 != "off" or cuda_graphs) and device.type != "cuda":
+        raise ValueError("--fp8 and --cuda-graphs need a CUDA device (and Transformer Engine).")
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    if config.model_type != "nv_esm":
+        raise ValueError(
+            f"{checkpoint} is a {config.model_type!r} checkpoint, not NVEsm; convert it first: "
+            f"nv-esm convert hf-to-te {checkpoint} OUT"
+        )
+    options: dict[str, Any] = {"layer_precision": fp8_layers(fp8, config.num_hidden_layers), "cuda_graphs": cuda_graphs}
+    if backend != "auto":
+        options["backend"] = backend
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype, **options)
+    return model.to(device).eval()
+
+
+def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(
+        args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _run(args, rank, world_size, device)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; finished shards in {args.output} are kept, a rerun resumes.", file=sys.stderr)
+        return 130
+    finally:
+        if world_size > 1:
+            torch.distributed.destroy_process_group()
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        torch.distributed.barrier()
+
+
+def _run(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> int:
+    model = load_model(args.checkpoint, args.backend, args.fp8, args.cuda_graphs, device)
+    run(args, model, rank, world_size)
+    return 0
+
+
+@dataclass
+class RunStats:
+    """What one run did: proteins it embedded (its shards only) in how many seconds (model loading excluded)."""
+
+    proteins: int
+    seconds: float
+
+
+def run(args: argparse.Namespace, model: torch.nn.Module, rank: int = 0, world_size: int = 1) -> RunStats:
+    """The command after loading: plan from the first pass, then embed this rank's unfinished shards and (rank 0,
+    after every rank) write the index. `args` as `parse_args` returns them."""
+    config = model.config
+    longest = config.max_protein_length - 2
+    max_length = longest if args.max_length is None else args.max_length
+    if not 1 <= max_length <= longest:
+        raise ValueError(f"--max-length must be 1 to {longest} (the checkpoint's max_protein_length - 2).")
+    states = config.num_hidden_layers + 1
+    if any(not -states <= layer < states for layer in args.layers):
+        raise ValueError(
+            f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
+        )
+    layers = tuple(sorted({layer % states for layer in args.layers}))
+    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid)
+    settings = EmbedSettings(
+        checkpoint=str(args.checkpoint),
+        fasta_sha256=fasta_sha256,
+        layers=layers,
+        include=tuple(output for output in OUTPUTS if output in args.include),
+        max_length=max_length,
+        too_long=args.too_long,
+        invalid=args.invalid,
+        shard_size=args.shard_size,
+        backend=model.encoder.backend,
+        fp8=args.fp8,
+        save_dtype=args.save_dtype,
+    )
+    if rank == 0:
+        prepare_output(args.output, settings, args.overwrite)
+    _barrier(world_size)
+    num_shards = -(-len(records) // args.shard_size)
+    mine = [shard for shard in range(rank, num_shards, world_size) if not (args.output / shard_name(shard)).exists()]
+    todo = sum(
+        not record.status.startswith("skipped")
+        for shard in mine
+        for record in records[shard * args.shard_size : (shard + 1) * args.shard_size]
+    )
+    embedder = ShardEmbedder(model, settings, args.tokens_per_batch)
+    progress = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
+    started = time.perf_counter()
+    with open(args.fasta) as lines:
+        for shard, shard_records in _shards(iter_fasta(lines, args.fasta), records, args.shard_size):
+            if shard not in mine:
+                continue
+            kept = [(record, sequence) for record, sequence in shard_records if not record.status.startswith("skipped")]
+            tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
+            write_shard(args.output / shard_name(shard), tensors, [record.id for record, _ in kept])
+    progress.close()
+    _barrier(world_size)
+    if rank == 0:
+        write_index(args.output, records, args.shard_size)
+        seconds = time.perf_counter() - started
+        counts: dict[str, int] = {}
+        for record in records:
+            counts[record.status] = counts.get(record.status, 0) + 1
+        summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+        rate = f"; this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
+        print(f"{len(records)} records ({summary}){rate if todo else ''}; wrote {args.output / INDEX_NAME}")
+    return RunStats(todo, time.perf_counter() - started)
+
+
+def _shards(
+    sequences: Iterator[tuple[str, str]], records: list[Record], shard_size: int
+) -> Iterator[tuple[int, list[tuple[Record, str]]]]:
+    """(shard, [(record, sequence), ...]) in file order, pairing the second pass with the first pass's records."""
+    batch: list[tuple[Record, str]] = []
+    for position, (header, sequence) in enumerate(sequences):
+        if position >= len(records) or header.split()[0] != records[position].id:
+            raise ValueError(f"the FASTA file changed during the run (at record {position + 1}); run again.")
+        batch.append((records[position], sequence))
+        if len(batch) == shard_size:
+            yield position // shard_size, batch
+            batch = []
+    if batch:
+        yield (len(records) - 1) // shard_size, batch
+
+
+if __name__ == "__main__":
+    sys.exit(main())

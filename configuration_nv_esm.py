@@ -8,15 +8,32 @@ This file imports nothing from Transformer Engine.
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 BACKENDS = ("auto", "te", "torch")
 ATTN_INPUT_FORMATS = ("bshd", "thd")
 LAYER_PRECISIONS = ("fp8", None)
 FP8_RECIPES = ("delayed", "current", "block")
 HIDDEN_ACTS = ("gelu",)
+# Choices about the machine and the run, not the model: `from_pretrained` keywords, never written to config.json
+# (a model fine-tuned on a CPU with backend="torch" must not run the slow path on every GPU it is shared to).
+LOAD_TIME_OPTIONS = (
+    "backend",
+    "attn_input_format",
+    "layer_precision",
+    "fp8_recipe",
+    "check_inputs",
+    "cuda_graphs",
+    "max_protein_length",
+)
 
 
 class NVEsmConfig(PretrainedConfig):
@@ -70,6 +87,12 @@ class NVEsmConfig(PretrainedConfig):
             bucket, for training (train mode with gradients) and inference (eval mode without gradients).
             Other calls, and `output_hidden_states`, run eagerly.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
+
+    Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
+    `check_inputs`, `cuda_graphs`, `max_protein_length`) describe the machine and the run, not the model:
+    `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an older
+    version) is read without them, with a warning for values other than the defaults. Pass them to
+    `from_pretrained`.
     """
 
     model_type = "nv_esm"
@@ -146,6 +169,33 @@ class NVEsmConfig(PretrainedConfig):
     def uses_fp8(self) -> bool:
         """Whether any layer is configured to run in FP8."""
         return self.layer_precision is not None and "fp8" in self.layer_precision
+
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
+        """`PretrainedConfig.to_json_file` (what `save_pretrained` writes) without the load-time options."""
+        saved = json.loads(self.to_json_string(use_diff=use_diff))
+        for name in LOAD_TIME_OPTIONS:
+            saved.pop(name, None)
+        with open(json_file_path, "w", encoding="utf-8") as writer:
+            writer.write(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def _dict_from_json_file(cls, json_file: str | os.PathLike) -> dict[str, Any]:
+        """A config.json as a dict, load-time options dropped (warning about those that were not defaults)."""
+        config_dict = super()._dict_from_json_file(json_file)
+        parameters = inspect.signature(NVEsmConfig.__init__).parameters
+        ignored = {}
+        for name in LOAD_TIME_OPTIONS:
+            if name in config_dict:
+                value = config_dict.pop(name)
+                if value != parameters[name].default:
+                    ignored[name] = value
+        if ignored:
+            settings = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+            logger.warning(
+                f"{json_file} sets {settings}: load-time options, which config files no longer carry; ignored. "
+                "Pass them to from_pretrained to use them."
+            )
+        return config_dict
 
     def _check(self) -> None:
         """Raise `ValueError` on the first inconsistent field."""

@@ -18,6 +18,8 @@ from transformers import (
     pipeline,
 )
 
+import configuration_nv_esm
+from configuration_nv_esm import LOAD_TIME_OPTIONS
 from conftest import (
     ATOL_FP32,
     ROOT,
@@ -46,6 +48,7 @@ def exported(tmp_path_factory):
 def test_repository_config_points_at_the_remote_code_as_exported_folders_do():
     config = json.loads((ROOT / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP
+    assert not set(LOAD_TIME_OPTIONS) & set(config)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def test_fill_mask_pipeline_agrees_with_transformers(exported):
 def test_save_and_load_round_trip(tmp_path, attn_input_format):
     model = make_nv_model(make_hf_model("wide_heads", seed=40), attn_input_format=attn_input_format)
     model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path).eval()
+    loaded = type(model).from_pretrained(tmp_path, attn_input_format=attn_input_format).eval()
     assert loaded.config.attn_input_format == attn_input_format
     original_state, loaded_state = model.state_dict(), loaded.state_dict()
     assert original_state.keys() == loaded_state.keys()
@@ -171,3 +174,43 @@ def test_embed_rejects_bad_arguments(exported):
     short_limit = AutoModel.from_pretrained(exported, trust_remote_code=True, backend="torch", max_protein_length=1026)
     with pytest.raises(ValueError, match="Sequence 0 has 1025 residues; embed needs 1 to 1024"):
         short_limit.embed(["A" * 1025], tokenizer)
+
+
+def test_saved_configs_carry_no_load_time_options(tmp_path, monkeypatch):
+    """A model saved with backend="torch" and the other machine choices loads with the defaults (TE where it runs),
+    unless they are passed again; an older config.json that has them is read without them, with a warning."""
+    choices = dict(backend="torch", attn_input_format="bshd", check_inputs=False, max_protein_length=9000)
+    model = make_nv_model(make_hf_model("tiny", seed=43), **choices)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert not set(LOAD_TIME_OPTIONS) & set(saved)
+    defaults = type(model.config)()
+    loaded = type(model).from_pretrained(tmp_path / "saved")
+    assert {name: getattr(loaded.config, name) for name in choices} == {
+        name: getattr(defaults, name) for name in choices
+    }
+    again = type(model).from_pretrained(tmp_path / "saved", **choices)
+    assert {name: getattr(again.config, name) for name in choices} == choices
+
+    warnings: list[str] = []
+    monkeypatch.setattr(configuration_nv_esm.logger, "warning", warnings.append)
+    (tmp_path / "old").mkdir()
+    older = saved | {"backend": "torch", "check_inputs": False, "attn_input_format": "thd", "cuda_graphs": False}
+    (tmp_path / "old" / "config.json").write_text(json.dumps(older))
+    config = type(model.config).from_pretrained(tmp_path / "old")
+    assert (config.backend, config.check_inputs) == ("auto", True)
+    assert len(warnings) == 1 and "backend='torch', check_inputs=False: load-time options" in warnings[0]
+
+
+def test_converted_folders_have_no_default_labels_so_any_num_labels_loads_quietly(exported, monkeypatch):
+    import transformers.configuration_utils
+
+    config = json.loads((exported / "config.json").read_text())
+    assert "id2label" not in config and not set(LOAD_TIME_OPTIONS) & set(config)
+    warnings: list[str] = []
+    monkeypatch.setattr(transformers.configuration_utils.logger, "warning", warnings.append)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        exported, trust_remote_code=True, num_labels=3, backend="torch"
+    )
+    assert model.config.num_labels == 3 and model.classifier.out_proj.out_features == 3
+    assert not [w for w in warnings if "num_labels" in w]

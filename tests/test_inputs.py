@@ -39,11 +39,16 @@ def test_bad_config_values_raise(field, value, message):
 
 
 def test_config_round_trips_through_json(tmp_path):
-    config = NVEsmConfig(num_hidden_layers=2, layer_precision=["fp8", None], fp8_recipe="current", backend="torch")
+    """Model fields survive save/load; load-time options (layer_precision, ...) come back only when passed."""
+    config = NVEsmConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, layer_precision=["fp8", None])
     config.save_pretrained(tmp_path)
     loaded = NVEsmConfig.from_pretrained(tmp_path)
-    assert loaded.layer_precision == ["fp8", None]
-    assert (loaded.fp8_recipe, loaded.backend, loaded.padded_vocab_size) == ("current", "torch", 64)
+    assert (loaded.num_hidden_layers, loaded.hidden_size, loaded.padded_vocab_size) == (2, 64, 64)
+    assert loaded.layer_precision is None
+    options = NVEsmConfig.from_pretrained(
+        tmp_path, layer_precision=["fp8", None], fp8_recipe="current", backend="torch"
+    )
+    assert (options.layer_precision, options.fp8_recipe, options.backend) == (["fp8", None], "current", "torch")
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@
 
 Naive loop: transformers' `EsmModel` in bf16, proteins in input order, padded batches of 32, mean over residues.
 `embed()`: `NVEsmModel.embed` of the converted checkpoint (bf16 weights). The command: `nv_esm.embed.run` on a
-FASTA file of the same proteins, after loading (model loading excluded; the first pass over the file, shard
-writing and any CUDA-graph captures included), eager and with `--cuda-graphs`, bf16 and FP8. Each command variant
-first embeds 512 of the proteins into another folder (warm-up). All hold the same random weights; the JSON also
+FASTA file of the same proteins (model loading and the first pass over the file excluded; shard writing and any
+CUDA-graph captures included), eager and with `--cuda-graphs`, bf16 and FP8, each after a warm-up run on 512 of
+the proteins. All hold the same random weights; the JSON also
 has the cosine similarity of each variant's embeddings to the transformers loop's, per protein.
 """
 
@@ -61,14 +61,20 @@ def write_fasta(path: Path, sequences: list[str]) -> Path:
 
 
 def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path, fp8: str, graphs: bool, tokens: int):
-    """(embeddings [N, hidden], seconds, peak GB) of `nv_esm.embed.run` over `fasta`."""
-    model = embed.load_model(str(checkpoint), "auto", fp8, graphs, torch.device("cuda"))
+    """(embeddings [N, hidden], seconds, peak GB) of `nv_esm.embed.run` over `fasta` (after a warm-up run)."""
+    device = torch.device("cuda")
+    config = embed.load_config(str(checkpoint))
+    model = None
     for name, source in (("warm", warm_fasta), ("timed", fasta)):
         folder = work / name
         shutil.rmtree(folder, ignore_errors=True)
-        args = embed.parse_args([str(checkpoint), str(source), str(folder), "--tokens-per-batch", str(tokens)], "bench")
+        argv = [str(checkpoint), str(source), str(folder), "--tokens-per-batch", str(tokens), "--fp8", fp8]
+        args = embed.parse_args(argv + (["--cuda-graphs"] if graphs else []), "bench")
+        settings, records = embed.plan_run(args, config, device)
+        if model is None:
+            model = embed.load_model(str(checkpoint), config, settings.backend, fp8, graphs, device)
         torch.cuda.reset_peak_memory_stats()
-        stats, seconds = timed(embed.run, args, model)
+        stats, seconds = timed(embed.run, args, model, settings, records)
     peak = torch.cuda.max_memory_allocated() / 1e9
     embeddings = torch.stack([outputs[next(iter(outputs))] for _, outputs in embed.iter_embeddings(work / "timed")])
     del model

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -52,6 +54,16 @@ OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 INVALID_POLICIES = ("error", "skip")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The amino-acid letters of ESM-2's alphabet (20 standard + X B U Z O), either case; gap characters ('-', '.') are
+# alignment symbols, not residues, and are refused like any other character.
+RESIDUE_LETTERS = {
+    case(letter): RESIDUE_TO_ID[letter]
+    for letter in RESIDUE_TO_ID
+    if letter.isalpha()
+    for case in (str.upper, str.lower)
+}
+SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
+OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -63,8 +75,9 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 class EmbedSettings:
     """Everything that decides the numbers written (the manifest; a rerun resumes only if they are equal)."""
 
-    checkpoint: str
+    checkpoint: str  # a fingerprint of the weights (`checkpoint_fingerprint`), not how the path was spelled
     fasta_sha256: str
+    precision: str  # "bf16" (CUDA) or "fp32" (CPU)
     layers: tuple[int, ...]  # absolute: 0 (embedding output) .. num_hidden_layers
     include: tuple[str, ...]
     max_length: int  # residues
@@ -103,7 +116,7 @@ def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tupl
     first_seen: dict[str, int] = {}
     digest = hashlib.sha256()
     with open(path, "rb") as raw:
-        for number, (header, sequence) in enumerate(iter_fasta(_hashed_lines(raw, digest), path), 1):
+        for number, (header, sequence) in enumerate(iter_fasta(_text_lines(raw, path, digest), path), 1):
             record_id = header.split()[0] if header.split() else ""
             if not record_id:
                 raise ValueError(f"{path}: record {number} has no id (an empty '>' header line).")
@@ -114,7 +127,7 @@ def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tupl
                 )
             first_seen[record_id] = number
             residues = len(sequence)
-            problem = invalid_letter(sequence.upper())
+            problem = invalid_letter(sequence)
             if problem is not None:
                 if invalid == "error":
                     raise ValueError(f"{path}: record {record_id!r} (record {number}): {problem} (--invalid skip).")
@@ -134,24 +147,29 @@ def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tupl
     return records, digest.hexdigest()
 
 
-def _hashed_lines(raw: IO[bytes], digest: Any) -> Iterator[str]:
-    for line in raw:
-        digest.update(line)
-        yield line.decode()
+def _text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]:
+    """UTF-8 lines of a binary file (a byte-order mark skipped), each fed to `digest` first."""
+    for number, line in enumerate(raw, 1):
+        if digest is not None:
+            digest.update(line)
+        try:
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}).") from None
 
 
 def invalid_letter(sequence: str) -> str | None:
     """A description of the first character of `sequence` outside ESM-2's alphabet, or None."""
     for position, char in enumerate(sequence):
-        if char not in RESIDUE_TO_ID:
-            hint = " (a stop codon: remove it)" if char == "*" else ""
-            return f"{char!r} at residue {position + 1} is not a letter of ESM-2's alphabet{hint}"
+        if char not in RESIDUE_LETTERS:
+            hint = {"*": " (a stop codon: remove it)", "-": " (an alignment gap)", ".": " (an alignment gap)"}
+            return f"{char!r} at residue {position + 1} is not a letter of ESM-2's alphabet{hint.get(char, '')}"
     return None
 
 
 def tokenize(sequence: str) -> list[int]:
-    """`<cls>`, one id per residue (upper-cased), `<eos>`."""
-    return [CLS, *(RESIDUE_TO_ID[char] for char in sequence.upper()), EOS]
+    """`<cls>`, one id per residue (either case; lower case reads as upper case), `<eos>`."""
+    return [CLS, *(RESIDUE_LETTERS[char] for char in sequence), EOS]
 
 
 def pieces_of(row: int, sequence: str, status: str, max_length: int) -> list[Piece]:
@@ -271,7 +289,7 @@ class _ShardOutputs:
             self.cls[layer][piece.row] += cls[index]
             if self.statuses[piece.row] != "windowed":
                 self.mean[layer][piece.row] = mean[index]
-                if residues is not None:
+                if residues is not None and "per_residue" in self.settings.include:
                     self.residues[layer][piece.row] = residues[offset : offset + count]
             else:
                 total = self.residues[layer][piece.row]
@@ -328,18 +346,24 @@ def _offsets(counts: Sequence[int]) -> torch.Tensor:
 
 
 def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> None:
-    """Create `folder` or check that it holds an earlier run with equal settings (then its shards are kept).
-    Refuses a folder with files this command did not write, and different settings unless `overwrite`."""
+    """Create `folder`, or check that it holds an earlier run of this command with equal settings (its finished
+    shards are then kept). Refuses a folder with anything else in it; with other settings, refuses unless
+    `overwrite`, which deletes only the files this command writes (the manifest last)."""
     folder.mkdir(parents=True, exist_ok=True)
-    foreign = sorted(path.name for path in folder.iterdir() if not _is_ours(path.name))
+    entries = list(folder.iterdir())
+    foreign = sorted(path.name for path in entries if not (path.is_file() and OUR_NAMES.fullmatch(path.name)))
     if foreign:
         raise FileExistsError(
             f"{folder} holds files nv-esm embed did not write ({', '.join(foreign[:5])}); choose a new or empty folder."
         )
     manifest = folder / MANIFEST_NAME
+    current = {"format": FORMAT, **_jsonable(settings)}
+    if entries and not manifest.exists():
+        raise FileExistsError(
+            f"{folder} holds shards but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty folder."
+        )
     if manifest.exists():
-        earlier = json.loads(manifest.read_text())
-        current = {"format": FORMAT, **_jsonable(settings)}
+        earlier = _read_manifest(manifest)
         changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
         if changed and not overwrite:
             details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
@@ -348,15 +372,21 @@ def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> No
                 "--overwrite to delete them, or choose another folder."
             )
         if changed:
-            for path in folder.iterdir():
+            for path in sorted(entries, key=lambda path: path.name == MANIFEST_NAME):
                 path.unlink()
     for stale in folder.glob("*.tmp"):
         stale.unlink()
-    _write_atomically(folder / MANIFEST_NAME, json.dumps({"format": FORMAT, **_jsonable(settings)}, indent=2) + "\n")
+    _write_atomically(manifest, json.dumps(current, indent=2) + "\n")
 
 
-def _is_ours(name: str) -> bool:
-    return name in (MANIFEST_NAME, INDEX_NAME) or name.startswith(SHARD_PREFIX) or name.endswith(".tmp")
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a manifest of nv-esm embed ({error}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a manifest of nv-esm embed (format {FORMAT}).")
+    return manifest
 
 
 def _jsonable(settings: EmbedSettings) -> dict[str, Any]:
@@ -365,57 +395,89 @@ def _jsonable(settings: EmbedSettings) -> dict[str, Any]:
 
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(temporary, path)
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) -> None:
-    """`tensors` as safetensors under `path` (written to a temporary name, then renamed), the ids in metadata."""
+    """`tensors` as safetensors under `path` (written to a temporary name, synced, then renamed), ids in metadata."""
     temporary = path.with_name(path.name + ".tmp")
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
+    with open(temporary, "rb") as file:
+        os.fsync(file.fileno())
     os.replace(temporary, path)
 
 
-def write_index(folder: Path, records: list[Record], shard_size: int) -> None:
-    """`index.tsv`: id, record, residues, status, shard, row (empty shard and row -1 for skipped records)."""
-    lines = ["id\trecord\tresidues\tstatus\tshard\trow"]
-    row, current_shard = 0, -1
+def shard_ids(path: Path) -> list[str] | None:
+    """The ids a finished shard holds, or None if `path` is missing or not a readable shard."""
+    try:
+        with safe_open(path, "pt") as shard:
+            return json.loads(shard.metadata()["ids"])
+    except Exception:  # missing, cut off, or not ours: not finished
+        return None
+
+
+def index_rows(records: list[Record], shard_size: int, max_length: int) -> list[tuple[Record, int, str, int, int]]:
+    """(record, shard, shard file, row, residues embedded) per record; skipped: ("", -1, 0)."""
+    rows, row, current = [], 0, -1
     for position, record in enumerate(records):
         shard = position // shard_size
-        if shard != current_shard:
-            row, current_shard = 0, shard
+        row = 0 if shard != current else row
+        current = shard
         if record.status.startswith("skipped"):
-            lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t\t-1")
-        else:
-            lines.append(
-                f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{shard_name(shard)}\t{row}"
-            )
-            row += 1
+            rows.append((record, shard, "", -1, 0))
+            continue
+        used = min(record.residues, max_length) if record.status == "cropped" else record.residues
+        rows.append((record, shard, shard_name(shard), row, used))
+        row += 1
+    return rows
+
+
+def write_index(folder: Path, records: list[Record], shard_size: int, max_length: int) -> None:
+    """`index.tsv`: id, record, residues, status, shard, row, embedded_residues. Checks first that every shard is
+    there and holds the ids the index gives it."""
+    rows = index_rows(records, shard_size, max_length)
+    expected: dict[str, list[str]] = {}
+    for record, _, name, _, _ in rows:
+        if name:
+            expected.setdefault(name, []).append(record.id)
+    for name, ids in expected.items():
+        if shard_ids(folder / name) != ids:
+            raise RuntimeError(f"{folder / name} is missing or does not hold the proteins the index gives it.")
+    lines = ["id\trecord\tresidues\tstatus\tshard\trow\tembedded_residues"]
+    for record, _, name, row, used in rows:
+        lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{name}\t{row}\t{used}")
     _write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
 
 
 def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """(id, outputs) of every embedded protein of an `nv-esm embed` folder, in FASTA order. Outputs are keyed as
-    in the shards: `mean.layer_L`/`cls.layer_L` `[hidden]`, `per_residue.layer_L` `[residues, hidden]`,
-    `contacts` `[residues, residues]`."""
+    """(id, outputs) of every embedded protein of a finished `nv-esm embed` folder, in FASTA order. Outputs are
+    keyed as in the shards: `mean.layer_L`/`cls.layer_L` `[hidden]`, `per_residue.layer_L` `[residues, hidden]`,
+    `contacts` `[residues, residues]`. Raises if the run has not finished (no index.tsv)."""
     folder = Path(folder)
-    for path in sorted(folder.glob(f"{SHARD_PREFIX}*.safetensors")):
-        with safe_open(path, "pt") as shard:
+    if not (folder / INDEX_NAME).exists():
+        raise FileNotFoundError(f"{folder} has no {INDEX_NAME}: the run has not finished (a rerun completes it).")
+    names = [path.name for path in folder.iterdir() if SHARD_PATTERN.fullmatch(path.name)]
+    for name in sorted(names, key=lambda name: int(SHARD_PATTERN.fullmatch(name).group(1))):
+        with safe_open(folder / name, "pt") as shard:
             ids = json.loads(shard.metadata()["ids"])
-            tensors = {name: shard.get_tensor(name) for name in shard.keys()}
+            tensors = {key: shard.get_tensor(key) for key in shard.keys()}
         residue_offsets = tensors.pop("residue_offsets", None)
         contact_offsets = tensors.pop("contact_offsets", None)
         for row, protein_id in enumerate(ids):
             outputs = {}
-            for name, tensor in tensors.items():
-                if name.startswith("per_residue."):
-                    outputs[name] = tensor[residue_offsets[row] : residue_offsets[row + 1]]
-                elif name == "contacts":
+            for key, tensor in tensors.items():
+                if key.startswith("per_residue."):
+                    outputs[key] = tensor[residue_offsets[row] : residue_offsets[row + 1]]
+                elif key == "contacts":
                     flat = tensor[contact_offsets[row] : contact_offsets[row + 1]]
                     side = int(round(flat.numel() ** 0.5))
-                    outputs[name] = flat.view(side, side)
+                    outputs[key] = flat.view(side, side)
                 else:
-                    outputs[name] = tensor[row]
+                    outputs[key] = tensor[row]
             yield protein_id, outputs
 
 
@@ -470,26 +532,89 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def load_model(checkpoint: str, backend: str, fp8: str, cuda_graphs: bool, device: torch.device) -> torch.nn.Module:
-    """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
-    on CUDA, fp32 on the CPU."""
-    from transformers import AutoConfig, AutoModel
+def resolved_backend(backend: str, device: torch.device) -> str:
+    """The backend the model will run: on the CPU always the PyTorch twin."""
+    import modeling_nv_esm
 
-    from nv_esm.train.materialize import fp8_layers
+    return "torch" if device.type != "cuda" else modeling_nv_esm.resolve_backend(backend)
 
-    if (fp8 != "off" or cuda_graphs) and device.type != "cuda":
-        raise ValueError("--fp8 and --cuda-graphs need a CUDA device (and Transformer Engine).")
+
+def load_config(checkpoint: str) -> Any:
+    """The NVEsm config of `checkpoint`; a transformers ESM-2 checkpoint is refused with the conversion command."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
     if config.model_type != "nv_esm":
         raise ValueError(
             f"{checkpoint} is a {config.model_type!r} checkpoint, not NVEsm; convert it first: "
             f"nv-esm convert hf-to-te {checkpoint} OUT"
         )
-    options: dict[str, Any] = {"layer_precision": fp8_layers(fp8, config.num_hidden_layers), "cuda_graphs": cuda_graphs}
-    if backend != "auto":
-        options["backend"] = backend
+    return config
+
+
+def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
+    """What identifies the weights, however the path is spelled: for a folder, SHA-256 over config.json and, for
+    each weight file, its size and 64 chunks of 64 KiB spread over it; for a Hub id, the id and its commit."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        return f"{checkpoint}@{getattr(config, '_commit_hash', None) or 'unknown revision'}"
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.iterdir()):
+        if path.suffix not in (".safetensors", ".bin"):
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as file:
+            for chunk in range(64):
+                file.seek(size * chunk // 64)
+                digest.update(file.read(1 << 16))
+    return f"sha256:{digest.hexdigest()}"
+
+
+def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tuple[EmbedSettings, list[Record]]:
+    """Check the arguments against the checkpoint and make the first pass over the FASTA file."""
+    longest = config.max_protein_length - 2
+    max_length = longest if args.max_length is None else args.max_length
+    if not 1 <= max_length <= longest:
+        raise ValueError(f"--max-length must be 1 to {longest} (the checkpoint's max_protein_length - 2).")
+    states = config.num_hidden_layers + 1
+    if any(not -states <= layer < states for layer in args.layers):
+        raise ValueError(
+            f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
+        )
+    backend = resolved_backend(args.backend, device)
+    if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":
+        raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
+    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid)
+    settings = EmbedSettings(
+        checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+        fasta_sha256=fasta_sha256,
+        precision="bf16" if device.type == "cuda" else "fp32",
+        layers=tuple(sorted({layer % states for layer in args.layers})),
+        include=tuple(output for output in OUTPUTS if output in args.include),
+        max_length=max_length,
+        too_long=args.too_long,
+        invalid=args.invalid,
+        shard_size=args.shard_size,
+        backend=backend,
+        fp8=args.fp8,
+        save_dtype=args.save_dtype,
+    )
+    return settings, records
+
+
+def load_model(
+    checkpoint: str, config: Any, backend: str, fp8: str, cuda_graphs: bool, device: torch.device
+) -> torch.nn.Module:
+    """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
+    on CUDA, fp32 on the CPU. `backend` as `resolved_backend` gives it."""
+    from transformers import AutoModel
+
+    from nv_esm.train.materialize import fp8_layers
+
+    options = {"layer_precision": fp8_layers(fp8, config.num_hidden_layers), "cuda_graphs": cuda_graphs}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype, **options)
+    model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype, backend=backend, **options)
     return model.to(device).eval()
 
 
@@ -501,11 +626,16 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if world_size > 1:  # ranks wait for each other only at the start and the end: a long timeout
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=24))
     try:
-        return _run(args, rank, world_size, device)
-    except (ValueError, OSError) as error:
+        config = load_config(args.checkpoint)
+        settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
+        model = load_model(args.checkpoint, config, settings.backend, args.fp8, args.cuda_graphs, device)
+        run(args, model, settings, records, rank, world_size)
+        return 0
+    except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -521,53 +651,30 @@ def _barrier(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-def _run(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> int:
-    model = load_model(args.checkpoint, args.backend, args.fp8, args.cuda_graphs, device)
-    run(args, model, rank, world_size)
-    return 0
-
-
 @dataclass
 class RunStats:
-    """What one run did: proteins it embedded (its shards only) in how many seconds (model loading excluded)."""
+    """What one rank did: proteins it embedded in how many seconds (model loading and the first pass excluded)."""
 
     proteins: int
     seconds: float
 
 
-def run(args: argparse.Namespace, model: torch.nn.Module, rank: int = 0, world_size: int = 1) -> RunStats:
-    """The command after loading: plan from the first pass, then embed this rank's unfinished shards and (rank 0,
-    after every rank) write the index. `args` as `parse_args` returns them."""
-    config = model.config
-    longest = config.max_protein_length - 2
-    max_length = longest if args.max_length is None else args.max_length
-    if not 1 <= max_length <= longest:
-        raise ValueError(f"--max-length must be 1 to {longest} (the checkpoint's max_protein_length - 2).")
-    states = config.num_hidden_layers + 1
-    if any(not -states <= layer < states for layer in args.layers):
-        raise ValueError(
-            f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
-        )
-    layers = tuple(sorted({layer % states for layer in args.layers}))
-    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid)
-    settings = EmbedSettings(
-        checkpoint=str(args.checkpoint),
-        fasta_sha256=fasta_sha256,
-        layers=layers,
-        include=tuple(output for output in OUTPUTS if output in args.include),
-        max_length=max_length,
-        too_long=args.too_long,
-        invalid=args.invalid,
-        shard_size=args.shard_size,
-        backend=model.encoder.backend,
-        fp8=args.fp8,
-        save_dtype=args.save_dtype,
-    )
+def run(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    settings: EmbedSettings,
+    records: list[Record],
+    rank: int = 0,
+    world_size: int = 1,
+) -> RunStats:
+    """Embed the unfinished shards (this rank's share of them) and, rank 0 after every rank, write the index.
+    `args` as `parse_args` returns them; `settings` and `records` from `plan_run`."""
     if rank == 0:
         prepare_output(args.output, settings, args.overwrite)
     _barrier(world_size)
     num_shards = -(-len(records) // args.shard_size)
-    mine = [shard for shard in range(rank, num_shards, world_size) if not (args.output / shard_name(shard)).exists()]
+    missing = [shard for shard in range(num_shards) if shard_ids(args.output / shard_name(shard)) is None]
+    mine = set(missing[rank::world_size])
     todo = sum(
         not record.status.startswith("skipped")
         for shard in mine
@@ -576,25 +683,28 @@ def run(args: argparse.Namespace, model: torch.nn.Module, rank: int = 0, world_s
     embedder = ShardEmbedder(model, settings, args.tokens_per_batch)
     progress = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
     started = time.perf_counter()
-    with open(args.fasta) as lines:
-        for shard, shard_records in _shards(iter_fasta(lines, args.fasta), records, args.shard_size):
+    with open(args.fasta, "rb") as raw:
+        for shard, shard_records in _shards(
+            iter_fasta(_text_lines(raw, args.fasta), args.fasta), records, args.shard_size
+        ):
             if shard not in mine:
                 continue
             kept = [(record, sequence) for record, sequence in shard_records if not record.status.startswith("skipped")]
             tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
             write_shard(args.output / shard_name(shard), tensors, [record.id for record, _ in kept])
     progress.close()
+    seconds = time.perf_counter() - started
     _barrier(world_size)
     if rank == 0:
-        write_index(args.output, records, args.shard_size)
-        seconds = time.perf_counter() - started
+        write_index(args.output, records, args.shard_size, settings.max_length)
         counts: dict[str, int] = {}
         for record in records:
             counts[record.status] = counts.get(record.status, 0) + 1
         summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
-        rate = f"; this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
-        print(f"{len(records)} records ({summary}){rate if todo else ''}; wrote {args.output / INDEX_NAME}")
-    return RunStats(todo, time.perf_counter() - started)
+        reused = f"{num_shards - len(missing)} of {num_shards} shards were already done"
+        rate = f"this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
+        print(f"{len(records)} records ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
+    return RunStats(todo, seconds)
 
 
 def _shards(
@@ -602,13 +712,17 @@ def _shards(
 ) -> Iterator[tuple[int, list[tuple[Record, str]]]]:
     """(shard, [(record, sequence), ...]) in file order, pairing the second pass with the first pass's records."""
     batch: list[tuple[Record, str]] = []
+    position = -1
     for position, (header, sequence) in enumerate(sequences):
-        if position >= len(records) or header.split()[0] != records[position].id:
+        record = records[position] if position < len(records) else None
+        if record is None or header.split()[0] != record.id or len(sequence) != record.residues:
             raise ValueError(f"the FASTA file changed during the run (at record {position + 1}); run again.")
-        batch.append((records[position], sequence))
+        batch.append((record, sequence))
         if len(batch) == shard_size:
             yield position // shard_size, batch
             batch = []
+    if position + 1 != len(records):
+        raise ValueError(f"the FASTA file changed during the run (it ends after {position + 1} records); run again.")
     if batch:
         yield (len(records) - 1) // shard_size, batch
 

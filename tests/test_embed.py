@@ -116,7 +116,11 @@ def test_per_protein_output_equals_model_embed(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(81)
     sequences = [random_sequence(n, generator) for n in torch.randint(1, 200, (12,), generator=generator).tolist()]
     fasta = write_fasta(tmp_path / "in.fasta", [(f"p{i}", s) for i, s in enumerate(sequences)])
-    assert run_embed(checkpoint, fasta, tmp_path / "out", "--include", "mean", "cls", "--layers", "-2", *CPU) == 0
+    # other batches and shards than embed()'s 16,384-token batches: the same numbers
+    other = ("--tokens-per-batch", 64, "--shard-size", 5)
+    assert (
+        run_embed(checkpoint, fasta, tmp_path / "out", "--include", "mean", "cls", "--layers", "-2", *other, *CPU) == 0
+    )
     model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, backend="torch").eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     produced = [outputs for _, outputs in embed.iter_embeddings(tmp_path / "out")]
@@ -168,6 +172,8 @@ def test_long_proteins_crop_window_skip_and_error(checkpoint, reference, tmp_pat
         assert max_abs_diff(windowed[record_id][f"mean.layer_{last}"], per_residue.mean(0)) <= ATOL_FP32
         assert max_abs_diff(windowed[record_id][f"cls.layer_{last}"], cls) <= ATOL_FP32
     assert [row["status"] for row in read_index(tmp_path / "window")] == ["windowed", "embedded", "windowed"]
+    index = read_index(tmp_path / "crop")
+    assert [(row["residues"], row["embedded_residues"]) for row in index] == [("70", "40"), ("20", "20"), ("131", "40")]
 
 
 def test_the_first_pass_names_the_bad_record(checkpoint, tmp_path, capsys):
@@ -176,6 +182,9 @@ def test_the_first_pass_names_the_bad_record(checkpoint, tmp_path, capsys):
         "stop codon": ([("a", "MKV*")], "'*' at residue 4 is not a letter of ESM-2's alphabet (a stop codon"),
         "duplicate id": ([("x", "MK"), ("y", "MK"), ("x", "MV")], "id 'x' appears twice (records 1 and 3)"),
         "too long": ([("a", "M" * 5), ("tall", "M" * 41)], "record 'tall' (record 2) has 41 residues"),
+        "gap": ([("aligned", "MK-V")], "'-' at residue 3 is not a letter of ESM-2's alphabet (an alignment gap)"),
+        "non-ASCII": ([("a", "MKßV")], "'ß' at residue 3 is not a letter"),  # 'ß'.upper() would be 'SS'
+        "dotless i": ([("a", "MıKV")], "'ı' at residue 2 is not a letter"),  # 'ı'.upper() would be 'I'
     }
     for name, (records, message) in cases.items():
         fasta = write_fasta(tmp_path / f"{name}.fasta", records)
@@ -237,7 +246,8 @@ def test_a_rerun_resumes_and_other_settings_are_refused(checkpoint, tmp_path, ca
 
 def test_two_ranks_under_torchrun_write_one_index_and_the_same_numbers(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(84)
-    records = [(f"p{i}", random_sequence(n, generator)) for i, n in enumerate(torch.randint(1, 60, (11,)).tolist())]
+    lengths = torch.randint(1, 60, (11,), generator=generator).tolist()
+    records = [(f"p{i}", random_sequence(n, generator)) for i, n in enumerate(lengths)]
     fasta = write_fasta(tmp_path / "in.fasta", records)
     single, ranks = tmp_path / "single", tmp_path / "ranks"
     args = [str(checkpoint), str(fasta), "--shard-size", "2", "--include", "mean", "per_residue", *CPU]
@@ -260,3 +270,43 @@ def test_a_transformers_checkpoint_is_refused_with_the_conversion_command(tiny_s
     assert run_embed(tiny_source, fasta, tmp_path / "out", *CPU) == 1
     assert f"nv-esm convert hf-to-te {tiny_source} OUT" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_folders_hold_only_what_the_command_wrote(checkpoint, tmp_path, capsys):
+    """A folder with someone else's files, or shards without their manifest, is refused and left as it was; an
+    unfinished folder does not read as complete."""
+    fasta = write_fasta(tmp_path / "in.fasta", [("a", "MKV"), ("b", "MKVL")])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "results.tmp").write_text("mine")
+    assert run_embed(checkpoint, fasta, foreign, *CPU) == 1
+    assert "did not write (results.tmp)" in capsys.readouterr().err
+    assert (foreign / "results.tmp").read_text() == "mine"
+
+    out = tmp_path / "out"
+    assert run_embed(checkpoint, fasta, out, *CPU) == 0
+    (out / "manifest.json").unlink()
+    assert run_embed(checkpoint, fasta, out, *CPU, "--layers", "0") == 1
+    assert "holds shards but no manifest.json" in capsys.readouterr().err
+    (out / "index.tsv").unlink()
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        next(embed.iter_embeddings(out))
+
+
+def test_the_checkpoint_is_recognised_by_its_weights_not_its_spelling(tiny_source, checkpoint, tmp_path, capsys):
+    fasta = write_fasta(tmp_path / "in.fasta", [("a", "MKV"), ("b", "MKVL")])
+    out = tmp_path / "out"
+    assert run_embed(checkpoint, fasta, out, *CPU) == 0
+    relative = os.path.relpath(checkpoint)
+    capsys.readouterr()
+    assert run_embed(relative, fasta, out, *CPU) == 0
+    assert "1 of 1 shards were already done" in capsys.readouterr().out
+
+    from conftest import make_hf_model
+    from convert_helpers import save_hf
+
+    other = save_hf(make_hf_model("tiny", seed=8), tmp_path / "other_hf")
+    copy = tmp_path / "copy"
+    assert convert_checkpoint.main(["hf-to-te", str(other), str(copy)]) == 0
+    assert run_embed(copy, fasta, out, *CPU) == 1
+    assert "checkpoint: 'sha256:" in capsys.readouterr().err

@@ -170,11 +170,16 @@ class NVEsmConfig(PretrainedConfig):
         """Whether any layer is configured to run in FP8."""
         return self.layer_precision is not None and "fp8" in self.layer_precision
 
-    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
-        """`PretrainedConfig.to_json_file` (what `save_pretrained` writes) without the load-time options."""
-        saved = json.loads(self.to_json_string(use_diff=use_diff))
+    def to_saved_dict(self, use_diff: bool = True) -> dict[str, Any]:
+        """The config as config.json holds it: `to_diff_dict()` (or `to_dict()`) without the load-time options."""
+        saved = self.to_diff_dict() if use_diff else self.to_dict()
         for name in LOAD_TIME_OPTIONS:
             saved.pop(name, None)
+        return saved
+
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
+        """`PretrainedConfig.to_json_file` (what `save_pretrained` writes) of `to_saved_dict`."""
+        saved = self._encode_special_floats(self.to_saved_dict(use_diff))
         with open(json_file_path, "w", encoding="utf-8") as writer:
             writer.write(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
 
-from configuration_nv_esm import LOAD_TIME_OPTIONS
 from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.checkpoint_io import format_bytes, read_json
 
@@ -74,9 +73,7 @@ CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.
 def nv_config_dict(config: NVEsmConfig) -> dict:
     """config.json of an NVEsm folder: the config as `save_pretrained` writes it (no load-time options, no
     default labels), its architecture and the `auto_map` of the remote code."""
-    config_dict = config.to_diff_dict()
-    for name in LOAD_TIME_OPTIONS:
-        config_dict.pop(name, None)
+    config_dict = config.to_saved_dict()
     config_dict.update(auto_map=AUTO_MAP, architectures=["NVEsmForMaskedLM"])
     return config_dict
 

@@ -44,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+import modeling_nv_esm
 from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta
 
 FORMAT = "nv-esm-embed/1"
@@ -184,6 +185,11 @@ def pieces_of(row: int, sequence: str, status: str, max_length: int) -> list[Pie
     return [Piece(row, start, tokenize(sequence[start : start + max_length])) for start in starts]
 
 
+def embedded_residues(residues: int, status: str, max_length: int) -> int:
+    """Residues of a protein that reach the outputs: a crop keeps `max_length` of them."""
+    return min(residues, max_length) if status == "cropped" else residues
+
+
 def shard_name(shard: int) -> str:
     return f"{SHARD_PREFIX}{shard:05d}.safetensors"
 
@@ -197,14 +203,11 @@ class ShardEmbedder:
     """Runs the model over the proteins of one shard, length-sorted and packed to a token budget."""
 
     def __init__(self, model: torch.nn.Module, settings: EmbedSettings, max_tokens: int) -> None:
-        import modeling_nv_esm
-
         self.model = model
         self.settings = settings
         self.max_tokens = max_tokens
         self.device = model.embeddings.word_embeddings.weight.device
         self.last_layer = model.config.num_hidden_layers
-        self.modeling = modeling_nv_esm
 
     def __call__(self, sequences: list[str], statuses: list[str], progress: Any) -> dict[str, torch.Tensor]:
         """The shard's tensors (see the module docstring) for `sequences` (all embedded; statuses say how)."""
@@ -214,30 +217,26 @@ class ShardEmbedder:
             for piece in pieces_of(row, sequence, status, self.settings.max_length)
         ]
         lengths = [
-            len(sequence) if status != "cropped" else self.settings.max_length
+            embedded_residues(len(sequence), status, self.settings.max_length)
             for sequence, status in zip(sequences, statuses)
         ]
-        need_residues = "per_residue" in self.settings.include or any(s == "windowed" for s in statuses)
-        outputs = _ShardOutputs(lengths, statuses, self.settings, self.model.config.hidden_size, need_residues)
-        done_rows = [0] * len(sequences)
+        outputs = _ShardOutputs(lengths, statuses, self.settings, self.model.config.hidden_size)
         pieces_left = [0] * len(sequences)
         for piece in pieces:
             pieces_left[piece.row] += 1
-        for batch in self.modeling.length_sorted_batches([piece.tokens for piece in pieces], self.max_tokens):
+        for batch in modeling_nv_esm.length_sorted_batches([piece.tokens for piece in pieces], self.max_tokens):
             batch_pieces = [pieces[index] for index in batch]
             self._run_batch(batch_pieces, outputs)
             finished = 0
-            for piece in batch_pieces:
+            for piece in batch_pieces:  # a protein is done when its last piece (window) is
                 pieces_left[piece.row] -= 1
-                if pieces_left[piece.row] == 0 and not done_rows[piece.row]:
-                    done_rows[piece.row] = 1
-                    finished += 1
+                finished += pieces_left[piece.row] == 0
             progress.update(finished)
         return outputs.tensors()
 
     @torch.no_grad()
     def _run_batch(self, pieces: list[Piece], outputs: _ShardOutputs) -> None:
-        packed = self.modeling.pack_proteins([piece.tokens for piece in pieces])
+        packed = modeling_nv_esm.pack_proteins([piece.tokens for piece in pieces])
         input_ids = packed["input_ids"].to(self.device)
         cu_seq_lens = packed["cu_seq_lens_q"].to(self.device)
         packing = {"cu_seq_lens_q": cu_seq_lens, "max_length_q": packed["max_length_q"]}
@@ -247,13 +246,14 @@ class ShardEmbedder:
             contacts = (
                 self.model.predict_contacts(input_ids, **packing) if "contacts" in self.settings.include else None
             )
-        is_residue = self.modeling.residue_token_mask(cu_seq_lens, input_ids.shape[1])
+        need_residues = outputs.needs_residues(pieces)
+        is_residue = modeling_nv_esm.residue_token_mask(cu_seq_lens, input_ids.shape[1]) if need_residues else None
         for layer in layers:
             states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
             states = states.float()
-            cls = states[cu_seq_lens[:-1].long()].cpu()
-            mean = self.modeling.pool_proteins(states, cu_seq_lens, "mean").cpu()
-            residues = states[is_residue].cpu() if outputs.need_residues else None
+            cls = modeling_nv_esm.pool_proteins(states, cu_seq_lens, "cls").cpu()
+            mean = modeling_nv_esm.pool_proteins(states, cu_seq_lens, "mean").cpu()
+            residues = states[is_residue].cpu() if need_residues else None
             outputs.add(layer, pieces, cls, mean, residues)
         if contacts is not None:
             outputs.add_contacts(pieces, contacts.float().cpu())
@@ -265,13 +265,10 @@ class ShardEmbedder:
 class _ShardOutputs:
     """Per-protein results of a shard, filled piece by piece; windows are averaged residue by residue."""
 
-    def __init__(
-        self, lengths: list[int], statuses: list[str], settings: EmbedSettings, hidden: int, need_residues: bool
-    ) -> None:
+    def __init__(self, lengths: list[int], statuses: list[str], settings: EmbedSettings, hidden: int) -> None:
         self.lengths = lengths
         self.statuses = statuses
         self.settings = settings
-        self.need_residues = need_residues
         count = len(lengths)
         self.cls = {layer: torch.zeros(count, hidden) for layer in settings.layers}
         self.mean = {layer: torch.zeros(count, hidden) for layer in settings.layers}
@@ -279,6 +276,10 @@ class _ShardOutputs:
         self.windows = [0] * count
         self.coverage: list[torch.Tensor | None] = [None] * count
         self.contacts: list[torch.Tensor | None] = [None] * count
+
+    def needs_residues(self, pieces: list[Piece]) -> bool:
+        """Whether a batch of `pieces` needs its residue states: per-residue outputs, or windows to stitch."""
+        return "per_residue" in self.settings.include or any(self.statuses[p.row] == "windowed" for p in pieces)
 
     def add(
         self, layer: int, pieces: list[Piece], cls: torch.Tensor, mean: torch.Tensor, residues: torch.Tensor | None
@@ -289,7 +290,7 @@ class _ShardOutputs:
             self.cls[layer][piece.row] += cls[index]
             if self.statuses[piece.row] != "windowed":
                 self.mean[layer][piece.row] = mean[index]
-                if residues is not None and "per_residue" in self.settings.include:
+                if "per_residue" in self.settings.include:
                     self.residues[layer][piece.row] = residues[offset : offset + count]
             else:
                 total = self.residues[layer][piece.row]
@@ -430,7 +431,7 @@ def index_rows(records: list[Record], shard_size: int, max_length: int) -> list[
         if record.status.startswith("skipped"):
             rows.append((record, shard, "", -1, 0))
             continue
-        used = min(record.residues, max_length) if record.status == "cropped" else record.residues
+        used = embedded_residues(record.residues, record.status, max_length)
         rows.append((record, shard, shard_name(shard), row, used))
         row += 1
     return rows
@@ -534,8 +535,6 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 def resolved_backend(backend: str, device: torch.device) -> str:
     """The backend the model will run: on the CPU always the PyTorch twin."""
-    import modeling_nv_esm
-
     return "torch" if device.type != "cuda" else modeling_nv_esm.resolve_backend(backend)
 
 

@@ -725,6 +725,7 @@ class StaticShapeGraphs:
         self._pool: Any = None
         self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
+        self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
 
     def __deepcopy__(self, memo: dict) -> StaticShapeGraphs:
         return StaticShapeGraphs()  # a copied model captures its own graphs
@@ -738,6 +739,7 @@ class StaticShapeGraphs:
     def clear(self) -> None:
         self._graphs.clear()
         self._awaiting_backward = False
+        self._weights = None
 
     def awaiting_backward(self) -> bool:
         """Whether a training replay's backward has not started yet."""
@@ -768,6 +770,10 @@ class StaticShapeGraphs:
         graph = self._graphs[key]
         if graph is None:
             return None
+        if hidden_states.requires_grad:  # the graph's backward accumulates into main_grad: make it each .grad
+            if self._weights is None:
+                self._weights = _graph_weights(encoder)
+            _point_grads_at_main_grads(self._weights)
         with encoder.fp8_region():
             states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
         if states.requires_grad:
@@ -797,9 +803,18 @@ class StaticShapeGraphs:
         started = time.perf_counter()
         parameters = list(encoder.parameters())
         grads = [parameter.grad for parameter in parameters]  # TE does not put them back if capture fails
+        training = hidden_states.requires_grad
+        weights = _graph_weights(encoder) if training else []
+        accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
-            with torch.autocast(
-                "cuda", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None, cache_enabled=False
+            with (
+                _fused_wgrad_accumulation(encoder, training),
+                torch.autocast(
+                    "cuda",
+                    dtype=autocast_dtype or torch.bfloat16,
+                    enabled=autocast_dtype is not None,
+                    cache_enabled=False,
+                ),
             ):
                 graph = te.make_graphed_callables(
                     layers,
@@ -815,13 +830,86 @@ class StaticShapeGraphs:
                 del StaticShapeLayers.__call__
             for parameter, grad in zip(parameters, grads):
                 parameter.grad = grad
+            _restore_main_grads(weights, accumulated)
             logger.warning(
                 f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
             )
             return None
+        _restore_main_grads(weights, accumulated)
         torch.cuda.empty_cache()
         logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
         return graph
+
+
+# Training graphs: Transformer Engine's `fuse_wgrad_accumulation` makes each GEMM weight's gradient accumulate into
+# `weight.main_grad`, one buffer outside the graph pool shared by every captured shape (without it, each shape's
+# backward graph held its own copy of all weight gradients: 2.6 GB fp32 per shape at 650M). Before a training
+# replay, each weight's `.grad` becomes its `main_grad` (zeroed when `.grad` was None, as after `zero_grad()`;
+# holding `.grad` when an eager step made one), so `loss.backward(); opt.step(); opt.zero_grad()` and gradient
+# accumulation see what they see eagerly. Eager calls keep TE's ordinary gradients and add into the same `.grad`.
+
+
+def _graph_weights(encoder: NVEsmEncoder) -> list[nn.Parameter]:
+    """The GEMM weights of the TE layers that get gradients (QKV, projection, fc1, fc2), with a `main_grad` each."""
+    weights = []
+    for module in encoder.layers.modules():
+        if hasattr(module, "fuse_wgrad_accumulation"):
+            for name, parameter in module.named_parameters(recurse=False):
+                if name in ("weight", "fc1_weight", "fc2_weight") and parameter.requires_grad:
+                    weights.append(parameter)
+    for weight in weights:
+        main_grad = getattr(weight, "main_grad", None)
+        if (
+            not isinstance(main_grad, torch.Tensor)
+            or main_grad.shape != weight.shape
+            or (
+                main_grad.dtype,
+                main_grad.device,
+            )
+            != (weight.dtype, weight.device)
+        ):
+            weight.main_grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    return weights
+
+
+@contextlib.contextmanager
+def _fused_wgrad_accumulation(encoder: NVEsmEncoder, enabled: bool) -> Any:
+    """Within: TE modules write weight gradients into `main_grad` (captured so in a graph); after: ordinary grads."""
+    modules = [m for m in encoder.layers.modules() if hasattr(m, "fuse_wgrad_accumulation")]
+    for module in modules:
+        module.fuse_wgrad_accumulation = enabled
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.fuse_wgrad_accumulation = False
+
+
+def _point_grads_at_main_grads(weights: list[nn.Parameter]) -> None:
+    """Make each weight's `.grad` its `main_grad`: zeroed if `.grad` was None, holding `.grad` if it was another
+    tensor, untouched if it already is (gradient accumulation across replays)."""
+    unset = [weight for weight in weights if weight.grad is None]
+    if unset:
+        torch._foreach_zero_([weight.main_grad for weight in unset])
+    for weight in weights:
+        if weight.grad is not weight.main_grad:
+            if weight.grad is not None:
+                weight.main_grad.copy_(weight.grad)
+            weight.grad = weight.main_grad
+
+
+def _main_grads_in_use(weights: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    """CPU copies of the `main_grad`s that hold accumulated gradients (`.grad` is `main_grad`), else None."""
+    return [weight.main_grad.cpu() if weight.grad is weight.main_grad else None for weight in weights]
+
+
+def _restore_main_grads(weights: list[nn.Parameter], accumulated: list[torch.Tensor | None]) -> None:
+    """Undo what a capture's warm-up steps added to the `main_grad`s."""
+    for weight, saved in zip(weights, accumulated):
+        if saved is None:
+            weight.main_grad.zero_()
+        else:
+            weight.main_grad.copy_(saved)
 
 
 def _has_module_hooks(module: nn.Module) -> bool:

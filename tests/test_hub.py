@@ -87,7 +87,7 @@ def test_fill_mask_pipeline_agrees_with_transformers(exported):
 def test_save_and_load_round_trip(tmp_path, attn_input_format):
     model = make_nv_model(make_hf_model("wide_heads", seed=40), attn_input_format=attn_input_format)
     model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path, attn_input_format=attn_input_format).eval()
+    loaded = type(model).from_pretrained(tmp_path, attn_input_format=attn_input_format, backend="torch").eval()
     assert loaded.config.attn_input_format == attn_input_format
     original_state, loaded_state = model.state_dict(), loaded.state_dict()
     assert original_state.keys() == loaded_state.keys()
@@ -101,7 +101,7 @@ def test_save_and_load_round_trip(tmp_path, attn_input_format):
 def test_checkpoint_loads_into_the_other_layout(tmp_path):
     padded = make_nv_model(make_hf_model("tiny", seed=42), attn_input_format="bshd")
     padded.save_pretrained(tmp_path)
-    packed = type(padded).from_pretrained(tmp_path, attn_input_format="thd").eval()
+    packed = type(padded).from_pretrained(tmp_path, attn_input_format="thd", backend="torch").eval()
     input_ids, attention_mask = pad_batch(random_proteins([8, 2], seed=43))
     with torch.no_grad():
         a = padded(input_ids, attention_mask=attention_mask).logits

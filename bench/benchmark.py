@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -214,7 +215,11 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / steps
     except torch.OutOfMemoryError:
-        result.update(oom=True, peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+        result.update(
+            oom=True,
+            peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
+            peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30,
+        )
         return result
     finally:
         model = optimizer = prepared = None  # noqa: F841
@@ -232,6 +237,7 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
         mfu=step_flops / seconds / 1e12 / PEAK_TFLOPS,
         padding_fraction=1 - real_tokens / padded_tokens,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30,
+        peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30,
         warm_pass_seconds=warm_pass,
     )
     return result
@@ -289,6 +295,7 @@ def main() -> None:
             print(line, flush=True)
             results.append(json.loads(line))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    meta["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # the workers inherit it
     (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, args.out / "benchmark.png", f"ESM-2 throughput, {meta['device']}, {meta['date']}")
 

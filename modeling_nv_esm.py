@@ -1385,14 +1385,14 @@ def residue_token_mask(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tens
 
 def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
     """`[T, hidden]` packed states -> `[N, hidden]`: the `<cls>` state (`pooling="cls"`), or the mean over the
-    residues (`"mean"`; `<cls>`/`<eos>` excluded)."""
+    residues (`"mean"`; `<cls>`/`<eos>` excluded). No boolean indexing, so nothing waits for the device."""
     if pooling == "cls":
         return states[cu_seq_lens[:-1].long()]
     is_residue = residue_token_mask(cu_seq_lens, states.shape[0])
     sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
     lengths = cu_seq_lens.diff().long()
     sums = torch.zeros(len(lengths), states.shape[1], device=states.device, dtype=states.dtype)
-    sums.index_add_(0, sequence_index[is_residue], states[is_residue])
+    sums.index_add_(0, sequence_index, torch.where(is_residue[:, None], states, 0))
     return sums / (lengths - 2).clamp_min(1)[:, None]
 
 

@@ -35,7 +35,8 @@ import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -200,7 +201,13 @@ def shard_name(shard: int) -> str:
 
 
 class ShardEmbedder:
-    """Runs the model over the proteins of one shard, length-sorted and packed to a token budget."""
+    """Runs the model over the proteins of one shard, length-sorted and packed to a token budget.
+
+    On CUDA nothing in the loop waits for the GPU but the results of the batch before: inputs go up from pinned
+    memory and results come back into pinned memory without blocking, so the GPU runs batch k while the CPU packs
+    batch k + 1 and files the results of batch k - 1 (the model is loaded without data-dependent input checks, which
+    would wait for the GPU: the command builds the packed inputs itself).
+    """
 
     def __init__(self, model: torch.nn.Module, settings: EmbedSettings, max_tokens: int) -> None:
         self.model = model
@@ -224,42 +231,98 @@ class ShardEmbedder:
         pieces_left = [0] * len(sequences)
         for piece in pieces:
             pieces_left[piece.row] += 1
+        in_flight: _BatchResults | None = None
         for batch in modeling_nv_esm.length_sorted_batches([piece.tokens for piece in pieces], self.max_tokens):
             batch_pieces = [pieces[index] for index in batch]
-            self._run_batch(batch_pieces, outputs)
-            finished = 0
-            for piece in batch_pieces:  # a protein is done when its last piece (window) is
-                pieces_left[piece.row] -= 1
-                finished += pieces_left[piece.row] == 0
-            progress.update(finished)
+            launched = self._launch(batch_pieces, outputs.needs_residues(batch_pieces))
+            if in_flight is not None:
+                progress.update(self._collect(in_flight, outputs, pieces_left))
+            in_flight = launched
+        if in_flight is not None:
+            progress.update(self._collect(in_flight, outputs, pieces_left))
         return outputs.tensors()
 
     @torch.no_grad()
-    def _run_batch(self, pieces: list[Piece], outputs: _ShardOutputs) -> None:
+    def _launch(self, pieces: list[Piece], need_residues: bool) -> _BatchResults:
+        """Queue one packed batch on the device; its results arrive in host memory once `ready` is reached."""
         packed = modeling_nv_esm.pack_proteins([piece.tokens for piece in pieces])
-        input_ids = packed["input_ids"].to(self.device)
-        cu_seq_lens = packed["cu_seq_lens_q"].to(self.device)
+        num_tokens = packed["input_ids"].shape[1]
+        input_ids = self._upload(packed["input_ids"])
+        cu_seq_lens = self._upload(packed["cu_seq_lens_q"])
         packing = {"cu_seq_lens_q": cu_seq_lens, "max_length_q": packed["max_length_q"]}
+        residue_positions = None
+        if need_residues:  # found on the CPU: a boolean index on the device would wait for it
+            is_residue = modeling_nv_esm.residue_token_mask(packed["cu_seq_lens_q"], num_tokens)
+            residue_positions = self._upload(is_residue.nonzero().squeeze(1))
         layers = self.settings.layers
         with self._autocast():
             output = self.model(input_ids, output_hidden_states=layers != (self.last_layer,), **packing)
             contacts = (
                 self.model.predict_contacts(input_ids, **packing) if "contacts" in self.settings.include else None
             )
-        need_residues = outputs.needs_residues(pieces)
-        is_residue = modeling_nv_esm.residue_token_mask(cu_seq_lens, input_ids.shape[1]) if need_residues else None
+        results = _BatchResults(pieces)
         for layer in layers:
             states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
             states = states.float()
-            cls = modeling_nv_esm.pool_proteins(states, cu_seq_lens, "cls").cpu()
-            mean = modeling_nv_esm.pool_proteins(states, cu_seq_lens, "mean").cpu()
-            residues = states[is_residue].cpu() if need_residues else None
-            outputs.add(layer, pieces, cls, mean, residues)
+            results.cls[layer] = self._download(modeling_nv_esm.pool_proteins(states, cu_seq_lens, "cls"))
+            results.mean[layer] = self._download(modeling_nv_esm.pool_proteins(states, cu_seq_lens, "mean"))
+            if residue_positions is not None:
+                results.residues[layer] = self._download(states.index_select(0, residue_positions))
         if contacts is not None:
-            outputs.add_contacts(pieces, contacts.float().cpu())
+            results.contacts = self._download(contacts.float())
+        if self.device.type == "cuda":
+            results.ready = torch.cuda.Event()
+            results.ready.record()
+        return results
+
+    def _collect(self, results: _BatchResults, outputs: _ShardOutputs, pieces_left: list[int]) -> int:
+        """File a launched batch's results (waiting for them if needed); the number of proteins it finished."""
+        if results.ready is not None:
+            results.ready.synchronize()
+            results.to_pageable()  # pinned buffers go back to the allocator's cache for the next batches
+        for layer in self.settings.layers:
+            residues = results.residues.get(layer)
+            outputs.add(layer, results.pieces, results.cls[layer], results.mean[layer], residues)
+        if results.contacts is not None:
+            outputs.add_contacts(results.pieces, results.contacts)
+        finished = 0
+        for piece in results.pieces:  # a protein is done when its last piece (window) is
+            pieces_left[piece.row] -= 1
+            finished += pieces_left[piece.row] == 0
+        return finished
+
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _download(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+@dataclass
+class _BatchResults:
+    """One launched batch's per-layer results in host memory (complete once the `ready` event is reached)."""
+
+    pieces: list[Piece]
+    cls: dict[int, torch.Tensor] = field(default_factory=dict)  # [n, hidden]
+    mean: dict[int, torch.Tensor] = field(default_factory=dict)  # [n, hidden]
+    residues: dict[int, torch.Tensor] = field(default_factory=dict)  # [residues of the batch, hidden]
+    contacts: torch.Tensor | None = None  # [n, L - 2, L - 2]
+    ready: Any = None  # torch.cuda.Event on CUDA
+
+    def to_pageable(self) -> None:
+        for outputs in (self.cls, self.mean, self.residues):
+            for layer, tensor in outputs.items():
+                outputs[layer] = tensor.clone()
+        if self.contacts is not None:
+            self.contacts = self.contacts.clone()
 
 
 class _ShardOutputs:
@@ -606,12 +669,17 @@ def load_model(
     checkpoint: str, config: Any, backend: str, fp8: str, cuda_graphs: bool, device: torch.device
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
-    on CUDA, fp32 on the CPU. `backend` as `resolved_backend` gives it."""
+    on CUDA, fp32 on the CPU. `backend` as `resolved_backend` gives it. Without the data-dependent input checks,
+    which wait for the device: `ShardEmbedder` packs the inputs itself from checked records."""
     from transformers import AutoModel
 
     from nv_esm.train.materialize import fp8_layers
 
-    options = {"layer_precision": fp8_layers(fp8, config.num_hidden_layers), "cuda_graphs": cuda_graphs}
+    options = {
+        "layer_precision": fp8_layers(fp8, config.num_hidden_layers),
+        "cuda_graphs": cuda_graphs,
+        "check_inputs": False,
+    }
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype, backend=backend, **options)
     return model.to(device).eval()
@@ -682,7 +750,9 @@ def run(
     embedder = ShardEmbedder(model, settings, args.tokens_per_batch)
     progress = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
     started = time.perf_counter()
-    with open(args.fasta, "rb") as raw:
+    # A shard is written on a thread while the next one is embedded; at most one write is under way.
+    with open(args.fasta, "rb") as raw, ThreadPoolExecutor(max_workers=1) as writer:
+        writing: Future | None = None
         for shard, shard_records in _shards(
             iter_fasta(_text_lines(raw, args.fasta), args.fasta), records, args.shard_size
         ):
@@ -690,7 +760,12 @@ def run(
                 continue
             kept = [(record, sequence) for record, sequence in shard_records if not record.status.startswith("skipped")]
             tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
-            write_shard(args.output / shard_name(shard), tensors, [record.id for record, _ in kept])
+            if writing is not None:
+                writing.result()  # raises what the last write raised
+            ids = [record.id for record, _ in kept]
+            writing = writer.submit(write_shard, args.output / shard_name(shard), tensors, ids)
+        if writing is not None:
+            writing.result()
     progress.close()
     seconds = time.perf_counter() - started
     _barrier(world_size)

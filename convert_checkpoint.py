@@ -1,7 +1,8 @@
 """Convert ESM-2 checkpoints between transformers (`EsmForMaskedLM`), fair-esm (`.pt`) and NVEsm (Transformer Engine).
 
-One table, `RULES` (`nv_esm.state_dict_mapping`, with the pure state-dict and config mappings that the tests,
-benchmarks and trainer use), maps every tensor; both directions read it. This command streams it: it reads and
+One table, `RULES` and a head's rules (`HEADS`: masked LM, token or sequence classification, told by the tensors;
+`nv_esm.state_dict_mapping`, with the pure state-dict and config mappings that the tests, benchmarks and trainer
+use), maps every tensor; both directions read it. This command streams it: it reads and
 writes one rule's tensors at a time, so converting a checkpoint needs memory for its largest layer, not for the
 whole model.
 
@@ -58,6 +59,7 @@ from nv_esm.hub_folder import (
 )
 from nv_esm.model_card import ConvertedCheckpoint, model_card
 from nv_esm.state_dict_mapping import (
+    HEADS,
     RULES,
     SHARED_CONFIG_FIELDS,
     CheckpointMismatch,
@@ -69,6 +71,7 @@ from nv_esm.state_dict_mapping import (
     canonical_hf_name,
     canonical_nv_name,
     check_keys,
+    head_of,
     hf_config_from_fair_esm,
     hf_config_from_nv,
     hf_shape,
@@ -86,6 +89,7 @@ from nv_esm.verification import (
     load_nv,
     load_transformers,
     verifiable_dtype,
+    verifiable_head,
     verify,
     verify_device,
 )
@@ -207,12 +211,17 @@ class Step:
         return sum(info.nbytes for _, info in self.outputs)
 
 
+def source_head(source: Source) -> str:
+    """The task head of `source` (a key of `HEADS`: masked LM, token or sequence classification), from its tensors."""
+    return head_of(canonical_keys(source.store.info, source.canonical))
+
+
 def plan_steps(
     source: Source, config: NVEsmConfig, direction: Direction, dtype: torch.dtype | None = None
 ) -> list[Step]:
     """The steps that convert `source`; raises CheckpointMismatch (names) or ConfigMismatch (shapes) first."""
     stored = canonical_keys(source.store.info, source.canonical)
-    rules = rules_for(config)
+    rules = rules_for(config, head_of(stored))
     check_keys(stored, [direction.sources(rule) for rule in rules], rules)
     present = [rule for rule in rules if all(name in stored for name in direction.sources(rule))]
     _check_shapes(source, stored, present, config, direction)
@@ -363,14 +372,16 @@ def convert(
     check_out(out, options.force)
     opened = open_source(source, options.revision)
     check_not_source(out, opened)
+    head = source_head(opened)
     config = source_config(opened, direction, config_overrides or {})
     steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
     if options.verify:  # refuse what verifying would refuse before converting
+        verifiable_head(head)
         verifiable_dtype(weights_dtype_name(steps))
         verify_device(options.verify_device)
     with staging_folder(out, options.force) as staging:
         shards = write_weights(staging, steps, opened, config, direction, options.max_shard_size, options.progress)
-        write_companions(staging, opened, config, direction, steps)
+        write_companions(staging, opened, config, direction, steps, head)
         report = None
         if options.verify:
             reference = reference_model(opened)
@@ -378,18 +389,20 @@ def convert(
         if report is not None and not report.passed:
             raise VerificationFailed(report)
         if direction.to_nv:
-            card = model_card(converted_checkpoint(opened, steps), config, report, options.hub_repo_id or str(out))
+            repo = options.hub_repo_id or str(out)
+            card = model_card(converted_checkpoint(opened, steps), config, report, repo, head)
             (staging / "README.md").write_text(card)
     seconds = time.perf_counter() - start
     return ConversionResult(config, out, count_parameters(steps), _nbytes(steps), shards, seconds, report)
 
 
 def source_config(source: Source, direction: Direction, overrides: dict[str, Any]) -> NVEsmConfig:
-    """The NVEsm config of the conversion; refuses a source of the other direction."""
+    """The NVEsm config of the conversion (a classifier's labels included); refuses a source of the other
+    direction."""
     if direction.to_nv:
         if source.kind == "nvesm":
             raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
-        return nv_config_from_hf(source.config, **overrides)
+        return nv_config_from_hf(source.config, source_head(source), **overrides)
     if source.kind != "nvesm":
         raise ValueError(
             f"{source.spec} is not an NVEsm checkpoint ({source.kind}; model_type "
@@ -398,9 +411,15 @@ def source_config(source: Source, direction: Direction, overrides: dict[str, Any
     return NVEsmConfig.from_dict({**source.config, **overrides})
 
 
-def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:
-    """config.json, tokenizer and LICENSE; for NVEsm also the remote code (the model card comes last)."""
-    config_dict = nv_config_dict(config) if direction.to_nv else hf_config_from_nv(config)
+def write_companions(
+    out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step], head: str
+) -> None:
+    """config.json (naming the class of `head`), tokenizer and LICENSE; for NVEsm also the remote code (the model
+    card comes last)."""
+    if direction.to_nv:
+        config_dict = nv_config_dict(config, HEADS[head].nv_class)
+    else:
+        config_dict = hf_config_from_nv(config, head)
     config_dict["dtype"] = weights_dtype_name(steps)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     write_tokenizer(out, source.folder, config.vocab_size)
@@ -523,6 +542,7 @@ def verify_folder(
             f"NVEsm SRC and transformers OUT); {source.spec} is {source.kind} and {out} is {converted.kind}."
         )
     out_dtype = read_json(out / "config.json").get("dtype", "float32")
+    verifiable_head(source_head(source))
     verifiable_dtype(out_dtype)
     verify_device(device)
     compared, mismatches = compare_tensors(source, converted, direction)

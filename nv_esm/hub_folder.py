@@ -70,11 +70,11 @@ CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.
 # --------------------------------------------------------------------------------------------------------------
 
 
-def nv_config_dict(config: NVEsmConfig) -> dict:
+def nv_config_dict(config: NVEsmConfig, architecture: str = "NVEsmForMaskedLM") -> dict:
     """config.json of an NVEsm folder: the config as `save_pretrained` writes it (no load-time options, no
-    default labels), its architecture and the `auto_map` of the remote code."""
+    default labels), its architecture (a class of modeling_nv_esm) and the `auto_map` of the remote code."""
     config_dict = config.to_saved_dict()
-    config_dict.update(auto_map=AUTO_MAP, architectures=["NVEsmForMaskedLM"])
+    config_dict.update(auto_map=AUTO_MAP, architectures=[architecture])
     return config_dict
 
 

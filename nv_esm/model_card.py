@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nv_esm.checkpoint_io import format_bytes
+from nv_esm.state_dict_mapping import HEADS
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +21,14 @@ if TYPE_CHECKING:
     from configuration_nv_esm import NVEsmConfig
     from nv_esm.verification import VerifyReport
 
+# Per head (a key of `state_dict_mapping.HEADS`): the Hub pipeline tag and the transformers Auto class that loads it.
+HEAD_USAGE = {
+    "masked_lm": ("fill-mask", "AutoModelForMaskedLM"),
+    "token_classification": ("token-classification", "AutoModelForTokenClassification"),
+    "sequence_classification": ("text-classification", "AutoModelForSequenceClassification"),
+}
+# The recipe's tasks (`nv-esm train --task`) and their heads.
+TASK_HEADS = {"mlm": "masked_lm", "token": "token_classification", "sequence": "sequence_classification"}
 CONVERTED_TAGS = ("esm", "esm2", "protein-language-model", "biology", "transformer-engine")
 TRAINED_TAGS = ("esm", "esm2", "protein", "biology", "transformer-engine", "nv-esm")
 ESM2_CITATION = """@article{lin2023evolutionary,
@@ -80,21 +89,27 @@ class ConvertedCheckpoint:
     nbytes: int
 
 
-def model_card(checkpoint: ConvertedCheckpoint, config: NVEsmConfig, report: VerifyReport | None, repo: str) -> str:
-    """README.md of a converted NVEsm folder. `report` is `--verify`'s (None: not verified); `repo` is where the
-    folder will be loaded from, for the examples."""
+def model_card(
+    checkpoint: ConvertedCheckpoint,
+    config: NVEsmConfig,
+    report: VerifyReport | None,
+    repo: str,
+    head: str = "masked_lm",
+) -> str:
+    """README.md of a converted NVEsm folder with `head` (a key of `HEADS`). `report` is `--verify`'s (None: not
+    verified); `repo` is where the folder will be loaded from, for the examples."""
     sections = [
-        _card_intro(checkpoint, config),
-        _card_usage(repo, config),
+        _card_intro(checkpoint, config, head),
+        _card_usage(repo, config, head),
         _card_hardware(checkpoint.nbytes, checkpoint.dtype),
         _card_verification(report),
         "## License\n\nMIT, as ESM-2. The weights are Copyright (c) Meta Platforms, Inc. and affiliates; see LICENSE.",
         f"## Citation\n\n```bibtex\n{ESM2_CITATION}\n```",
     ]
-    return _card(front_matter("fill-mask", CONVERTED_TAGS, checkpoint.hub_id), sections)
+    return _card(front_matter(HEAD_USAGE[head][0], CONVERTED_TAGS, checkpoint.hub_id), sections)
 
 
-def _card_intro(checkpoint: ConvertedCheckpoint, config: NVEsmConfig) -> str:
+def _card_intro(checkpoint: ConvertedCheckpoint, config: NVEsmConfig, head: str) -> str:
     hub_id = checkpoint.hub_id
     origin = f"[{hub_id}](https://huggingface.co/{hub_id})" if hub_id else f"`{checkpoint.name}`"
     values = f"The weights are the source's values in {checkpoint.dtype}"
@@ -104,7 +119,7 @@ def _card_intro(checkpoint: ConvertedCheckpoint, config: NVEsmConfig) -> str:
 
 ESM-2 is Meta AI's protein language model (Lin et al., Science 2023), trained with masked language modelling
 on protein sequences from UniRef. This repository holds the weights of {origin} ({checkpoint.source_kind} checkpoint,
-{format_bytes(checkpoint.source_nbytes)}) for `NVEsmForMaskedLM`, whose encoder layers are Transformer Engine
+{format_bytes(checkpoint.source_nbytes)}) for `{HEADS[head].nv_class}`, whose encoder layers are Transformer Engine
 `TransformerLayer`s; a pure-PyTorch implementation with the same parameters runs where Transformer Engine is
 not installed. {values}; the layout differs only in that query, key and value
 are fused into one matrix per layer (rows interleaved per head), and the embedding and decoder rows are padded
@@ -116,10 +131,14 @@ with zeros from {config.vocab_size} to {config.padded_vocab_size}.
 | {checkpoint.parameters:,} | {format_bytes(checkpoint.nbytes)} |
 
 Converted with `convert_checkpoint.py hf-to-te` of nv-esm; `convert_checkpoint.py te-to-hf` gives back a folder
-that plain transformers (`EsmForMaskedLM`) loads."""
+that plain transformers (`{HEADS[head].hf_class}`) loads."""
 
 
-def _card_usage(repo: str, config: NVEsmConfig) -> str:
+def _card_usage(repo: str, config: NVEsmConfig, head: str) -> str:
+    auto_class = HEAD_USAGE[head][1]
+    example = "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEG<mask>GDATYGKLTLKFICTTGKLPVPWPTLVTTF"
+    if head != "masked_lm":
+        example = example.replace("<mask>", "E")
     return f"""## Usage
 
 The model code ships with the weights, so loading needs `trust_remote_code=True`. With Transformer Engine
@@ -129,15 +148,15 @@ installed and a CUDA GPU the layers run in Transformer Engine (`backend="auto"`,
 
 ```python
 import torch
-from transformers import AutoModelForMaskedLM, AutoTokenizer
+from transformers import {auto_class}, AutoTokenizer
 
 repo = "{repo}"  # the Hub id, or the local folder
 tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
-model = AutoModelForMaskedLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.bfloat16).cuda().eval()
+model = {auto_class}.from_pretrained(repo, trust_remote_code=True, dtype=torch.bfloat16).cuda().eval()
 # without Transformer Engine (e.g. on a CPU):
-# model = AutoModelForMaskedLM.from_pretrained(repo, trust_remote_code=True, backend="torch").eval()
+# model = {auto_class}.from_pretrained(repo, trust_remote_code=True, backend="torch").eval()
 
-batch = tokenizer(["MSKGEELFTGVVPILVELDGDVNGHKFSVSGEG<mask>GDATYGKLTLKFICTTGKLPVPWPTLVTTF"], return_tensors="pt")
+batch = tokenizer(["{example}"], return_tensors="pt")
 with torch.no_grad():
     logits = model(**batch.to(model.device)).logits
 ```
@@ -154,10 +173,10 @@ from transformers import DataCollatorWithFlattening
 
 collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 packed = collator([tokenizer(sequence) for sequence in ["MKTAYIAKQRQISFVKSHFSRQ", "MSKGEELFTGVVPILVELDG"]])
-packed.pop("labels")  # the collator copies input_ids as labels; masked-LM labels are your own
+packed.pop("labels")  # the collator copies input_ids as labels; labels are your own
 packed = {{key: value.to(model.device) if torch.is_tensor(value) else value for key, value in packed.items()}}
 with torch.no_grad():
-    logits = model(**packed).logits  # [1, total tokens, vocab]
+    logits = model(**packed).logits  # [1, total tokens, ...]
 ```
 
 With `attn_input_format="thd"` (the default in config.json) the layers always run packed: padded batches
@@ -171,7 +190,7 @@ in FP8. Choose the layers with `layer_precision`, one entry per layer (`"fp8"`, 
 scaling with `fp8_recipe` (`"delayed"`, `"current"` or `"block"`):
 
 ```python
-model = AutoModelForMaskedLM.from_pretrained(
+model = {auto_class}.from_pretrained(
     repo, trust_remote_code=True, dtype=torch.bfloat16,
     layer_precision=["fp8"] * {config.num_hidden_layers}, fp8_recipe="delayed",
 )
@@ -212,7 +231,8 @@ def training_card(checkpoint: Path, run: dict, weights: dict[str, torch.Tensor])
     """
     config, settings = run["config"], run["settings"]
     parameters = sum(t.numel() for t in weights.values())
-    pipeline_tag = {"mlm": "fill-mask", "token": "token-classification"}.get(settings["task"], "text-classification")
+    head = TASK_HEADS[settings["task"]]
+    pipeline_tag, auto_class = HEAD_USAGE[head]
     body = f"""# NVEsm model trained with `nv-esm train`
 
 ESM-2-shaped protein language model ({parameters / 1e6:.1f}M parameters: {config["num_hidden_layers"]} layers,
@@ -221,10 +241,11 @@ hidden size {config["hidden_size"]}, {config["num_attention_heads"]} heads) expo
 {settings["steps"]} scheduled steps). Load it with
 
 ```python
-from transformers import AutoModel
-model = AutoModel.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
+from transformers import {auto_class}
+model = {auto_class}.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
 ```
 
 The weights are float32, in the nv-esm layout (`nv-esm convert te-to-hf` turns them into a transformers
-`EsmForMaskedLM` folder). Evaluate before use: this card records how the model was trained, not how well it works."""
+`{HEADS[head].hf_class}` folder). Evaluate before use: this card records how the model was trained, not how
+well it works."""
     return _card(front_matter(pipeline_tag, TRAINED_TAGS), [body])

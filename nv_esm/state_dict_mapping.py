@@ -38,6 +38,8 @@ SHARED_CONFIG_FIELDS = (
     "rope_theta",
     "tie_word_embeddings",
 )
+# Fields a classification head's config carries besides (transformers' meaning on both sides).
+LABEL_CONFIG_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -76,13 +78,50 @@ RULES: tuple[Rule, ...] = (
     Rule(("esm.encoder.emb_layer_norm_after.bias",), "esm.encoder.emb_layer_norm_after.bias", dims=H),
     Rule(("esm.contact_head.regression.weight",), "esm.contact_head.regression.weight", dims=("1", "C")),
     Rule(("esm.contact_head.regression.bias",), "esm.contact_head.regression.bias", dims=("1",)),
-    Rule(("lm_head.dense.weight",), "lm_head.dense.weight", dims=HH),
-    Rule(("lm_head.dense.bias",), "lm_head.dense.bias", dims=H),
-    Rule(("lm_head.layer_norm.weight",), "lm_head.decoder.layer_norm_weight", dims=H),
-    Rule(("lm_head.layer_norm.bias",), "lm_head.decoder.layer_norm_bias", dims=H),
-    Rule(("lm_head.decoder.weight",), "lm_head.decoder.weight", "vocab", optional=True, dims=("V", "H")),
-    Rule(("lm_head.bias",), "lm_head.decoder.bias", "vocab", dims=("V",)),
 )
+
+
+@dataclass(frozen=True)
+class Head:
+    """A task head: the model classes on both sides and the rules of its tensors (besides the encoder's)."""
+
+    hf_class: str
+    nv_class: str
+    rules: tuple[Rule, ...]
+
+
+HEADS: dict[str, Head] = {
+    "masked_lm": Head(
+        "EsmForMaskedLM",
+        "NVEsmForMaskedLM",
+        (
+            Rule(("lm_head.dense.weight",), "lm_head.dense.weight", dims=HH),
+            Rule(("lm_head.dense.bias",), "lm_head.dense.bias", dims=H),
+            Rule(("lm_head.layer_norm.weight",), "lm_head.decoder.layer_norm_weight", dims=H),
+            Rule(("lm_head.layer_norm.bias",), "lm_head.decoder.layer_norm_bias", dims=H),
+            Rule(("lm_head.decoder.weight",), "lm_head.decoder.weight", "vocab", optional=True, dims=("V", "H")),
+            Rule(("lm_head.bias",), "lm_head.decoder.bias", "vocab", dims=("V",)),
+        ),
+    ),
+    "token_classification": Head(
+        "EsmForTokenClassification",
+        "NVEsmForTokenClassification",
+        (
+            Rule(("classifier.weight",), "classifier.weight", dims=("L", "H")),
+            Rule(("classifier.bias",), "classifier.bias", dims=("L",)),
+        ),
+    ),
+    "sequence_classification": Head(
+        "EsmForSequenceClassification",
+        "NVEsmForSequenceClassification",
+        (
+            Rule(("classifier.dense.weight",), "classifier.dense.weight", dims=HH),
+            Rule(("classifier.dense.bias",), "classifier.dense.bias", dims=H),
+            Rule(("classifier.out_proj.weight",), "classifier.out_proj.weight", dims=("L", "H")),
+            Rule(("classifier.out_proj.bias",), "classifier.out_proj.bias", dims=("L",)),
+        ),
+    ),
+}
 LAYER_RULES: tuple[Rule, ...] = (
     Rule(
         (HF_LAYER + "attention.LayerNorm.weight",), NV_LAYER + "self_attention.layernorm_qkv.layer_norm_weight", dims=H
@@ -156,10 +195,22 @@ FAIR_ESM_ALIASES: tuple[tuple[re.Pattern, str | None], ...] = tuple(
 )
 
 
-def rules_for(config: NVEsmConfig) -> list[Rule]:
-    """Every rule of a model of this shape, layers expanded."""
+def rules_for(config: NVEsmConfig, head: str = "masked_lm") -> list[Rule]:
+    """Every rule of a model of this shape with this head (a key of `HEADS`), layers expanded."""
     layers = [rule.for_layer(i) for i in range(config.num_hidden_layers) for rule in LAYER_RULES]
-    return list(RULES) + layers
+    return [*RULES, *HEADS[head].rules, *layers]
+
+
+def head_of(names: Iterable[str]) -> str:
+    """The head (a key of `HEADS`) whose tensors are among `names` (canonical names, either side): the masked-LM
+    head when any of its tensors is there (its rules then name what is missing or unexpected), else the classifier
+    whose tensors are, else the masked-LM head."""
+    names = set(names)
+
+    def holds(head: str) -> bool:
+        return any(name in names for rule in HEADS[head].rules for name in (*rule.hf, rule.nv))
+
+    return next((head for head in HEADS if holds(head)), "masked_lm")
 
 
 def dim_sizes(config: NVEsmConfig) -> dict[str, int]:
@@ -170,6 +221,7 @@ def dim_sizes(config: NVEsmConfig) -> dict[str, int]:
         "I": config.intermediate_size,
         "R": config.head_dim // 2,
         "C": config.num_hidden_layers * config.num_attention_heads,
+        "L": config.num_labels,
         "1": 1,
     }
 
@@ -296,10 +348,11 @@ def _apply_aliases(key: str, aliases: tuple[tuple[re.Pattern, str | None], ...])
 
 
 def hf_to_nv_state_dict(hf_state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
-    """transformers `EsmForMaskedLM` state dict -> NVEsm state dict. Raises CheckpointMismatch on other keys."""
+    """transformers `EsmForMaskedLM` (or token/sequence classification) state dict -> NVEsm state dict. Raises
+    CheckpointMismatch on other keys."""
     renamed = {canonical_hf_name(key): value for key, value in hf_state.items()}
     renamed.pop(None, None)
-    rules = rules_for(config)
+    rules = rules_for(config, head_of(renamed))
     check_keys(renamed, [rule.hf for rule in rules], rules)
     return {
         rule.nv: apply_rule_hf_to_nv(rule, [renamed[name] for name in rule.hf], config)
@@ -309,9 +362,10 @@ def hf_to_nv_state_dict(hf_state: dict[str, torch.Tensor], config: NVEsmConfig) 
 
 
 def nv_to_hf_state_dict(nv_state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
-    """NVEsm state dict -> transformers `EsmForMaskedLM` state dict. Raises CheckpointMismatch on other keys."""
+    """NVEsm state dict -> transformers `EsmForMaskedLM` (or token/sequence classification) state dict. Raises
+    CheckpointMismatch on other keys."""
     nv_state = {key: value for key, value in nv_state.items() if not key.endswith("._extra_state")}
-    rules = rules_for(config)
+    rules = rules_for(config, head_of(nv_state))
     check_keys(nv_state, [(rule.nv,) for rule in rules], rules)
     hf_state = {}
     for rule in rules:
@@ -335,8 +389,9 @@ def check_keys(state: dict, names_per_rule: list[tuple[str, ...]], rules: list[R
 # --------------------------------------------------------------------------------------------------------------
 
 
-def nv_config_from_hf(hf_config: dict, **overrides: object) -> NVEsmConfig:
-    """An NVEsmConfig from a transformers `EsmConfig` dict (config.json of `facebook/esm2_*`)."""
+def nv_config_from_hf(hf_config: dict, head: str = "masked_lm", **overrides: object) -> NVEsmConfig:
+    """An NVEsmConfig from a transformers `EsmConfig` dict (config.json of `facebook/esm2_*`); for a classification
+    `head` with its labels (`id2label`, `label2id`) and `problem_type`."""
     if hf_config.get("model_type") not in (None, "esm"):
         raise ValueError(f"Expected an ESM config (model_type 'esm'), got model_type {hf_config.get('model_type')!r}.")
     if hf_config.get("is_folding_model"):
@@ -344,13 +399,20 @@ def nv_config_from_hf(hf_config: dict, **overrides: object) -> NVEsmConfig:
     if hf_config.get("is_decoder"):
         raise ValueError("is_decoder=True: ESM-2 is an encoder; decoder configs do not convert.")
     fields = {name: hf_config[name] for name in SHARED_CONFIG_FIELDS if hf_config.get(name) is not None}
-    return NVEsmConfig(**fields, **overrides)
+    if head != "masked_lm":
+        fields.update({name: hf_config[name] for name in LABEL_CONFIG_FIELDS if hf_config.get(name) is not None})
+    return NVEsmConfig(**{**fields, **overrides})
 
 
-def hf_config_from_nv(config: NVEsmConfig) -> dict:
-    """A transformers `EsmConfig` dict (loadable by plain transformers) for an NVEsm config."""
+def hf_config_from_nv(config: NVEsmConfig, head: str = "masked_lm") -> dict:
+    """A transformers `EsmConfig` dict (loadable by plain transformers) for an NVEsm config, whose `architectures`
+    name the transformers class of `head`; a classification head's labels and `problem_type` included."""
     fields = {name: getattr(config, name) for name in SHARED_CONFIG_FIELDS}
-    return {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "hidden_act": config.hidden_act, **fields}
+    if head != "masked_lm":
+        labels = {"id2label": {str(i): label for i, label in config.id2label.items()}, "label2id": config.label2id}
+        fields.update(labels, **({"problem_type": config.problem_type} if config.problem_type else {}))
+    architectures = [HEADS[head].hf_class]
+    return {"architectures": architectures, "model_type": "esm", "hidden_act": config.hidden_act, **fields}
 
 
 def hf_config_from_fair_esm(model_args: Any) -> dict:

@@ -134,6 +134,16 @@ def verifiable_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def verifiable_head(head: str) -> None:
+    """Refuse a checkpoint whose logits the table cannot check: it compares masked-LM logits (`head` is a key of
+    `state_dict_mapping.HEADS`)."""
+    if head != "masked_lm":
+        raise ValueError(
+            f"--verify and verify compare masked-LM logits; this is a {head.replace('_', ' ')} checkpoint. Convert "
+            "it without --verify (its tensors go through the same table as a masked LM's)."
+        )
+
+
 def verify(
     reference: ModelLoader,
     out: Path,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SHAPES, TINY_CHECKPOINT
-from convert_checkpoint import convert_hf_to_nv
+from conftest import ATOL_FP32, ROOT, SHAPES, TINY_CHECKPOINT, max_abs_diff
+from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
 from nv_esm import trace_summary
 from nv_esm.train.config import ModelConfig, OptimizerConfig
@@ -125,6 +125,20 @@ def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path,
     assert not torch.equal(exported[qkv], original[qkv].float())  # the trained adapter is merged in
     untouched = "esm.encoder.layers.0.layernorm_mlp.fc1_weight"
     torch.testing.assert_close(exported[untouched], original[untouched].float(), rtol=0, atol=0)
+
+    card = (tmp_path / "lora" / "final" / "README.md").read_text()
+    assert "pipeline_tag: token-classification" in card and "AutoModelForTokenClassification.from_pretrained" in card
+    config = json.loads((tmp_path / "lora" / "final" / "config.json").read_text())
+    assert config["architectures"] == ["NVEsmForTokenClassification"] and "backend" not in config
+    convert_nv_to_hf(tmp_path / "lora" / "final", tmp_path / "hf")  # back to plain transformers, head and labels
+    from transformers import EsmForTokenClassification
+
+    plain = EsmForTokenClassification.from_pretrained(tmp_path / "hf").eval()
+    assert plain.config.id2label == {0: "C", 1: "E", 2: "H"}
+    ours = NVEsmForTokenClassification.from_pretrained(tmp_path / "lora" / "final", backend="torch").eval()
+    input_ids = torch.randint(4, 24, (2, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert max_abs_diff(plain(input_ids).logits, ours(input_ids).logits) <= ATOL_FP32
 
 
 def test_lora_merge_reproduces_the_adapted_model(nv_tiny: Path) -> None:

@@ -45,10 +45,8 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         consolidated.unlink()
         weights = export_weights(model_state, config, run["lora_alpha"])
         save_file(weights, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        config_dict = nv_config_dict(config)
-        # Inference defaults: whichever backend is there, no FP8 (training-time settings are in train_state.json).
-        config_dict.update(architectures=[MODEL_CLASSES[task].__name__], backend="auto", layer_precision=None)
-        config_dict["check_inputs"] = True
+        # No load-time options (backend, FP8 layers, input checks): training-time ones are in train_state.json.
+        config_dict = nv_config_dict(config, MODEL_CLASSES[task].__name__)
         config_dict["dtype"] = "float32"
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         write_esm_tokenizer(staging)

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,7 @@ class Source:
     Attributes:
         spec: What was asked for: a folder, a Hub id or a `.pt` file.
         path: The local folder (downloaded for a Hub id) or `.pt` file.
-        kind: "transformers" (EsmForMaskedLM), "nvesm" or "fair-esm".
+        kind: "transformers" (an ESM-2 model class), "nvesm" or "fair-esm".
         config: Its config.json (a transformers `EsmConfig` dict for fair-esm checkpoints).
         store: Its tensors.
         hub_id: The Hub repository it comes from, when known.
@@ -132,6 +132,11 @@ class Source:
     @property
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self.store.info.values())
+
+    @cached_property
+    def head(self) -> str:
+        """Its task head (a key of `HEADS`: masked LM, token or sequence classification), told by its tensors."""
+        return head_of(canonical_keys(self.store.info, self.canonical))
 
 
 def open_source(spec: str | Path, revision: str | None = None) -> Source:
@@ -211,17 +216,12 @@ class Step:
         return sum(info.nbytes for _, info in self.outputs)
 
 
-def source_head(source: Source) -> str:
-    """The task head of `source` (a key of `HEADS`: masked LM, token or sequence classification), from its tensors."""
-    return head_of(canonical_keys(source.store.info, source.canonical))
-
-
 def plan_steps(
     source: Source, config: NVEsmConfig, direction: Direction, dtype: torch.dtype | None = None
 ) -> list[Step]:
     """The steps that convert `source`; raises CheckpointMismatch (names) or ConfigMismatch (shapes) first."""
     stored = canonical_keys(source.store.info, source.canonical)
-    rules = rules_for(config, head_of(stored))
+    rules = rules_for(config, source.head)
     check_keys(stored, [direction.sources(rule) for rule in rules], rules)
     present = [rule for rule in rules if all(name in stored for name in direction.sources(rule))]
     _check_shapes(source, stored, present, config, direction)
@@ -372,16 +372,15 @@ def convert(
     check_out(out, options.force)
     opened = open_source(source, options.revision)
     check_not_source(out, opened)
-    head = source_head(opened)
     config = source_config(opened, direction, config_overrides or {})
     steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
     if options.verify:  # refuse what verifying would refuse before converting
-        verifiable_head(head)
+        verifiable_head(opened.head)
         verifiable_dtype(weights_dtype_name(steps))
         verify_device(options.verify_device)
     with staging_folder(out, options.force) as staging:
         shards = write_weights(staging, steps, opened, config, direction, options.max_shard_size, options.progress)
-        write_companions(staging, opened, config, direction, steps, head)
+        write_companions(staging, opened, config, direction, steps)
         report = None
         if options.verify:
             reference = reference_model(opened)
@@ -390,7 +389,7 @@ def convert(
             raise VerificationFailed(report)
         if direction.to_nv:
             repo = options.hub_repo_id or str(out)
-            card = model_card(converted_checkpoint(opened, steps), config, report, repo, head)
+            card = model_card(converted_checkpoint(opened, steps), config, report, repo, opened.head)
             (staging / "README.md").write_text(card)
     seconds = time.perf_counter() - start
     return ConversionResult(config, out, count_parameters(steps), _nbytes(steps), shards, seconds, report)
@@ -402,7 +401,7 @@ def source_config(source: Source, direction: Direction, overrides: dict[str, Any
     if direction.to_nv:
         if source.kind == "nvesm":
             raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
-        return nv_config_from_hf(source.config, source_head(source), **overrides)
+        return nv_config_from_hf(source.config, source.head, **overrides)
     if source.kind != "nvesm":
         raise ValueError(
             f"{source.spec} is not an NVEsm checkpoint ({source.kind}; model_type "
@@ -411,15 +410,13 @@ def source_config(source: Source, direction: Direction, overrides: dict[str, Any
     return NVEsmConfig.from_dict({**source.config, **overrides})
 
 
-def write_companions(
-    out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step], head: str
-) -> None:
-    """config.json (naming the class of `head`), tokenizer and LICENSE; for NVEsm also the remote code (the model
-    card comes last)."""
+def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:
+    """config.json (naming the class of the source's head), tokenizer and LICENSE; for NVEsm also the remote code
+    (the model card comes last)."""
     if direction.to_nv:
-        config_dict = nv_config_dict(config, HEADS[head].nv_class)
+        config_dict = nv_config_dict(config, HEADS[source.head].nv_class)
     else:
-        config_dict = hf_config_from_nv(config, head)
+        config_dict = hf_config_from_nv(config, source.head)
     config_dict["dtype"] = weights_dtype_name(steps)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     write_tokenizer(out, source.folder, config.vocab_size)
@@ -542,7 +539,7 @@ def verify_folder(
             f"NVEsm SRC and transformers OUT); {source.spec} is {source.kind} and {out} is {converted.kind}."
         )
     out_dtype = read_json(out / "config.json").get("dtype", "float32")
-    verifiable_head(source_head(source))
+    verifiable_head(source.head)
     verifiable_dtype(out_dtype)
     verify_device(device)
     compared, mismatches = compare_tensors(source, converted, direction)

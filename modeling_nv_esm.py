@@ -859,15 +859,8 @@ def _graph_weights(encoder: NVEsmEncoder) -> list[nn.Parameter]:
                     weights.append(parameter)
     for weight in weights:
         main_grad = getattr(weight, "main_grad", None)
-        if (
-            not isinstance(main_grad, torch.Tensor)
-            or main_grad.shape != weight.shape
-            or (
-                main_grad.dtype,
-                main_grad.device,
-            )
-            != (weight.dtype, weight.device)
-        ):
+        layout = (weight.shape, weight.dtype, weight.device)
+        if not isinstance(main_grad, torch.Tensor) or (main_grad.shape, main_grad.dtype, main_grad.device) != layout:
             weight.main_grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
     return weights
 

@@ -279,9 +279,10 @@ class ShardEmbedder:
         """File a launched batch's results (waiting for them if needed); the number of proteins it finished."""
         if results.ready is not None:
             results.ready.synchronize()
-            results.to_pageable()  # pinned buffers go back to the allocator's cache for the next batches
         for layer in self.settings.layers:
             residues = results.residues.get(layer)
+            if residues is not None and residues.is_pinned():  # the shard keeps views of them: leave the pinned
+                residues = residues.clone()  # buffer to the allocator's cache (the rest is copied out by `add`)
             outputs.add(layer, results.pieces, results.cls[layer], results.mean[layer], residues)
         if results.contacts is not None:
             outputs.add_contacts(results.pieces, results.contacts)
@@ -316,13 +317,6 @@ class _BatchResults:
     residues: dict[int, torch.Tensor] = field(default_factory=dict)  # [residues of the batch, hidden]
     contacts: torch.Tensor | None = None  # [n, L - 2, L - 2]
     ready: Any = None  # torch.cuda.Event on CUDA
-
-    def to_pageable(self) -> None:
-        for outputs in (self.cls, self.mean, self.residues):
-            for layer, tensor in outputs.items():
-                outputs[layer] = tensor.clone()
-        if self.contacts is not None:
-            self.contacts = self.contacts.clone()
 
 
 class _ShardOutputs:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from nv_esm.checkpoint_io import format_bytes
 from nv_esm.state_dict_mapping import HEADS
+from nv_esm.train.config import TASK_HEADS
 
 if TYPE_CHECKING:
     import torch
@@ -27,8 +28,6 @@ HEAD_USAGE = {
     "token_classification": ("token-classification", "AutoModelForTokenClassification"),
     "sequence_classification": ("text-classification", "AutoModelForSequenceClassification"),
 }
-# The recipe's tasks (`nv-esm train --task`) and their heads.
-TASK_HEADS = {"mlm": "masked_lm", "token": "token_classification", "sequence": "sequence_classification"}
 CONVERTED_TAGS = ("esm", "esm2", "protein-language-model", "biology", "transformer-engine")
 TRAINED_TAGS = ("esm", "esm2", "protein", "biology", "transformer-engine", "nv-esm")
 ESM2_CITATION = """@article{lin2023evolutionary,

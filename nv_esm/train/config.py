@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROG = "nv_esm.train"
-TASKS = ("mlm", "sequence", "token")  # MLM pretraining, or a fine-tuning head (materialize.MODEL_CLASSES)
+# Each task's head (a key of `state_dict_mapping.HEADS`; its class: materialize.MODEL_CLASSES): MLM pretraining, or
+# fine-tuning a head.
+TASK_HEADS = {"mlm": "masked_lm", "sequence": "sequence_classification", "token": "token_classification"}
+TASKS = tuple(TASK_HEADS)
 DESCRIPTION = """\
 Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pretraining and fine-tuning.
 

@@ -19,6 +19,7 @@ import functools
 import importlib
 import math
 import numbers
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -257,12 +258,13 @@ def static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[
 
     Tokens round up in steps of 1/8 of the power of two below them, and of 256 below 4096 tokens (padding under
     1/8 of the tokens or under 256; multiples of 256, so also of `FP8_TOKEN_MULTIPLE`); `max_length` rounds up to
-    a power of two (at least 64); the slots (proteins, dummy proteins of at most `max_length` tokens holding the
-    padding, then empty ones) to a power of two (at least 16). A run of similar batches thus uses a few shapes.
+    a power of two (at least 64) up to 1024 and to a multiple of 512 above (ESM-2's 1026 positions: 1536); the
+    slots (proteins, dummy proteins of at most `max_length` tokens holding the padding, then empty ones) to a power
+    of two (at least 16). A run of similar batches thus uses a few shapes.
     """
     step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
     tokens = -(-num_tokens // step) * step
-    length = max(64, 1 << (max_length - 1).bit_length())
+    length = max(64, 1 << (max_length - 1).bit_length()) if max_length <= 1024 else -(-max_length // 512) * 512
     dummies = -(-(tokens - num_tokens) // length)
     slots = max(16, 1 << (num_sequences + dummies - 1).bit_length())
     return tokens, slots, length
@@ -808,6 +810,7 @@ class StaticShapeGraphs:
         accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
             with (
+                _expandable_segments(),
                 _fused_wgrad_accumulation(encoder, training),
                 torch.autocast(
                     "cuda",
@@ -839,6 +842,28 @@ class StaticShapeGraphs:
         torch.cuda.empty_cache()
         logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
         return graph
+
+
+@contextlib.contextmanager
+def _expandable_segments() -> Any:
+    """Within: the CUDA caching allocator maps new memory as expandable segments (unless the process already does).
+
+    The graphs' shared pool keeps every segment it gets; with fixed-size segments each new, larger shape needed
+    new ones beside the blocks of the smaller shapes (650M at 64 proteins: 42 GB in the pool for 33 GB of tensors,
+    then out of memory at the third shape). Expandable segments grow in place, so freed blocks merge and the
+    shapes share them. The warm-up's eager memory is mapped the same way and unmapped by `empty_cache`."""
+    process_setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    set_allocator = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )  # the first from torch 2.12 on
+    if set_allocator is None or "expandable_segments:True" in process_setting:
+        yield
+        return
+    set_allocator("expandable_segments:True")
+    try:
+        yield
+    finally:
+        set_allocator("expandable_segments:False")
 
 
 # Training graphs: Transformer Engine's `fuse_wgrad_accumulation` makes each GEMM weight's gradient accumulate into

@@ -15,6 +15,7 @@ from modeling_nv_esm import (
     FP8_TOKEN_MULTIPLE,
     EncoderInputs,
     PackedSequences,
+    _expandable_segments,
     _pad_packed_for_fp8,
     _pad_packed_to_static_shape,
     static_shape,
@@ -26,11 +27,14 @@ def test_static_shape_bounds(seed):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(2000):
         num_sequences = int(torch.randint(1, 300, (), generator=generator))
-        max_length = int(torch.randint(1, 1027, (), generator=generator))
+        max_length = int(torch.randint(1, 2049, (), generator=generator))
         num_tokens = int(torch.randint(max_length, max_length * num_sequences + 1, (), generator=generator))
         tokens, slots, length = static_shape(num_tokens, num_sequences, max_length)
         assert 0 <= tokens - num_tokens < max(num_tokens / 8, 256) and tokens % 256 == 0
-        assert max_length <= length < max(2 * max_length, 65) and length & (length - 1) == 0
+        if max_length <= 1024:
+            assert max_length <= length < max(2 * max_length, 65) and length & (length - 1) == 0
+        else:
+            assert max_length <= length < max_length + 512 and length % 512 == 0
         assert slots >= num_sequences + -(-(tokens - num_tokens) // length) and slots & (slots - 1) == 0
 
 
@@ -72,3 +76,16 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
         expected, _ = nv.esm.encoder(embeddings, EncoderInputs(rotary(packed.max_length), packed=packed), False)
         actual, _ = nv.esm.encoder(padded_states, EncoderInputs(rotary(padded.max_length), packed=padded), False)
     assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("process_setting", ["", "expandable_segments:True"])
+def test_captures_use_expandable_segments_and_switch_back(monkeypatch, process_setting):
+    """A capture switches the allocator to expandable segments and back, even when it fails; a process started
+    with them keeps them (nothing is switched)."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", process_setting)
+    with pytest.raises(RuntimeError, match="capture failed"), _expandable_segments():
+        assert calls == ([] if process_setting else ["expandable_segments:True"])
+        raise RuntimeError("capture failed")
+    assert calls == ([] if process_setting else ["expandable_segments:True", "expandable_segments:False"])

@@ -31,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import (
-    BaseModelOutput,
+    BaseModelOutputWithPooling,
     MaskedLMOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
@@ -54,7 +54,18 @@ TE_INSTALL_HINT = (
     "(pip install --no-build-isolation 'transformer-engine[pytorch]'), "
     "or pass backend='torch' to run the PyTorch implementation."
 )
-KNOWN_EXTRA_INPUTS = {"seq_idx"}  # produced by DataCollatorWithFlattening; cu_seq_lens carries the same
+# Keywords that transformers' ESM forwards accept beyond the ones NVEsm names, with what NVEsm does with them.
+IGNORED_INPUTS = {  # accepted and unused, as in transformers
+    "seq_idx",  # from DataCollatorWithFlattening; cu_seq_lens carries the same
+    "num_items_in_batch",  # Trainer's loss normaliser; ESM's loss is the mean over labelled tokens
+}
+UNSUPPORTED_INPUTS = {  # accepted only at the value that asks for nothing (None or False), else a ValueError
+    "encoder_hidden_states": "ESM-2 has no cross-attention",
+    "encoder_attention_mask": "ESM-2 has no cross-attention",
+    "head_mask": "NVEsm runs fused attention, which takes no per-head mask",
+    "is_causal": "ESM-2 attends in both directions",
+    "output_router_logits": "ESM-2 has no mixture of experts",
+}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -983,10 +994,23 @@ class NVEsmLMHead(nn.Module):
 
 
 @dataclass
-class NVEsmModelOutput(BaseModelOutput):
-    """`BaseModelOutput` plus `cu_seq_lens` (`[N + 1]`) when the inputs were packed."""
+class NVEsmModelOutput(BaseModelOutputWithPooling):
+    """`BaseModelOutputWithPooling` plus `cu_seq_lens` (`[N + 1]`) when the inputs were packed. `pooler_output`
+    (models built with `add_pooling_layer=True`): `[B, hidden]` padded, `[N, hidden]` packed."""
 
     cu_seq_lens: torch.Tensor | None = None
+
+
+class NVEsmPooler(nn.Module):
+    """transformers' `EsmPooler`: dense -> tanh on each protein's first token (`<cls>`)."""
+
+    def __init__(self, config: NVEsmConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, first_token_states: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` -> `[N, hidden]`."""
+        return torch.tanh(self.dense(first_token_states))
 
 
 class NVEsmPreTrainedModel(PreTrainedModel):
@@ -1039,13 +1063,17 @@ class NVEsmModel(NVEsmPreTrainedModel):
         backend: `"te"` or `"torch"`, resolved from `config.backend` when the model was built.
     """
 
-    def __init__(self, config: NVEsmConfig) -> None:
+    def __init__(self, config: NVEsmConfig, add_pooling_layer: bool = True) -> None:
+        """`add_pooling_layer`: as transformers' `EsmModel`, a dense + tanh pooler over each protein's `<cls>`
+        state (`pooler_output`); ESM-2's checkpoints hold no pooler, so it starts untrained. The task models
+        build their `esm` without it."""
         super().__init__(config)
         self.backend = resolve_backend(config.backend)
         self.embeddings = NVEsmEmbeddings(config)
         self.rotary_embeddings = NVEsmRotaryEmbedding(config)
         self.encoder = NVEsmEncoder(config, self.backend)
         self.contact_head = NVEsmContactPredictionHead(config)
+        self.pooler = NVEsmPooler(config) if add_pooling_layer else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -1088,7 +1116,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         L = `max_length`) and, for packed inputs, `cu_seq_lens`. Attention maps come from an explicit pass per layer
         (the fused kernels form none): memory grows with N x heads x L^2 per layer.
         """
-        _check_extra_inputs(kwargs)
+        _check_extra_inputs(kwargs, self.config.check_inputs)
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
@@ -1110,11 +1138,17 @@ class NVEsmModel(NVEsmPreTrainedModel):
         last_hidden_state, all_hidden_states = self.encoder(
             hidden_states, inputs, output_hidden_states, maps.append if output_attentions else None
         )
+        last_hidden_state = restore(last_hidden_state)
+        cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
+        pooler_output = None
+        if self.pooler is not None:
+            pooler_output = self.pooler(first_token_states(last_hidden_state, cu_seq_lens, attention_mask))
         output = NVEsmModelOutput(
-            last_hidden_state=restore(last_hidden_state),
+            last_hidden_state=last_hidden_state,
+            pooler_output=pooler_output,
             hidden_states=None if all_hidden_states is None else tuple(map(restore, all_hidden_states)),
             attentions=tuple(_maps_to_input_layout(m, batch).to(last_hidden_state.dtype) for m in maps) or None,
-            cu_seq_lens=batch.packed.cu_seq_lens if batch.input_is_packed else None,
+            cu_seq_lens=cu_seq_lens,
         )
         return output if _wants_dict(return_dict, self.config) else output.to_tuple()
 
@@ -1389,6 +1423,20 @@ def length_sorted_batches(token_lists: Sequence[Sequence[int]], max_tokens: int)
         batches[-1].append(index)
         used += len(token_lists[index])
     return batches
+
+
+def first_token_states(
+    states: torch.Tensor, cu_seq_lens: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Each protein's first (`<cls>`) state, `[N, hidden]`: from packed `[1, T, hidden]` states at `cu_seq_lens`
+    starts, or from padded `[B, S, hidden]` states at each row's first token of `attention_mask` (left padding
+    too; column 0 without a mask)."""
+    if cu_seq_lens is not None:
+        return states[0, cu_seq_lens[:-1].long()]
+    if attention_mask is None:
+        return states[:, 0]
+    first = attention_mask.to(torch.int32).argmax(dim=1).to(states.device)
+    return states[torch.arange(states.shape[0], device=states.device), first]
 
 
 def residue_token_mask(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -1674,8 +1722,20 @@ def _warn_if_longer_than_trained(config: NVEsmConfig, max_length: int) -> None:
         )
 
 
-def _check_extra_inputs(kwargs: dict[str, Any]) -> None:
-    unknown = set(kwargs) - KNOWN_EXTRA_INPUTS
+def _check_extra_inputs(kwargs: dict[str, Any], check_values: bool) -> None:
+    """Refuse what NVEsm cannot honour among the extra keywords: a ValueError naming a keyword of transformers'
+    ESM that asks for something ESM-2 lacks, a TypeError for unknown ones. `token_type_ids` must be all zeros
+    (ESM-2 has one token type; checked with one device sync when `check_values`)."""
+    for name, reason in UNSUPPORTED_INPUTS.items():
+        if kwargs.get(name) is not None and kwargs[name] is not False:
+            raise ValueError(f"{name} is not supported: {reason}. Leave it out (or pass None).")
+    token_type_ids = kwargs.get("token_type_ids")
+    if token_type_ids is not None:
+        if not isinstance(token_type_ids, torch.Tensor):
+            raise ValueError("token_type_ids must be a torch.Tensor (all zeros: ESM-2 has one token type).")
+        if check_values and bool(token_type_ids.ne(0).any()):
+            raise ValueError("token_type_ids must be all zeros: ESM-2 has one token type (no segment embedding).")
+    unknown = set(kwargs) - IGNORED_INPUTS - set(UNSUPPORTED_INPUTS) - {"token_type_ids"}
     if unknown:
         raise TypeError(f"Unexpected inputs: {sorted(unknown)}")
 
@@ -1691,7 +1751,7 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
 
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__(config)
-        self.esm = NVEsmModel(config)
+        self.esm = NVEsmModel(config, add_pooling_layer=False)
         self.lm_head = NVEsmLMHead(config)
         self.post_init()
 
@@ -1731,7 +1791,7 @@ class NVEsmForTokenClassification(NVEsmPreTrainedModel):
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.esm = NVEsmModel(config)
+        self.esm = NVEsmModel(config, add_pooling_layer=False)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -1777,7 +1837,7 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
     def __init__(self, config: NVEsmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.esm = NVEsmModel(config)
+        self.esm = NVEsmModel(config, add_pooling_layer=False)
         self.classifier = NVEsmClassificationHead(config)
         self.post_init()
 
@@ -1792,15 +1852,7 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
         r"""`labels [N]` (class ids, or floats for regression / multi-label). For packed inputs N is the number of
         proteins and each protein's first token is its `<cls>`."""
         outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
-        states = outputs.last_hidden_state
-        if outputs.cu_seq_lens is not None:
-            cls_states = states[0, outputs.cu_seq_lens[:-1].long()]
-        elif attention_mask is not None:  # each row's first token, wherever the padding puts it
-            first = attention_mask.to(torch.int32).argmax(dim=1).to(states.device)
-            cls_states = states[torch.arange(states.shape[0], device=states.device), first]
-        else:
-            cls_states = states[:, 0]
-        logits = self.classifier(cls_states)
+        logits = self.classifier(first_token_states(outputs.last_hidden_state, outputs.cu_seq_lens, attention_mask))
         loss = None if labels is None else self._loss(logits, labels.to(logits.device))
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions

@@ -675,7 +675,9 @@ def load_model(
         "check_inputs": False,
     }
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype, backend=backend, **options)
+    model = AutoModel.from_pretrained(
+        checkpoint, trust_remote_code=True, dtype=dtype, backend=backend, add_pooling_layer=False, **options
+    )
     return model.to(device).eval()
 
 

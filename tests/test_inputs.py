@@ -169,7 +169,7 @@ def test_bad_padded_inputs_raise(model):
     with pytest.raises(ValueError, match="attention_mask must be a torch.Tensor"):
         model(input_ids, attention_mask=attention_mask.tolist())
     with pytest.raises(TypeError, match="Unexpected inputs"):
-        model(input_ids, token_type_ids=input_ids)
+        model(input_ids, segment_ids=input_ids)
 
 
 @pytest.mark.parametrize("layout", ["padded_no_mask", "padded_mask", "packed"])

@@ -1055,6 +1055,57 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         elif isinstance(module, NVEsmRotaryEmbedding):
             module.inv_freq.copy_(module.default_inv_freq(self.config))
 
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """transformers' `resize_token_embeddings` for ESM-2's padded vocabulary and tied LM decoder.
+
+        The vocabulary becomes `new_num_tokens` tokens (`config.vocab_size`; logits `[..., new_num_tokens]`); the
+        embedding, the LM decoder (tied to it) and the decoder's bias get `padded_vocab_size` rows, a multiple of 16
+        (and of `pad_to_multiple_of`), zero past the vocabulary. Added tokens start at the mean of the old tokens'
+        embeddings and biases (`mean_resizing`, transformers' default) or as freshly initialised weights (normal
+        embedding rows, zero bias). Shrinking keeps the first `new_num_tokens` tokens; the special tokens must stay.
+        Returns the new input embedding; `new_num_tokens=None` changes nothing.
+        """
+        embedding = self.get_input_embeddings()
+        if new_num_tokens is None:
+            return embedding
+        config = self.config
+        special = max(config.pad_token_id, config.mask_token_id, config.bos_token_id, config.eos_token_id)
+        if not isinstance(new_num_tokens, int) or new_num_tokens <= special:
+            raise ValueError(f"new_num_tokens must be an int above the special token ids (> {special}).")
+        multiple = math.lcm(16, pad_to_multiple_of or 1)
+        padded_vocab_size = -(-new_num_tokens // multiple) * multiple
+        old_vocab_size = config.vocab_size
+
+        def resized(rows: torch.Tensor, initial: Callable[[torch.Tensor], None]) -> nn.Parameter:
+            new_rows = rows.new_zeros(padded_vocab_size, *rows.shape[1:])
+            kept = min(old_vocab_size, new_num_tokens)
+            new_rows[:kept] = rows[:kept]
+            if new_num_tokens > old_vocab_size:
+                if mean_resizing:
+                    new_rows[old_vocab_size:new_num_tokens] = rows[:old_vocab_size].mean(dim=0)
+                else:
+                    initial(new_rows[old_vocab_size:new_num_tokens])
+            return nn.Parameter(new_rows, requires_grad=rows.requires_grad)
+
+        std = config.initializer_range
+        with torch.no_grad():
+            new_embedding = nn.Embedding(padded_vocab_size, config.hidden_size, config.pad_token_id)
+            new_embedding.weight = resized(embedding.weight, lambda rows: rows.normal_(0.0, std))
+            self.set_input_embeddings(new_embedding)
+            head = getattr(self, "lm_head", None)
+            if head is not None:
+                head.decoder.bias = resized(head.decoder.bias, lambda rows: rows.zero_())
+                if config.tie_word_embeddings:
+                    head.decoder.weight = new_embedding.weight
+                else:
+                    head.decoder.weight = resized(head.decoder.weight, lambda rows: rows.normal_(0.0, std))
+                head.vocab_size = new_num_tokens
+        config.vocab_size = new_num_tokens
+        config.padded_vocab_size = padded_vocab_size
+        return new_embedding
+
 
 class NVEsmModel(NVEsmPreTrainedModel):
     """ESM-2 encoder: embeddings, rotary table, transformer layers, final LayerNorm.

@@ -22,7 +22,6 @@ from conftest import (
     random_proteins,
 )
 from modeling_nv_esm import UNSUPPORTED_INPUTS, NVEsmForMaskedLM, NVEsmModel
-from nv_esm.state_dict_mapping import hf_to_nv_state_dict
 
 
 def pooled_models(seed: int) -> tuple[EsmModel, NVEsmModel]:

@@ -1490,10 +1490,14 @@ def first_token_states(
     return states[torch.arange(states.shape[0], device=states.device), first]
 
 
-def residue_token_mask(cu_seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def residue_token_mask(
+    cu_seq_lens: torch.Tensor, num_tokens: int, sequence_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """`[T]` bool over packed tokens: True at residues, False at each protein's first (`<cls>`) and last (`<eos>`)
-    token. `cu_seq_lens [N + 1]` covers the T tokens."""
-    sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
+    token. `cu_seq_lens [N + 1]` covers the T tokens; `sequence_index` (`sequence_index_of_tokens`), if the caller
+    has it already."""
+    if sequence_index is None:
+        sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
     starts = cu_seq_lens[:-1].long()
     position = torch.arange(num_tokens, device=cu_seq_lens.device) - starts[sequence_index]
     lengths = cu_seq_lens.diff().long()
@@ -1505,8 +1509,8 @@ def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str)
     residues (`"mean"`; `<cls>`/`<eos>` excluded). No boolean indexing, so nothing waits for the device."""
     if pooling == "cls":
         return states[cu_seq_lens[:-1].long()]
-    is_residue = residue_token_mask(cu_seq_lens, states.shape[0])
     sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
+    is_residue = residue_token_mask(cu_seq_lens, states.shape[0], sequence_index)
     lengths = cu_seq_lens.diff().long()
     sums = torch.zeros(len(lengths), states.shape[1], device=states.device, dtype=states.dtype)
     sums.index_add_(0, sequence_index, torch.where(is_residue[:, None], states, 0))

@@ -81,11 +81,12 @@ class NVEsmConfig(PretrainedConfig):
             and `position_ids` consistent, proteins not longer than `max_protein_length`) and raise
             `ValueError` on violations. This costs one device synchronisation per forward; a training loop whose
             data pipeline is trusted can set it to False. Shape and type errors are always raised.
-        cuda_graphs: Transformer Engine backend, packed layers (`attn_input_format="thd"`) only: round each batch up to
-            a static shape (a bucket of token count, protein count and longest protein; the extra tokens form
-            dummy proteins whose outputs are dropped) and replay the layers as CUDA graphs captured once per
-            bucket, for training (train mode with gradients) and inference (eval mode without gradients).
-            Other calls, and `output_hidden_states`, run eagerly.
+        cuda_graphs: Transformer Engine backend, packed layers (`attn_input_format="thd"`) only (ignored otherwise;
+            on by default): round each batch up to a static shape (a bucket of token count, protein count and
+            longest protein; the extra tokens form dummy proteins whose outputs are dropped) and replay the layers
+            as CUDA graphs captured once per bucket, for training (train mode with gradients) and inference (eval
+            mode without gradients). Other calls, and `output_hidden_states`, run eagerly. A training forward must
+            be followed by its backward before the next forward; set False to run several forwards per backward.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
@@ -125,7 +126,7 @@ class NVEsmConfig(PretrainedConfig):
         layer_precision: list[str | None] | None = None,
         fp8_recipe: str = "delayed",
         check_inputs: bool = True,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool = True,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import math
 import numbers
@@ -661,7 +662,9 @@ class NVEsmEncoder(nn.Module):
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
         train mode with gradients or eval mode without, no per-layer outputs or activation checkpointing, layers
-        not sharded by FSDP, and no module hooks (a replay would not call them).
+        not sharded by FSDP, no module hooks (a replay would not call them), not inside `torch.compile`, another
+        CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a process group of several
+        ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to `main_grad` instead).
 
         Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
         would overwrite memory that backward reads. (A training forward must be followed by its backward; an
@@ -677,7 +680,13 @@ class NVEsmEncoder(nn.Module):
             )
         if output_hidden_states or self.training != torch.is_grad_enabled():
             return False
-        if self.training and self.gradient_checkpointing:
+        if self.training and (self.gradient_checkpointing or _several_ranks()):
+            return False
+        if (
+            torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()
+            or getattr(self, "_is_replica", False)
+        ):
             return False
         return not _is_sharded(self.layers[0]) and not _has_module_hooks(self)
 
@@ -731,6 +740,8 @@ class StaticShapeGraphs:
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
     optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
     are captured anew. Gradient hooks on parameters also see TE's warm-up gradients while a shape is captured.
+    A capture that runs out of GPU memory frees every graph, their memory pool and the shared weight-gradient
+    buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
     """
 
     def __init__(self) -> None:
@@ -739,6 +750,7 @@ class StaticShapeGraphs:
         self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
         self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
+        self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
 
     def __deepcopy__(self, memo: dict) -> StaticShapeGraphs:
         return StaticShapeGraphs()  # a copied model captures its own graphs
@@ -753,6 +765,7 @@ class StaticShapeGraphs:
         self._graphs.clear()
         self._awaiting_backward = False
         self._weights = None
+        self._out_of_memory = False
 
     def awaiting_backward(self) -> bool:
         """Whether a training replay's backward has not started yet."""
@@ -760,7 +773,10 @@ class StaticShapeGraphs:
 
     def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
-        tensor. None when this shape's capture failed: the encoder then runs it eagerly."""
+        tensor. None when this shape's capture failed (or an earlier one ran out of memory): the encoder then runs
+        it eagerly."""
+        if self._out_of_memory:
+            return None
         # Graphs read the parameters' storage and fix at capture which parameters get gradients.
         storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
         if storage != self._parameter_storage:
@@ -779,7 +795,10 @@ class StaticShapeGraphs:
             torch.is_inference_mode_enabled(),
         )
         if key not in self._graphs:
-            self._graphs[key] = self._capture(encoder, hidden_states, inputs, autocast_dtype)
+            graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
+            if self._out_of_memory:
+                return None
+            self._graphs[key] = graph
         graph = self._graphs[key]
         if graph is None:
             return None
@@ -793,6 +812,16 @@ class StaticShapeGraphs:
             self._awaiting_backward = True
             states.register_hook(self._backward_started)
         return states
+
+    def _free_after_out_of_memory(self, encoder: NVEsmEncoder) -> None:
+        """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
+        self.clear()
+        self._out_of_memory = True
+        self._pool = None
+        for weight in _graph_weights(encoder, create=False):
+            del weight.main_grad
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         self._awaiting_backward = False
@@ -845,6 +874,13 @@ class StaticShapeGraphs:
             for parameter, grad in zip(parameters, grads):
                 parameter.grad = grad
             _restore_main_grads(weights, accumulated)
+            if isinstance(error, torch.OutOfMemoryError):
+                self._free_after_out_of_memory(encoder)
+                logger.warning(
+                    f"CUDA graph capture ran out of GPU memory ({shape}); the graphs are freed and this model runs "
+                    "eagerly from now on (load it with cuda_graphs=False to skip capturing)."
+                )
+                return None
             logger.warning(
                 f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
             )
@@ -885,14 +921,17 @@ def _expandable_segments() -> Any:
 # accumulation see what they see eagerly. Eager calls keep TE's ordinary gradients and add into the same `.grad`.
 
 
-def _graph_weights(encoder: NVEsmEncoder) -> list[nn.Parameter]:
-    """The GEMM weights of the TE layers that get gradients (QKV, projection, fc1, fc2), with a `main_grad` each."""
+def _graph_weights(encoder: NVEsmEncoder, create: bool = True) -> list[nn.Parameter]:
+    """The GEMM weights of the TE layers that get gradients (QKV, projection, fc1, fc2), each given a `main_grad`
+    (`create`), or those that have one (not `create`)."""
     weights = []
     for module in encoder.layers.modules():
         if hasattr(module, "fuse_wgrad_accumulation"):
             for name, parameter in module.named_parameters(recurse=False):
                 if name in ("weight", "fc1_weight", "fc2_weight") and parameter.requires_grad:
                     weights.append(parameter)
+    if not create:
+        return [weight for weight in weights if hasattr(weight, "main_grad")]
     for weight in weights:
         main_grad = getattr(weight, "main_grad", None)
         layout = (weight.shape, weight.dtype, weight.device)
@@ -945,6 +984,15 @@ def _has_module_hooks(module: nn.Module) -> bool:
     """Whether any submodule has forward or backward hooks."""
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return any(getattr(m, kind, None) for m in module.modules() for kind in kinds)
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of a `torch.distributed` process group."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 def _is_sharded(module: nn.Module) -> bool:

@@ -134,7 +134,7 @@ def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
     if variant == "transformers":
         model = EsmForMaskedLM._from_config(shapes.esm2_config(**shape), attn_implementation="sdpa")
     else:
-        options = dict(VARIANT_CONFIGS[variant])
+        options = {"cuda_graphs": False, **VARIANT_CONFIGS[variant]}  # eager unless the variant says graphs
         if options.pop("fp8", False):
             options["layer_precision"] = ["fp8"] * shape["num_hidden_layers"]
         model = NVEsmForMaskedLM(NVEsmConfig(**shape, backend="te", **options))

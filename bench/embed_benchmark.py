@@ -69,7 +69,7 @@ def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path,
         folder = work / name
         shutil.rmtree(folder, ignore_errors=True)
         argv = [str(checkpoint), str(source), str(folder), "--tokens-per-batch", str(tokens), "--fp8", fp8]
-        args = embed.parse_args(argv + (["--cuda-graphs"] if graphs else []), "bench")
+        args = embed.parse_args([*argv, "--cuda-graphs" if graphs else "--no-cuda-graphs"], "bench")
         settings, records = embed.plan_run(args, config, device)
         if model is None:
             model = embed.load_model(str(checkpoint), config, settings.backend, fp8, graphs, device)

@@ -9,6 +9,7 @@ Cases (each in its own process, same batches, fp32 weights + bf16 autocast + fus
   buckets_fixed_segments  buckets, captures on the process's allocator settings (fixed-size segments), as before
                    `_expandable_segments` was added
   buckets_expand   buckets, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the whole process
+  buckets_fp8, buckets_expand_fp8  the same with every layer FP8 (DelayedScaling)
   one_shape        cuda_graphs=True, every batch padded to the bucket of the largest batch: one capture
   one_shape_fp8    one_shape with every layer FP8 (DelayedScaling)
   eager_fp8        eager with every layer FP8
@@ -40,6 +41,8 @@ CASES = {
     "buckets": dict(cuda_graphs=True),
     "buckets_fixed_segments": dict(cuda_graphs=True),
     "buckets_expand": dict(cuda_graphs=True),
+    "buckets_fp8": dict(cuda_graphs=True, fp8=True),
+    "buckets_expand_fp8": dict(cuda_graphs=True, fp8=True),
     "one_shape": dict(cuda_graphs=True),
     "one_shape_fp8": dict(cuda_graphs=True, fp8=True),
     "eager_fp8": dict(cuda_graphs=False, fp8=True),
@@ -122,7 +125,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--worker", "--cases", case, "--shape", args.shape]
         command += ["--proteins", str(args.proteins), "--steps", str(args.steps)]
         environment = dict(os.environ)
-        if case == "buckets_expand":
+        if case.startswith("buckets_expand"):
             environment["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         process = subprocess.run(command, capture_output=True, text=True, env=environment)
         lines = [line[7:] for line in process.stdout.splitlines() if line.startswith("RESULT ")]

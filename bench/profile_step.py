@@ -1,23 +1,32 @@
-"""Where does a packed NVEsm step spend its time? Step times under controlled batch shapes, plus a profile.
+"""Where does a packed NVEsm step spend its time? GPU-idle fraction per step from a trace, step times under
+controlled batch shapes, and the top operators, for one or several benchmark.py variants side by side.
 
-    python bench/profile_step.py --shape 650M --proteins 16 --out bench/results
+    python bench/profile_step.py --shape 650M --proteins 16 64 --variants nv_thd nv_thd_graphs --out bench/results/x
 
-Experiments (one packed variant of benchmark.py, nv_thd by default):
+Per variant, mode (train/infer) and protein count, after a warm pass over the same batches (cuDNN plans, TE set-up,
+CUDA-graph captures: none of that is traced):
+  trace         `--trace-steps` new random batches under torch.profiler, each step a `train_step_i` span; from the
+                Chrome trace (`nv_esm.trace_summary`): wall time per step (first to last kernel), GPU busy (union of
+                kernels), GPU idle = wall - busy (the GPU waiting for the CPU), kernels per step, top kernels
+and with `--experiments`:
   varying       a new random batch every step (what training sees)
   repeated      one batch over and over (no new shapes)
   bucketed      new batches, max_length_q rounded up to a multiple of `--bucket` tokens
-and a torch.profiler table of one varying step (GPU kernel time vs wall time, top operators).
+Writes OUT/profile.json and the traces, TRACE_DIR/trace_{variant}_{mode}_{proteins}.json.gz.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
 
 import torch
-from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, mlm_inputs, packed, step
+from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, make_optimizer, mlm_inputs, packed, step
+
+from nv_esm import trace_summary
 
 
 def step_times(model, batches: list[dict], optimizer) -> list[float]:
@@ -31,56 +40,85 @@ def step_times(model, batches: list[dict], optimizer) -> list[float]:
     return times
 
 
+def traced(model, batches: list[dict], optimizer, path: Path) -> dict:
+    """Trace `batches` (one `train_step_i` span each) into `path`; its `trace_summary` with the idle fraction."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for index, batch in enumerate(batches):
+            with torch.profiler.record_function(f"train_step_{index}"):
+                step(model, batch, optimizer)
+        torch.cuda.synchronize()
+    profiler.export_chrome_trace(str(path))
+    summary = trace_summary.summarise(path, top=12)
+    times = summary["ms_per_step"]
+    summary["gpu_idle_fraction"] = round(times["gpu_idle"] / times["wall"], 3)
+    return summary
+
+
+def experiments(model, optimizer, args, seed: int) -> dict:
+    """Median step times of the varying, repeated and bucketed batches."""
+    raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, args.proteins_now, seed=seed))]
+    varying = [packed(*b) for b in raw]
+    step_times(model, varying, optimizer)  # warm-up
+    bucketed = []
+    for batch in varying[args.steps :]:
+        bucket = -(-batch["max_length_q"] // args.bucket) * args.bucket
+        bucketed.append({**batch, "max_length_q": bucket})
+    report = {}
+    for name, batches in {"varying": varying[: args.steps], "repeated": [varying[0]] * args.steps}.items():
+        times = step_times(model, batches, optimizer)
+        report[f"{name}_ms"] = [round(1e3 * t, 1) for t in times]
+    times = step_times(model, bucketed, optimizer)
+    report["bucketed_ms"] = [round(1e3 * t, 1) for t in times]
+    return report
+
+
 def main() -> None:
+    import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))
-    parser.add_argument("--variant", default="nv_thd", choices=sorted(PACKED_VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["nv_thd"], choices=sorted(PACKED_VARIANTS))
     parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
-    parser.add_argument("--proteins", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--proteins", type=int, nargs="+", default=[16])
+    parser.add_argument("--trace-steps", type=int, default=4)
+    parser.add_argument("--experiments", action="store_true", help="also time varying/repeated/bucketed batches")
+    parser.add_argument("--steps", type=int, default=8, help="steps per experiment")
     parser.add_argument("--bucket", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--trace-dir", type=Path, help="where the traces go (default: --out)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {}
-    for mode in args.modes:
-        training = mode == "train"
-        model = build(args.variant, SHAPES[args.shape], training)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if training else None
-        raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, args.proteins, seed=7))]
-        varying = [packed(*b) for b in raw]
-        step_times(model, varying[:3], optimizer)  # warm-up
-        bucketed = []
-        for batch in varying[args.steps :]:
-            bucket = -(-batch["max_length_q"] // args.bucket) * args.bucket
-            bucketed.append({**batch, "max_length_q": bucket})
-        experiments = {
-            "varying": varying[3 : 3 + args.steps],
-            "repeated": [varying[0]] * args.steps,
-            "bucketed": bucketed,
-        }
-        for name, batches in experiments.items():
-            times = step_times(model, batches, optimizer)
-            report[f"{mode}_{name}_ms"] = [round(1e3 * t, 1) for t in times]
-            print(f"{mode} {name}: median {1e3 * sorted(times)[len(times) // 2]:.1f} ms {report[f'{mode}_{name}_ms']}")
-        fresh = [
-            packed(*b) for b in [mlm_inputs(b, seed=99 + i) for i, b in enumerate(draw_batches(2, args.proteins, 9))]
-        ]
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
-            step_times(model, fresh, optimizer)
-        events = prof.key_averages()
-        cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / len(fresh)
-        report[f"{mode}_gpu_busy_ms_per_step"] = round(cuda_total, 1)
-        table = events.table(sort_by="self_cpu_time_total", row_limit=25)
-        table_gpu = events.table(sort_by="self_device_time_total", row_limit=25)
-        (args.out / f"profile_{mode}.txt").write_text(table + "\n\n" + table_gpu)
-        print(f"{mode}: GPU kernel time per step {cuda_total:.1f} ms")
-        print(table[:6000])
-        model = optimizer = None
-        torch.cuda.empty_cache()
-    (args.out / "profile.json").write_text(json.dumps(report, indent=1))
+    trace_dir = args.trace_dir or args.out
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape, "runs": []}
+    for variant in args.variants:
+        for mode in args.modes:
+            training = mode == "train"
+            model = build(variant, SHAPES[args.shape], training)
+            optimizer = make_optimizer(variant, model) if training else None
+            for proteins in args.proteins:
+                raw = draw_batches(args.trace_steps, proteins, seed=9)
+                batches = [packed(*mlm_inputs(b, seed=99 + i)) for i, b in enumerate(raw)]
+                step_times(model, batches, optimizer)  # warm pass: captures and set-up stay out of the trace
+                name = f"{variant}_{mode}_{proteins}"
+                summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz")
+                run = dict(variant=variant, mode=mode, proteins=proteins, **summary)
+                if args.experiments:
+                    args.proteins_now = proteins
+                    run["experiments"] = experiments(model, optimizer, args, seed=7)
+                report["runs"].append(run)
+                times = summary["ms_per_step"]
+                print(
+                    f"{name}: wall {times['wall']} ms/step, GPU busy {times['gpu_busy']}, idle "
+                    f"{summary['gpu_idle_fraction']:.0%}, {summary['kernels_per_step']} kernels/step",
+                    flush=True,
+                )
+                (args.out / "profile.json").write_text(json.dumps(report, indent=1))
+            model = optimizer = None
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

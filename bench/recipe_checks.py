@@ -1,10 +1,11 @@
-"""Multi-GPU checks of the training recipe, `recipes/train.py` (`nv_esm.train`), on a host with 2+ GPUs and TE.
+"""Checks of the training recipe, `recipes/train.py` (`nv_esm.train`), on a host with TE and 2+ GPUs (graphs: 1).
 
     python bench/recipe_checks.py scaling --out $OUT/recipe   # 1 vs 2 GPUs, same global batch: losses, tokens/s
     python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
     python bench/recipe_checks.py fp8 --out $OUT/recipe       # FP8 vs bf16 over 200 steps from the same init
     python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 GPUs
     python bench/recipe_checks.py fit --shape 15B --activation-checkpointing --out $OUT/recipe   # a big model, 2 GPUs
+    python bench/recipe_checks.py graphs --out $OUT/recipe    # 1 GPU: eager vs CUDA graphs vs graphs + FP8
 
 Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
 their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
@@ -180,20 +181,21 @@ def check_resume(out: Path, shape: str, steps: int, kill_after: int, *extra: str
     )
 
 
-def check_fp8(out: Path, shape: str, steps: int) -> dict:
-    """bf16 vs FP8 (delayed scaling, all layers) from the same init on the same data."""
+def check_fp8(out: Path, shape: str, steps: int, gpus: int) -> dict:
+    """bf16 vs FP8 (delayed scaling, all layers) from the same init on the same data, on `gpus` GPUs (one: CUDA
+    graphs, the recipe's default there)."""
     config = write_config(out, shape)
     common = ["--steps", str(steps), "--token-budget", "16384", "--warmup-steps", "20", "--lr", "4e-4"]
     common += ["--log-every", "5"]
-    env = {"NVTE_TORCH_COMPILE": "0"}
-    launch(out / "fp8_off", 2, config, *common, env=env)
-    launch(out / "fp8_on", 2, config, *common, "--fp8", "all", env=env)
-    bf16, fp8 = metrics(out / "fp8_off"), metrics(out / "fp8_on")
+    launch(out / f"fp8_off_{gpus}gpu", gpus, config, *common)
+    launch(out / f"fp8_on_{gpus}gpu", gpus, config, *common, "--fp8", "all")
+    bf16, fp8 = metrics(out / f"fp8_off_{gpus}gpu"), metrics(out / f"fp8_on_{gpus}gpu")
     tail = 20
     mean = lambda records: statistics.fmean(r["loss"] for r in records[-tail:])  # noqa: E731
     return dict(
         shape=shape,
         steps=steps,
+        gpus=gpus,
         losses_bf16=[r["loss"] for r in bf16],
         losses_fp8=[r["loss"] for r in fp8],
         final_loss_bf16=mean(bf16),
@@ -204,9 +206,32 @@ def check_fp8(out: Path, shape: str, steps: int) -> dict:
     )
 
 
+def check_graphs(out: Path, shape: str, steps: int, budget: int) -> dict:
+    """One GPU (unsharded), same init and data: eager (`--no-cuda-graphs`), CUDA graphs, CUDA graphs with FP8 (all
+    layers, delayed scaling): losses and tokens/s."""
+    config = write_config(out, shape)
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "5", "--lr", "2e-4"]
+    common += ["--log-every", "1", "--no-checkpoint"]
+    variants = {"eager": ["--no-cuda-graphs"], "graphs": [], "graphs_fp8": ["--fp8", "all"]}
+    records = {}
+    for name, extra in variants.items():
+        launch(out / f"graphs_{shape}_{name}", 1, config, *common, *extra)
+        records[name] = metrics(out / f"graphs_{shape}_{name}")
+    eager, graphs = records["eager"], records["graphs"]
+    relative = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(eager, graphs)]
+    return dict(
+        shape=shape,
+        steps=steps,
+        token_budget=budget,
+        max_relative_loss_difference_graphs_vs_eager=max(relative),
+        **{f"losses_{name}": [r["loss"] for r in rows] for name, rows in records.items()},
+        **{name: throughput(rows) for name, rows in records.items()},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit"))
+    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs"))
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
@@ -216,6 +241,7 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--gpus", type=int, default=2, help="fp8: GPUs per run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.check == "scaling":
@@ -229,11 +255,13 @@ def main() -> None:
     elif args.check == "fit":
         extra = ("--activation-checkpointing",) if args.activation_checkpointing else ()
         result = check_fit(args.out, args.shape or "3B", args.steps or 12, args.budget, *extra)
+    elif args.check == "graphs":
+        result = check_graphs(args.out, args.shape or "650M", args.steps or 40, args.budget)
     elif args.check == "profile":
         result = check_profile(args.out, args.shape or "650M", args.budget)
     else:
-        result = check_fp8(args.out, args.shape or "150M", args.steps or 200)
-    name = args.check + ("_fp8" if args.fp8 else "")
+        result = check_fp8(args.out, args.shape or "150M", args.steps or 200, args.gpus)
+    name = args.check + ("_fp8" if args.fp8 else "") + (f"_{args.gpus}gpu" if args.check == "fp8" else "")
     if args.check == "weak":
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":

@@ -19,8 +19,8 @@ Shard `embeddings-00000.safetensors` holds, for the proteins it embedded (in fil
 `iter_embeddings(folder)` reads them back.
 
 Precision: bf16 weights and autocast on CUDA, fp32 on the CPU; `--fp8` runs Transformer Engine FP8 layers and
-`--cuda-graphs` replays the layers as CUDA graphs (`cuda_graphs=True`; other layers than the last, and contacts, run
-eagerly).
+the layers replay as CUDA graphs on Transformer Engine (the model's `cuda_graphs` default; other layers than the
+last, and contacts, run eagerly; `--no-cuda-graphs` runs all eagerly).
 """
 
 from __future__ import annotations
@@ -577,7 +577,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "--fp8", choices=("off", "all", "inner"), default="off", help="FP8 layers (Transformer Engine on CUDA)"
     )
     parser.add_argument(
-        "--cuda-graphs", action="store_true", help="replay the layers as CUDA graphs (TE; last layer only, no contacts)"
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="replay the layers as CUDA graphs (default on Transformer Engine; last layer only, no contacts)",
     )
     parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings")
@@ -639,7 +641,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
             f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
         )
     backend = resolved_backend(args.backend, device)
-    if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":
+    if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":  # --cuda-graphs asked for, not the default
         raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
     records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid)
     settings = EmbedSettings(
@@ -695,7 +697,8 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     try:
         config = load_config(args.checkpoint)
         settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
-        model = load_model(args.checkpoint, config, settings.backend, args.fp8, args.cuda_graphs, device)
+        graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
+        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device)
         run(args, model, settings, records, rank, world_size)
         return 0
     except (ValueError, OSError, RuntimeError) as error:

@@ -1,6 +1,8 @@
 """GPU tests: Transformer Engine backend vs the PyTorch twin vs transformers, bf16 and FP8.
 
-Run on a Hopper GPU with Transformer Engine: `python -m pytest -m gpu -s`. Skipped without CUDA or TE.
+Run on a Hopper GPU with Transformer Engine: `python -m pytest -m gpu -s`. Skipped without CUDA or TE. Every test
+runs twice, TE models with CUDA graphs (the default: they replay where `uses_cuda_graphs` allows, i.e. in eval mode
+under no_grad and in train mode with gradients) and without (`cuda_graphs=False`, all eager).
 
 Tolerances (bf16): both transformers and NVEsm round every activation to bf16 (8 bits of mantissa, relative
 step 2^-8 = 0.4%), so neither matches the fp32 result exactly. Each model is compared with transformers in
@@ -10,6 +12,8 @@ floor for the differing kernel order). Transformer Engine's fused GELU is the ta
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -53,8 +57,17 @@ def hf_fp32():
     return make_hf_model("esm2_8M", seed=100)
 
 
+CUDA_GRAPHS = True  # the `cuda_graphs` of `te_model`'s models; each test runs with True and False
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["graphs", "eager"])
+def cuda_graphs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "CUDA_GRAPHS", request.param)
+
+
 def te_model(hf, dtype=torch.bfloat16, **overrides) -> NVEsmForMaskedLM:
-    return make_nv_model(hf, backend="te", **overrides).to(CUDA, dtype)
+    """The TE twin of `hf` on the GPU, with CUDA graphs as the running test's `cuda_graphs` parameter says."""
+    return make_nv_model(hf, backend="te", **{"cuda_graphs": CUDA_GRAPHS, **overrides}).to(CUDA, dtype)
 
 
 def hf_on_gpu(hf, dtype):
@@ -306,7 +319,7 @@ def test_te_attention_maps_and_contacts_match_transformers_within_bf16():
     """TE layers form no maps: the explicit pass over their weights gives transformers' eager maps and contacts
     (fp32 reference on the GPU) no worse than transformers' own bf16 run does, plus the floor."""
     hf = make_hf_model("esm2_8M", seed=130, attn_implementation="eager")
-    model = make_nv_model(hf, backend="te").to(CUDA, torch.bfloat16).eval()
+    model = te_model(hf).eval()
     reference, hf_bf16 = hf.to(CUDA).eval(), make_hf_model("esm2_8M", seed=130, attn_implementation="eager")
     hf_bf16.load_state_dict(hf.state_dict())
     hf_bf16 = hf_bf16.to(CUDA, torch.bfloat16).eval()

@@ -40,7 +40,7 @@ def hf_fp32():
 
 def te_pair(hf, dtype=torch.float32, **overrides):
     """Eager and graphed TE models with the same weights."""
-    eager = make_nv_model(hf, backend="te", **overrides).to(CUDA, dtype)
+    eager = make_nv_model(hf, backend="te", cuda_graphs=False, **overrides).to(CUDA, dtype)
     graphed = make_nv_model(hf, backend="te", cuda_graphs=True, **overrides).to(CUDA, dtype)
     return eager, graphed
 
@@ -186,3 +186,55 @@ def test_training_shapes_share_one_weight_gradient_buffer(hf_fp32):
     print(f"\n[graphs memory] weights {weight_bytes / 1e6:.1f} MB, growth per new shape {[g / 1e6 for g in growth]} MB")
     assert len(graphed.esm.encoder.graphs._graphs) == 3
     assert max(growth) < weight_bytes / 2
+
+
+def test_a_capture_out_of_memory_frees_the_graphs_and_runs_eagerly(hf_fp32, monkeypatch):
+    """A capture that runs out of GPU memory (simulated at the second shape) drops every graph and the shared
+    weight-gradient buffers, and the model goes on eagerly (no capture tried again): the step's gradients, summed
+    over a graphed and an eager micro-batch, equal the eager model's."""
+    import transformer_engine.pytorch as te
+
+    eager, graphed = te_pair(hf_fp32)
+    first, second, third = (packed_on_gpu(p) for p in batches(208, 2, longest=200) + batches(209, 1, longest=400))
+    calls = []
+    real_capture = te.make_graphed_callables
+
+    def capture_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(te, "make_graphed_callables", capture_once)
+    graphs = graphed.esm.encoder.graphs
+    for model in (eager, graphed):
+        model.train()
+        for batch in (first, third):  # third: another shape, whose capture fails
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(**batch, labels=batch["input_ids"]).loss.backward()
+    assert len(calls) == 2 and graphs._out_of_memory and not graphs._graphs
+    assert not [p for p in graphed.parameters() if hasattr(p, "main_grad")]
+    for (name, a), (_, b) in zip(eager.named_parameters(), graphed.named_parameters()):
+        if a.grad is not None and a.grad.norm() > 0:
+            assert relative_error(b.grad, a.grad) <= GRAD_RTOL, name
+    graphed.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed(**second, labels=second["input_ids"]).loss.backward()
+    assert len(calls) == 2  # eager from now on
+    graphs.clear()
+    assert not graphs._out_of_memory
+
+
+def test_graphs_stay_off_where_a_replay_would_be_wrong(hf_fp32, monkeypatch):
+    """Training under a process group of several ranks (DDP waits for each weight's gradient), inside another
+    capture, and in an `nn.DataParallel` replica: eager."""
+    graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
+    encoder = graphed.esm.encoder
+    assert encoder.uses_cuda_graphs(output_hidden_states=False)
+    monkeypatch.setattr("modeling_nv_esm._several_ranks", lambda: True)
+    assert not encoder.uses_cuda_graphs(output_hidden_states=False)
+    graphed.eval()
+    with torch.no_grad():
+        assert encoder.uses_cuda_graphs(output_hidden_states=False)  # inference graphs do not involve the ranks
+        encoder._is_replica = True
+        assert not encoder.uses_cuda_graphs(output_hidden_states=False)

@@ -179,7 +179,9 @@ def test_embed_rejects_bad_arguments(exported):
 def test_saved_configs_carry_no_load_time_options(tmp_path, monkeypatch):
     """A model saved with backend="torch" and the other machine choices loads with the defaults (TE where it runs),
     unless they are passed again; an older config.json that has them is read without them, with a warning."""
-    choices = dict(backend="torch", attn_input_format="bshd", check_inputs=False, max_protein_length=9000)
+    choices = dict(
+        backend="torch", attn_input_format="bshd", check_inputs=False, cuda_graphs=False, max_protein_length=9000
+    )
     model = make_nv_model(make_hf_model("tiny", seed=43), **choices)
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
@@ -195,7 +197,7 @@ def test_saved_configs_carry_no_load_time_options(tmp_path, monkeypatch):
     warnings: list[str] = []
     monkeypatch.setattr(configuration_nv_esm.logger, "warning", warnings.append)
     (tmp_path / "old").mkdir()
-    older = saved | {"backend": "torch", "check_inputs": False, "attn_input_format": "thd", "cuda_graphs": False}
+    older = saved | {"backend": "torch", "check_inputs": False, "attn_input_format": "thd", "cuda_graphs": True}
     (tmp_path / "old" / "config.json").write_text(json.dumps(older))
     config = type(model.config).from_pretrained(tmp_path / "old")
     assert (config.backend, config.check_inputs) == ("auto", True)

@@ -28,8 +28,10 @@ Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pr
 
 (`recipes/train.py` is the same command as a script: `torchrun --nproc-per-node 2 recipes/train.py ...`.)
 
-Each transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16
-compute, fp32 master weights and gradient reduction). The model is built on the meta device and each rank
+On several ranks each transformer layer and then the whole model are wrapped with
+`torch.distributed.fsdp.fully_shard` (bf16 compute, fp32 master weights and gradient reduction); a world of one
+is not sharded (fp32 weights, bf16 autocast) and replays the Transformer Engine layers as CUDA graphs
+(`--no-cuda-graphs`: eagerly). The model is built on the meta device and each rank
 materialises only its own shard: read from a converted checkpoint's safetensors row slices (`--model`) or drawn
 from scratch (`--config`) with one seeded generator per tensor, so every world size starts from the same weights.
 
@@ -58,6 +60,7 @@ class ModelConfig:
     fp8_recipe: str = "delayed"  # delayed, current or block
     lora_rank: int = 0  # 0: train all weights
     lora_alpha: float = 16.0
+    cuda_graphs: bool = True  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
 
     @property
     def source(self) -> Path:
@@ -188,6 +191,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
     model.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=ModelConfig.cuda_graphs,
+        help="replay the TE layers as CUDA graphs (one GPU: FSDP2-sharded layers run eagerly)",
+    )
+    model.add_argument(
         "--lora-rank",
         type=int,
         default=ModelConfig.lora_rank,
@@ -266,6 +275,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             fp8_recipe=args.fp8_recipe,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
+            cuda_graphs=args.cuda_graphs,
         ),
         data=DataConfig(
             files=list(args.data),

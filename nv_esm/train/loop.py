@@ -30,7 +30,7 @@ from nv_esm.train.export import export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.materialize import build_model, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
-from nv_esm.train.parallel import Dist, init_distributed
+from nv_esm.train.parallel import Dist, forward_context, init_distributed
 
 
 def summed_loss(model: nn.Module, batch: PackedBatch, task: str) -> torch.Tensor:
@@ -70,8 +70,10 @@ def train_step(
     scale = world.world_size / counts[0].clamp(min=1)
     loss_sum = torch.zeros(1, device=world.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        loss = summed_loss(model, batch.to(world.device), config.model.task)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce the gradients after the last one only
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        with forward_context(config.parallel, world):
+            loss = summed_loss(model, batch.to(world.device), config.model.task)
         (loss * scale).backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, config.optimizer.clip_grad)

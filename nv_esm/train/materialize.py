@@ -55,7 +55,7 @@ def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
     fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(settings.fp8, num_layers))
     # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
-    fields.update(fp8_recipe=settings.fp8_recipe, check_inputs=False)
+    fields.update(fp8_recipe=settings.fp8_recipe, check_inputs=False, cuda_graphs=settings.cuda_graphs)
     fields.update(labels)
     return NVEsmConfig(**fields)
 
@@ -78,6 +78,8 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
         model = add_lora(model, config.model)
     parallelize(model, config.parallel, world, nv_config.backend)
     model.to_empty(device=world.device)
+    if world.world_size == 1:  # unsharded: `to_empty` gave the tied decoder its own tensor (FSDP2 keeps it shared)
+        model.tie_weights()
     source = CheckpointReader(Path(config.model.init_from)) if config.model.init_from else None
     materialise(model, nv_config, source, config.seed, world)
     return model

@@ -1,12 +1,15 @@
 """How the model runs on many ranks: the process group and device mesh, FSDP2 sharding with explicit prefetch,
 mixed precision, activation checkpointing and per-layer compilation.
 
-`parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist);
-new scale-out options belong here.
+`parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist), and
+`forward_context` the context its forwards run in; new scale-out options belong here. A world of one is not sharded
+(FSDP2 over one rank would only copy every weight each step, and its hooks keep CUDA graphs off): its fp32 weights
+compute under `torch.autocast`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -66,7 +69,8 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
 
 def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend: str) -> None:
     """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing,
-    `torch.compile` of each layer, then FSDP2 sharding in `compute_dtype` (the weights are materialised after).
+    `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the weights are
+    materialised after).
     `backend` is the model config's layer backend (`te` or `torch`)."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -76,8 +80,18 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
             raise ValueError("--compile is for --backend torch; Transformer Engine layers are fused already.")
         for layer in layers:
             layer.compile()
+    if world.world_size > 1:
+        dtype = compute_dtype(settings, world.device)
+        shard(model, layers, world, dtype, reshard_after_forward=not settings.keep_gathered)
+
+
+def forward_context(settings: ParallelConfig, world: Dist) -> contextlib.AbstractContextManager:
+    """The context of the model's forward (and loss): FSDP2 casts sharded weights to `compute_dtype` itself; an
+    unsharded model (a world of one) keeps fp32 weights and computes under `torch.autocast` in that dtype."""
     dtype = compute_dtype(settings, world.device)
-    shard(model, layers, world, dtype, reshard_after_forward=not settings.keep_gathered)
+    if world.world_size > 1 or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(world.device.type, dtype=dtype)
 
 
 def shard(

@@ -109,6 +109,32 @@ def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, t
         assert (tmp_path / "run" / "final" / name).exists(), name
 
 
+def export_command(*args: str) -> subprocess.CompletedProcess:
+    """`python -m nv_esm.train export ARGS` under umask 077."""
+    command = [sys.executable, "-m", "nv_esm.train", "export", *args]
+    return subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(0o077), timeout=120)
+
+
+def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_in_one_line(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    run_recipe(tmp_path / "run", *mlm_args(tiny_config, 1, "--no-export"), ranks=1)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000001"
+    done = export_command(str(checkpoint), str(tmp_path / "hub"))
+    assert done.returncode == 0, done.stderr
+    files = sorted(p for p in (tmp_path / "hub").rglob("*") if p.is_file())
+    assert f"wrote {tmp_path / 'hub'} (NVEsmForMaskedLM, {len(files)} files" in done.stdout
+    assert all(f"  {p.name} " in done.stdout for p in files)
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
+    assert oct((tmp_path / "hub").stat().st_mode & 0o777) == "0o755"
+    again = export_command(str(checkpoint), str(tmp_path / "hub"))
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "--force" in again.stderr
+    wrong = export_command(str(tmp_path / "run"), str(tmp_path / "other"))
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "not a training checkpoint" in wrong.stderr and not (tmp_path / "other").exists()
+    assert export_command(str(checkpoint), str(tmp_path / "hub"), "--force").returncode == 0
+
+
 def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     args = ["--model", str(nv_tiny), "--task", "token", "--data", str(SECONDARY_STRUCTURE), "--steps", "6"]
@@ -242,7 +268,32 @@ def test_interval_union_and_overlap_match_a_brute_force_count() -> None:
         assert trace_summary.overlap_length(a, b) == len(covered_a & covered_b)
 
 
+def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None:
+    """--tensorboard writes OUT/tensorboard with the scalars of metrics.jsonl, step for step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_recipe(tmp_path / "run", *mlm_args(tiny_config, 4, "--log-every", "2", "--tensorboard", "--no-export"), ranks=1)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    logged = {scalar.step: scalar.value for scalar in events.Scalars("loss")}
+    assert logged == pytest.approx(losses(tmp_path / "run"), rel=1e-6)
+
+
 def test_no_checkpoint_logs_every_step_and_writes_no_checkpoint(tmp_path: Path, tiny_config: Path) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 5, "--log-every", "2", "--no-checkpoint"))
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_tensorboard_without_the_package_is_refused_before_training(tiny_config: Path, tmp_path: Path, monkeypatch):
+    import importlib.util
+
+    from nv_esm.train.config import parse_config
+
+    config = parse_config([*mlm_args(tiny_config, 2, "--tensorboard"), "--out", str(tmp_path / "run")])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real_find_spec(name)
+    )
+    with pytest.raises(ValueError, match=r"--tensorboard needs the tensorboard package: pip install '\.\[train\]'"):
+        config.validate()

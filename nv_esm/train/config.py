@@ -11,6 +11,7 @@ it starts (argparse makes the others: choices, required options, `--model` or `-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,8 @@ class TrainConfig:
         profile_steps, log_every, steps = self.logging.profile_steps, self.logging.log_every, self.optimizer.steps
         if profile_steps and log_every + profile_steps > steps:
             raise ValueError("--profile-steps traces the steps after the first --log-every ones: raise --steps.")
+        if self.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install '.[train]' (or tensorboard).")
         if self.optimizer.warmup_steps >= steps:
             raise ValueError(f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({steps}).")
         for path in self.data.files:

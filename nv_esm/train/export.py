@@ -2,20 +2,23 @@
 
     python -m nv_esm.train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
 
-The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt.
+The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt. The
+command lists what it wrote; it refuses a FOLDER that is not empty (without --force) or a CHECKPOINT that is not
+one with a one-line error. Exported files are world-readable (folders 755, files 644) whatever the umask.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from configuration_nv_esm import NVEsmConfig
-from nv_esm.checkpoint_io import WEIGHTS_NAME
+from nv_esm.checkpoint_io import WEIGHTS_NAME, format_bytes
 from nv_esm.hub_folder import (
     check_out,
     copy_remote_code,
@@ -35,6 +38,8 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    if not (checkpoint / TRAIN_STATE).is_file():
+        raise ValueError(f"{checkpoint} is not a training checkpoint (no {TRAIN_STATE}); give OUT/checkpoints/step_N.")
     run = json.loads((checkpoint / TRAIN_STATE).read_text())["run"]
     config, task = NVEsmConfig.from_dict(run["config"]), run["settings"]["task"]
     check_out(out, force)
@@ -53,7 +58,20 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         copy_remote_code(staging)
         write_license(staging, with_code=True)
         (staging / "README.md").write_text(training_card(checkpoint, run, weights))
+        for path in [staging, *staging.rglob("*")]:  # shared folders: readable by all, whatever the umask
+            path.chmod(0o755 if path.is_dir() else 0o644)
     return out
+
+
+def describe(folder: Path) -> str:
+    """What an exported folder holds: its model class, then one line per file with its size."""
+    files = sorted(path for path in folder.rglob("*") if path.is_file())
+    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
+    total = sum(path.stat().st_size for path in files)
+    width = max(len(str(path.relative_to(folder))) for path in files)
+    lines = [f"wrote {folder} ({architecture}, {len(files)} files, {format_bytes(total)}):"]
+    lines += [f"  {str(p.relative_to(folder)):<{width}}  {format_bytes(p.stat().st_size):>10}" for p in files]
+    return "\n".join(lines)
 
 
 def export_weights(model_state: dict[str, Any], config: NVEsmConfig, lora_alpha: float) -> dict[str, torch.Tensor]:
@@ -76,4 +94,9 @@ def export_main(argv: list[str], prog: str) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     args = parser.parse_args(argv)
-    export(args.checkpoint, args.out, args.force)
+    try:
+        export(args.checkpoint, args.out, args.force)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(describe(args.out))

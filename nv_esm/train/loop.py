@@ -26,7 +26,7 @@ from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
 from nv_esm.train.checkpoint import load_checkpoint, load_rng_state, prepare_out, resume_settings, save_checkpoint
 from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, parse_config
-from nv_esm.train.export import export, export_main
+from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.materialize import build_model, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
@@ -160,8 +160,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
             interval_start = time.perf_counter()
     metrics.close()
     if world.is_main and step == settings.steps and config.checkpoint.export and checkpoint is not None:
-        final = export(checkpoint, out / "final", force=True)
-        print(f"exported {final}", flush=True)
+        print(describe(export(checkpoint, out / "final", force=True)), flush=True)
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:

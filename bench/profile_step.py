@@ -56,9 +56,9 @@ def traced(model, batches: list[dict], optimizer, path: Path) -> dict:
     return summary
 
 
-def experiments(model, optimizer, args, seed: int) -> dict:
+def experiments(model, optimizer, args, proteins: int, seed: int) -> dict:
     """Median step times of the varying, repeated and bucketed batches."""
-    raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, args.proteins_now, seed=seed))]
+    raw = [mlm_inputs(b, seed=i) for i, b in enumerate(draw_batches(2 * args.steps, proteins, seed=seed))]
     varying = [packed(*b) for b in raw]
     step_times(model, varying, optimizer)  # warm-up
     bucketed = []
@@ -106,8 +106,7 @@ def main() -> None:
                 summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz")
                 run = dict(variant=variant, mode=mode, proteins=proteins, **summary)
                 if args.experiments:
-                    args.proteins_now = proteins
-                    run["experiments"] = experiments(model, optimizer, args, seed=7)
+                    run["experiments"] = experiments(model, optimizer, args, proteins, seed=7)
                 report["runs"].append(run)
                 times = summary["ms_per_step"]
                 print(

@@ -257,18 +257,24 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
         ) from error
 
 
-def push_to_hub(folder: Path, repo_id: str, private: bool, commit_message: str, dry_run: bool) -> None:
-    """Upload `folder` to a Hub model repository (created if needed); `dry_run` only lists what would go."""
+def file_listing(folder: Path) -> tuple[str, list[str]]:
+    """The files under `folder`: a summary ("N files (SIZE)") and one line per file, its path and size."""
     files = sorted(path for path in folder.rglob("*") if path.is_file())
     total = sum(path.stat().st_size for path in files)
+    width = max((len(str(path.relative_to(folder))) for path in files), default=0)
+    lines = [f"  {str(p.relative_to(folder)):<{width}}  {format_bytes(p.stat().st_size):>10}" for p in files]
+    return f"{len(files)} files ({format_bytes(total)})", lines
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, commit_message: str, dry_run: bool) -> None:
+    """Upload `folder` to a Hub model repository (created if needed); `dry_run` only lists what would go."""
+    summary, lines = file_listing(folder)
     visibility = "private" if private else "default visibility"
     if dry_run:
-        print(f"dry run: would upload {len(files)} files ({format_bytes(total)}) to {repo_id} ({visibility}):")
-        width = max(len(str(path.relative_to(folder))) for path in files)
-        for path in files:
-            print(f"  {str(path.relative_to(folder)):<{width}}  {format_bytes(path.stat().st_size):>10}")
+        print(f"dry run: would upload {summary} to {repo_id} ({visibility}):")
+        print("\n".join(lines))
         print(f"  commit message: {commit_message}")
         return
     huggingface_hub.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
     commit = huggingface_hub.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
-    print(f"uploaded {len(files)} files ({format_bytes(total)}) to {getattr(commit, 'commit_url', repo_id)}")
+    print(f"uploaded {summary} to {getattr(commit, 'commit_url', repo_id)}")

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from configuration_nv_esm import NVEsmConfig
-from nv_esm.checkpoint_io import WEIGHTS_NAME, format_bytes
+from nv_esm.checkpoint_io import WEIGHTS_NAME
 from nv_esm.hub_folder import (
     check_out,
     copy_remote_code,
+    file_listing,
     nv_config_dict,
     staging_folder,
     write_esm_tokenizer,
@@ -65,13 +66,9 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
 
 def describe(folder: Path) -> str:
     """What an exported folder holds: its model class, then one line per file with its size."""
-    files = sorted(path for path in folder.rglob("*") if path.is_file())
     architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
-    total = sum(path.stat().st_size for path in files)
-    width = max(len(str(path.relative_to(folder))) for path in files)
-    lines = [f"wrote {folder} ({architecture}, {len(files)} files, {format_bytes(total)}):"]
-    lines += [f"  {str(p.relative_to(folder)):<{width}}  {format_bytes(p.stat().st_size):>10}" for p in files]
-    return "\n".join(lines)
+    summary, lines = file_listing(folder)
+    return "\n".join([f"wrote {folder} ({architecture}, {summary}):", *lines])
 
 
 def export_weights(model_state: dict[str, Any], config: NVEsmConfig, lora_alpha: float) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from modeling_nv_esm import (
 from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, parallelize
+from nv_esm.train.parallel import Dist, parallelize, sharded
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -78,7 +78,7 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
         model = add_lora(model, config.model)
     parallelize(model, config.parallel, world, nv_config.backend)
     model.to_empty(device=world.device)
-    if world.world_size == 1:  # unsharded: `to_empty` gave the tied decoder its own tensor (FSDP2 keeps it shared)
+    if not sharded(world):  # `to_empty` gave the tied decoder its own tensor (FSDP2 keeps it shared)
         model.tie_weights()
     source = CheckpointReader(Path(config.model.init_from)) if config.model.init_from else None
     materialise(model, nv_config, source, config.seed, world)

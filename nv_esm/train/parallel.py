@@ -80,16 +80,21 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
             raise ValueError("--compile is for --backend torch; Transformer Engine layers are fused already.")
         for layer in layers:
             layer.compile()
-    if world.world_size > 1:
+    if sharded(world):
         dtype = compute_dtype(settings, world.device)
         shard(model, layers, world, dtype, reshard_after_forward=not settings.keep_gathered)
+
+
+def sharded(world: Dist) -> bool:
+    """Whether `parallelize` shards the model (FSDP2): on several ranks only."""
+    return world.world_size > 1
 
 
 def forward_context(settings: ParallelConfig, world: Dist) -> contextlib.AbstractContextManager:
     """The context of the model's forward (and loss): FSDP2 casts sharded weights to `compute_dtype` itself; an
     unsharded model (a world of one) keeps fp32 weights and computes under `torch.autocast` in that dtype."""
     dtype = compute_dtype(settings, world.device)
-    if world.world_size > 1 or dtype == torch.float32:
+    if sharded(world) or dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(world.device.type, dtype=dtype)
 

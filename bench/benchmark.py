@@ -65,9 +65,11 @@ VARIANT_CONFIGS = {
     "nv_thd_bf16w": dict(check_inputs=False),
     "nv_thd_graphs": dict(cuda_graphs=True),
     "nv_thd_graphs_fp8": dict(cuda_graphs=True, fp8=True),
+    "nv_thd_fp8_current": dict(check_inputs=False, fp8=True, fp8_recipe="current"),
+    "nv_thd_graphs_fp8_current": dict(cuda_graphs=True, fp8=True, fp8_recipe="current"),
 }
 VARIANTS = ("transformers", *VARIANT_CONFIGS)
-PACKED_VARIANTS = {"nv_thd", "nv_thd_unchecked", "nv_thd_fp8", "nv_thd_bf16w", "nv_thd_graphs", "nv_thd_graphs_fp8"}
+PACKED_VARIANTS = {name for name in VARIANT_CONFIGS if name.startswith("nv_thd")}
 MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = shapes.PEAK_BF16_TFLOPS["H100"]

@@ -14,7 +14,8 @@ Cases (each in its own process, same batches, fp32 weights + bf16 autocast + fus
   one_shape_fp8    one_shape with every layer FP8 (DelayedScaling)
   eager_fp8        eager with every layer FP8
 
-Per step it records the bucket, the number of captured shapes, allocated / reserved / peak memory; at the end the
+Per step it records the bucket, the number of captured shapes (0 after a capture ran out of memory: eager from
+then on), allocated / reserved / peak memory; at the end the
 seconds per step of a second pass over the same batches (all shapes captured by then). The results of
 bench/results/graphs_h100_session8/ were recorded before the model switched segments itself: there, `buckets` is
 today's `buckets_fixed_segments` and `buckets_capture_expand` (a patch of `_capture`) is today's `buckets`.
@@ -29,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import benchmark  # bench/benchmark.py: imports Transformer Engine first
@@ -83,6 +85,7 @@ def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
                     tokens=tokens,
                     bucket=modeling_nv_esm.static_shape(tokens, batch["cu_seq_lens_q"].numel() - 1, length),
                     shapes_captured=len(model.esm.encoder.graphs._graphs),
+                    graphs_out_of_memory=model.esm.encoder.graphs._out_of_memory,
                     seconds=time.perf_counter() - started,
                     allocated_gb=torch.cuda.memory_allocated() / GB,
                     reserved_gb=torch.cuda.memory_reserved() / GB,
@@ -98,7 +101,7 @@ def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
         real_tokens = sum(sum(map(len, tokens)) for tokens, _ in batches) / len(batches)
         result.update(step_seconds=seconds, tokens_per_second=real_tokens / seconds)
     except torch.OutOfMemoryError as error:
-        result.update(oom=True, error=str(error).splitlines()[0])
+        result.update(oom=True, error=str(error).splitlines()[0], traceback=traceback.format_exc()[-3000:])
     result.update(
         peak_allocated_gb=torch.cuda.max_memory_allocated() / GB,
         peak_reserved_gb=torch.cuda.max_memory_reserved() / GB,
@@ -133,7 +136,7 @@ def main() -> None:
             print(process.stderr[-3000:], file=sys.stderr)
             results.append({"case": case, "failed": process.stderr[-1000:]})
             continue
-        result = json.loads(lines[0])
+        result = json.loads(lines[0]) | {"log": [line for line in process.stderr.splitlines() if "CUDA graph" in line]}
         summary = {k: result.get(k) for k in ("case", "oom", "tokens_per_second", "peak_allocated_gb")}
         print(json.dumps(summary | {"peak_reserved_gb": result["peak_reserved_gb"]}), flush=True)
         results.append(result)

@@ -4,7 +4,8 @@
 
 Per rank, over the traced steps: wall time per step (first to last GPU kernel), time the GPU ran compute kernels,
 NCCL kernels, both at once, and none (idle: waiting for the CPU or for another rank), the CPU time of the steps'
-`train_step_*` spans, host-device synchronisations, and the kernels that took the most time.
+`train_step_*` spans, host-device synchronisations, GPU time per kind of kernel (`KERNEL_KINDS`: GEMMs, attention,
+FP8 quantization, ...) and the kernels that took the most time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,25 @@ import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
+
+# (kind, substrings of a kernel's lower-cased name), first match wins; anything else is "other".
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("rotary", ("rope",)),
+    ("attention", ("sdpa", "fmha", "flash", "fused_attn", "attn")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+    ("fp8_quantize", ("cast_transpose", "quantize", "amax", "fp8", "scale", "scaling", "transpose")),
+    ("norm", ("ln_", "layernorm", "layer_norm", "rmsnorm", "normalization")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("loss", ("cross_entropy", "softmax", "nll")),
+    ("copy_elementwise", ("elementwise", "copy", "fill", "triton", "reduce", "cat", "index", "gather", "scatter")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The `KERNEL_KINDS` kind of a CUDA kernel's name."""
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -50,9 +70,11 @@ def summarise(path: Path, top: int) -> dict:
             runtime[e["name"]][0] += 1
             runtime[e["name"]][1] += e.get("dur", 0) / 1e3
     by_kernel = defaultdict(lambda: [0, 0.0])
+    by_kind = defaultdict(float)
     for e in kernels:
         by_kernel[e["name"][:120]][0] += 1
         by_kernel[e["name"][:120]][1] += e["dur"] / 1e3
+        by_kind[kernel_kind(e["name"])] += e["dur"]
     count = max(1, len(steps))
     per_step = lambda microseconds: round(microseconds / 1e3 / count, 2)  # noqa: E731
     return dict(
@@ -70,6 +92,7 @@ def summarise(path: Path, top: int) -> dict:
         ),
         kernels_per_step=round(len(kernels) / count),
         synchronisations={name: dict(calls=c, ms=round(ms, 2)) for name, (c, ms) in runtime.items()},
+        kernel_kinds_ms_per_step={kind: per_step(us) for kind, us in sorted(by_kind.items(), key=lambda i: -i[1])},
         top_kernels_ms_per_step=[
             dict(name=name, calls=calls // count, ms=round(ms / count, 2))
             for name, (calls, ms) in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:top]

@@ -268,6 +268,31 @@ def test_interval_union_and_overlap_match_a_brute_force_count() -> None:
         assert trace_summary.overlap_length(a, b) == len(covered_a & covered_b)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
+        ("void transformer_engine::fused_rope_thd_linear_grid_backward_kernel<__nv_bfloat16>(", "rotary"),
+        ("void transformer_engine::detail::cast_transpose_fused_kernel_notaligned<true, float>", "fp8_quantize"),
+        ("void transformer_engine::delayed_scaling_recipe::kernel(", "fp8_quantize"),
+        ("void transformer_engine::normalization::ln_bwd_finalize_general_kernel<__nv_bfloat16, float>", "norm"),
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>",
+            "optimizer",
+        ),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+        (
+            "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>",
+            "copy_elementwise",
+        ),
+        ("some_kernel_nobody_knows", "other"),
+    ],
+)
+def test_kernel_kinds(name: str, kind: str) -> None:
+    assert trace_summary.kernel_kind(name) == kind
+
+
 def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None:
     """--tensorboard writes OUT/tensorboard with the scalars of metrics.jsonl, step for step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

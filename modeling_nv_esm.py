@@ -762,7 +762,11 @@ class StaticShapeGraphs:
         self.__init__()
 
     def clear(self) -> None:
+        """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
+        (PyTorch's allocator asserts, the capture fails and leaves the CUDA generator in capture mode, so every
+        later random op on the GPU raises)."""
         self._graphs.clear()
+        self._pool = None
         self._awaiting_backward = False
         self._weights = None
         self._out_of_memory = False
@@ -817,7 +821,6 @@ class StaticShapeGraphs:
         """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
         self.clear()
         self._out_of_memory = True
-        self._pool = None
         for weight in _graph_weights(encoder, create=False):
             del weight.main_grad
         gc.collect()

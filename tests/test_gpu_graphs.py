@@ -139,7 +139,9 @@ def test_a_second_forward_before_backward_is_refused(hf_fp32):
 
 
 def test_casting_the_model_recaptures(hf_fp32):
-    """Graphs read the parameters' storage: after `.to(dtype)` they are captured again, not replayed stale."""
+    """Graphs read the parameters' storage: after `.to(dtype)` they are captured again (into a new memory pool: the
+    old one, its graphs freed, made the capture fail and broke the CUDA generator for the rest of the process),
+    not replayed stale."""
     eager, graphed = te_pair(hf_fp32)
     graphed.eval(), eager.eval()
     batch = packed_on_gpu(batches(204, 1)[0])
@@ -148,6 +150,9 @@ def test_casting_the_model_recaptures(hf_fp32):
         graphed.to(torch.bfloat16)
         eager.to(torch.bfloat16)
         assert max_abs_diff(graphed(**batch).logits, eager(**batch).logits) <= BF16_ATOL
+    captured = graphed.esm.encoder.graphs._graphs
+    assert len(captured) == 1 and None not in captured.values()  # captured anew, not run eagerly
+    torch.randn(8, device=CUDA)  # the CUDA generator still works
 
 
 def test_graphed_and_eager_micro_batches_accumulate_into_one_gradient(hf_fp32):

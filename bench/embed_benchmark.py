@@ -82,11 +82,31 @@ def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path,
     return embeddings.float(), seconds, peak
 
 
-def main() -> None:
-    import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
-    from transformers import AutoModel, AutoTokenizer, EsmForMaskedLM
+def make_workload(shape: str, proteins: int, work: Path) -> tuple[list[str], list[int], object, Path]:
+    """(sequences, their lengths, transformers' `EsmForMaskedLM` with random weights, its converted checkpoint
+    folder): `proteins` random proteins of UniRef50-like lengths, the model of `shape`, both written under `work`."""
+    from transformers import EsmForMaskedLM
 
     from nv_esm.shapes import esm2_config
+
+    lengths = [len(p) for batch in draw_batches(proteins // 100, 100, seed=3) for p in batch]
+    generator = torch.Generator().manual_seed(4)
+    sequences = [
+        "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths
+    ]
+    torch.manual_seed(0)
+    reference = EsmForMaskedLM(esm2_config(**SHAPES[shape]))
+    reference.save_pretrained(work / "hf")
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets" / "esm2_tiny" / name, work / "hf" / name)
+    checkpoint = work / "nv"
+    assert convert_checkpoint.main(["hf-to-te", str(work / "hf"), str(checkpoint)]) == 0
+    return sequences, lengths, reference, checkpoint
+
+
+def main() -> None:
+    import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
+    from transformers import AutoModel, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))
@@ -97,20 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="nv_esm_embed_bench_"))
-    lengths = [len(p) for batch in draw_batches(args.proteins // 100, 100, seed=3) for p in batch]
-    generator = torch.Generator().manual_seed(4)
-    sequences = [
-        "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths
-    ]
+    sequences, lengths, reference, checkpoint = make_workload(args.shape, args.proteins, work)
     fasta, warm_fasta = write_fasta(work / "all.fasta", sequences), write_fasta(work / "warm.fasta", sequences[:512])
-
-    torch.manual_seed(0)
-    reference = EsmForMaskedLM(esm2_config(**SHAPES[args.shape]))
-    reference.save_pretrained(work / "hf")
-    for name in ("vocab.txt", "tokenizer_config.json"):
-        shutil.copy(ROOT / "assets" / "esm2_tiny" / name, work / "hf" / name)
-    checkpoint = work / "nv"
-    assert convert_checkpoint.main(["hf-to-te", str(work / "hf"), str(checkpoint)]) == 0
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
 
     results: dict[str, dict] = {}

@@ -79,6 +79,21 @@ def read_index(folder: Path) -> list[dict[str, str]]:
     return [dict(zip(header.split("\t"), row.split("\t"))) for row in rows]
 
 
+def test_tokenize_matches_the_esm_tokenizer_and_refuses_other_characters(checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    letters = "ACDEFGHIKLMNPQRSTVWYXBUZO"
+    generator = torch.Generator().manual_seed(5)
+    for length in (0, 1, 2, 7, 1022, 5000):
+        picks = torch.randint(0, 2 * len(letters), (length,), generator=generator).tolist()
+        sequence = "".join(letters[i % len(letters)].lower() if i >= len(letters) else letters[i] for i in picks)
+        ids = embed.tokenize(sequence)
+        assert ids.dtype == torch.int64 and ids.shape == (length + 2,)
+        assert ids.tolist() == tokenizer(sequence.upper())["input_ids"]
+    for sequence in ("MK*L", "MK-L", "MK.L", "MKJ", "MK L", "MKé", "MK\u2603", "\x00"):
+        with pytest.raises(ValueError, match="changed during the run"):
+            embed.tokenize(sequence)
+
+
 def test_every_output_matches_transformers_per_protein(checkpoint, reference, tmp_path):
     """Random lengths (1 residue, the --max-length protein, lower-case letters), several shards and batches,
     layers given as negative and positive indices."""

@@ -1,0 +1,236 @@
+"""Where the time of `nv-esm embed` goes on a GPU, to see how far the command is from the model alone.
+
+    python bench/embed_profile.py --shape 650M --proteins 10000 --out bench/results/x
+
+For bf16 and FP8 (both with CUDA graphs), on the workload of `embed_benchmark.py`:
+  model_only    the model and the mean pooling over length-sorted packed batches already on the GPU (no host work
+                but launches): the ceiling of the command, per token budget
+  command       `nv_esm.embed.run` (after a warm-up run on 512 proteins), per token budget and shard size
+and for the default settings in bf16:
+  cprofile      the host functions of one command run by own time (cProfile; it slows Python, not the GPU)
+  trace         busy/idle of the GPU over a command run on the first 3,000 proteins (`nv_esm.trace_summary`)
+and, with `--experiments captures`, what the CUDA-graph captures of a first run cost: per variant a fresh model, a
+warm-up run on 512 proteins, then two runs over all proteins (the first captures the shapes the warm-up did not
+meet), each with the number of captures and their seconds; variants `fixed_tokens` (batches over half the token
+budget padded to the whole budget: fewer shapes) and `one_warmup` (one warm-up forward per capture, not 3).
+Writes OUT/embed_profile.json after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from benchmark import SHAPES
+from embed_benchmark import make_workload, write_fasta
+
+import modeling_nv_esm
+from nv_esm import embed, trace_summary
+
+
+def model_only(model, sequences: list[str], tokens_per_batch: int) -> dict:
+    """Seconds of the model + mean pooling over the command's batches, inputs uploaded beforehand."""
+    token_lists = [embed.tokenize(sequence) for sequence in sequences]
+    batches = []
+    for batch in modeling_nv_esm.length_sorted_batches(token_lists, tokens_per_batch):
+        packed = modeling_nv_esm.pack_proteins([token_lists[index] for index in batch])
+        batches.append((packed["input_ids"].cuda(), packed["cu_seq_lens_q"].cuda(), packed["max_length_q"]))
+
+    def one_pass() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            for input_ids, cu_seq_lens, max_length in batches:
+                states = model(input_ids, cu_seq_lens_q=cu_seq_lens, max_length_q=max_length).last_hidden_state
+                modeling_nv_esm.pool_proteins(states[0].float(), cu_seq_lens, "mean")
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    one_pass()  # captures
+    seconds = one_pass()
+    return {"seconds": seconds, "proteins_per_s": len(sequences) / seconds, "batches": len(batches)}
+
+
+def command(checkpoint: Path, config, model, fasta: Path, warm: Path, work: Path, options: list[str], profiler=None):
+    """Seconds of `nv_esm.embed.run` over `fasta` with `options` (after a warm-up run on `warm`)."""
+    device = torch.device("cuda")
+    for name, source in (("warm", warm), ("timed", fasta)):
+        folder = work / name
+        shutil.rmtree(folder, ignore_errors=True)
+        args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", *options], "bench")
+        settings, records = embed.plan_run(args, config, device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if name == "timed" and profiler is not None:
+            with profiler:
+                embed.run(args, model, settings, records)
+                torch.cuda.synchronize()
+        else:
+            embed.run(args, model, settings, records)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "proteins_per_s": len(records) / seconds}
+
+
+def patch_variant(model, variant: str, tokens_per_batch: int) -> dict:
+    """Apply `variant` to `model` (its remote-code module); a dict that counts the captures and their seconds."""
+    import sys
+
+    import transformer_engine.pytorch as te
+
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module, "_original_static_shape"):
+        module._original_static_shape = module.static_shape
+    module.static_shape = module._original_static_shape
+    if not hasattr(te, "_original_make_graphed_callables"):
+        te._original_make_graphed_callables = te.make_graphed_callables
+    te.make_graphed_callables = te._original_make_graphed_callables
+    if "fixed_tokens" in variant:
+
+        def fixed_tokens(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
+            tokens, _, length = module._original_static_shape(num_tokens, num_sequences, max_length)
+            if num_tokens > tokens_per_batch // 2:
+                tokens = max(tokens, tokens_per_batch)
+            dummies = -(-(tokens - num_tokens) // length)
+            return tokens, max(16, 1 << (num_sequences + dummies - 1).bit_length()), length
+
+        module.static_shape = fixed_tokens
+    if "one_warmup" in variant:
+
+        def one_warmup(*args, **kwargs):
+            return te._original_make_graphed_callables(*args, num_warmup_iters=1, **kwargs)
+
+        te.make_graphed_callables = one_warmup
+    graphs = model.encoder.graphs
+    capture = graphs._capture
+    counts = {"captures": 0, "capture_seconds": 0.0}
+
+    def timed_capture(*args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = capture(*args, **kwargs)
+        torch.cuda.synchronize()
+        counts["captures"] += 1
+        counts["capture_seconds"] += time.perf_counter() - start
+        return result
+
+    graphs._capture = timed_capture
+    return counts
+
+
+def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, report: dict, save) -> None:
+    """First and second run of fresh models per variant, with their captures."""
+    for fp8, variant in [
+        ("off", "default"),
+        ("off", "fixed_tokens"),
+        ("off", "one_warmup"),
+        ("off", "fixed_tokens_one_warmup"),
+        ("all", "default"),
+        ("all", "fixed_tokens_one_warmup"),
+    ]:
+        model = embed.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
+        counts = patch_variant(model, variant, 16384)
+        entry = {}
+        for run in ("warm", "first", "second"):
+            source = warm if run == "warm" else fasta
+            before = dict(counts)
+            folder = work / run
+            shutil.rmtree(folder, ignore_errors=True)
+            args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", "--fp8", fp8], "b")
+            settings, records = embed.plan_run(args, config, torch.device("cuda"))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            embed.run(args, model, settings, records)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            entry[run] = {
+                "seconds": seconds,
+                "proteins_per_s": len(records) / seconds,
+                "captures": counts["captures"] - before["captures"],
+                "capture_seconds": counts["capture_seconds"] - before["capture_seconds"],
+            }
+        report[f"captures_fp8_{fp8}_{variant}"] = entry
+        print(variant, fp8, entry, flush=True)
+        save()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="650M", choices=sorted(SHAPES))
+    parser.add_argument("--proteins", type=int, default=10000)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--experiments", nargs="+", default=["profile"], choices=["profile", "captures"])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="nv_esm_embed_profile_"))
+    sequences, _, reference, checkpoint = make_workload(args.shape, args.proteins, work)
+    del reference
+    fasta, warm = write_fasta(work / "all.fasta", sequences), write_fasta(work / "warm.fasta", sequences[:512])
+    first = write_fasta(work / "first.fasta", sequences[:3000])
+    config = embed.load_config(str(checkpoint))
+    report: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "proteins": len(sequences)}
+
+    def save() -> None:
+        (args.out / "embed_profile.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    if "captures" in args.experiments:
+        captures(checkpoint, config, fasta, warm, work, report, save)
+    plans = (
+        {}
+        if "profile" not in args.experiments
+        else {  # fp8: (model-only token budgets, command option lists)
+            "off": (
+                [16384, 32768],
+                [[], ["--shard-size", "10000"], ["--tokens-per-batch", "32768", "--shard-size", "10000"]],
+            ),
+            "all": ([16384, 32768], [[], ["--tokens-per-batch", "32768", "--shard-size", "10000"]]),
+        }
+    )
+    for fp8, (budgets, option_lists) in plans.items():
+        model = embed.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
+        for tokens in budgets:
+            report[f"model_only_fp8_{fp8}_{tokens}"] = model_only(model, sequences, tokens)
+            print(report[f"model_only_fp8_{fp8}_{tokens}"], flush=True)
+            save()
+        for options in option_lists:
+            key = f"command_fp8_{fp8}" + "".join(f"_{o.lstrip('-')}" for o in options)
+            report[key] = command(checkpoint, config, model, fasta, warm, work, ["--fp8", fp8, *options])
+            report[key]["captured_shapes"] = len(model.encoder.graphs._graphs)
+            print(key, report[key], flush=True)
+            save()
+        if fp8 == "off":
+            profile = cProfile.Profile()
+            seconds = command(checkpoint, config, model, fasta, warm, work, ["--fp8", fp8], profiler=profile)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+            report["cprofile"] = {**seconds, "top_by_own_time": text.getvalue().splitlines()}
+            save()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            profiler = torch.profiler.profile(activities=activities)
+            seconds = command(checkpoint, config, model, first, warm, work, ["--fp8", fp8], profiler=profiler)
+            path = args.out / "trace_command_3000.json.gz"
+            profiler.export_chrome_trace(str(path))
+            report["trace"] = {**seconds, **trace_summary.summarise(path, top=15)}
+            save()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

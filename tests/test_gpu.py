@@ -366,3 +366,57 @@ def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8)
         assert model.backend == "te"
         via_model = model.embed(sequences, AutoTokenizer.from_pretrained(tmp_path / "nv"), show_progress=False)
         assert torch.nn.functional.cosine_similarity(ours, via_model).min() >= 0.99999
+
+
+@pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
+def test_stock_peft_lora_on_te_matches_transformers_and_merges(hf_fp32, attn_input_format):
+    """Stock PEFT LoRA on query/key/value/dense (attention and MLP) on TE layers: in fp32 the adapted TE model
+    matches transformers + PEFT with the same adapters; `merge_and_unload` gives the same logits with the fused
+    layers (and CUDA graphs) back; a bf16 training step reaches the adapters only; the fused modules are refused."""
+    peft = pytest.importorskip("peft")
+    config = dict(r=4, lora_alpha=8, target_modules=["query", "key", "value", "dense"], lora_dropout=0.0)
+    hf_peft = peft.get_peft_model(hf_on_gpu(hf_fp32, torch.float32), peft.LoraConfig(**config)).eval()
+    model = te_model(hf_fp32, torch.float32, attn_input_format=attn_input_format)
+    nv_peft = peft.get_peft_model(model, peft.LoraConfig(**config)).eval()
+    generator = torch.Generator().manual_seed(7)
+    hf_state, nv_state = hf_peft.state_dict(), nv_peft.state_dict()
+    with torch.no_grad():
+        for key in [k for k in nv_state if "lora_" in k]:
+            values = torch.randn(nv_state[key].shape, generator=generator) * 0.05
+            nv_state[key].copy_(values)
+            hf_state[key.replace(".layers.", ".layer.")].copy_(values)
+    input_ids, attention_mask = padded_inputs(seed=107)
+    keep = attention_mask.bool()
+    with torch.no_grad():
+        expected = hf_peft(input_ids, attention_mask=attention_mask).logits[keep]
+        with hf_peft.disable_adapter():
+            unadapted = hf_peft(input_ids, attention_mask=attention_mask).logits[keep]
+        adapted = nv_peft(input_ids, attention_mask=attention_mask).logits[keep]
+        merged = nv_peft.merge_and_unload()
+        uses_graphs = merged.esm.encoder.uses_cuda_graphs(output_hidden_states=False)
+        after_merge = merged(input_ids, attention_mask=attention_mask).logits[keep]
+    errors = {
+        "adapter_effect": max_err(expected, unadapted),
+        "te_lora_fp32": max_err(adapted, expected),
+        "merged_vs_adapter": max_err(after_merge, adapted),
+    }
+    print(f"\n[LoRA fp32 {attn_input_format}] {errors}")
+    assert errors["adapter_effect"] > 0.1
+    assert errors["te_lora_fp32"] <= TE_FP32_ATOL and errors["merged_vs_adapter"] <= TE_FP32_ATOL
+    assert uses_graphs == (CUDA_GRAPHS and attn_input_format == "thd")
+
+    trainable = peft.get_peft_model(te_model(hf_fp32, attn_input_format=attn_input_format), peft.LoraConfig(**config))
+    trainable.train()
+    with torch.autocast(CUDA, dtype=torch.bfloat16):
+        loss = trainable(input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(~keep, -100)).loss
+    loss.backward()
+    grads = {name: p.grad for name, p in trainable.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in name for name in grads)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name or "lora_B" in name)
+
+    refused = peft.get_peft_model(
+        te_model(hf_fp32, attn_input_format=attn_input_format), peft.LoraConfig(r=4, target_modules=["proj"])
+    )
+    with pytest.raises(ValueError, match="not supported"), torch.no_grad():
+        refused(input_ids, attention_mask=attention_mask)

@@ -168,17 +168,22 @@ def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path,
 
 
 def test_lora_merge_reproduces_the_adapted_model(nv_tiny: Path) -> None:
-    """export_weights merges W + alpha/r B A; the merged plain model gives the PEFT model's logits."""
+    """export_weights merges the run's adapters with PEFT; the merged plain model gives the PEFT model's logits."""
     pytest.importorskip("peft")
     base = NVEsmForTokenClassification.from_pretrained(nv_tiny, num_labels=3, backend="torch").eval()
-    settings = ModelConfig(lora_rank=4, lora_alpha=8.0, task="token")
+    targets = ("query", "key", "value", "dense")
+    settings = ModelConfig(lora_rank=4, lora_alpha=8.0, task="token", lora_targets=targets)
     adapted = add_lora(base, settings).eval()
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
                 parameter.normal_(0, 0.3)
+    lora = {"rank": 4, "alpha": 8.0, "targets": list(targets)}
+    state = {key: tensor.clone() for key, tensor in adapted.state_dict().items()}  # the merge changes them
+    weights = export_weights(state, base.config, "token", lora)
+    assert not any("lora" in key or "modules_to_save" in key or "original_module" in key for key in weights)
     merged = NVEsmForTokenClassification(base.config).eval()
-    merged.load_state_dict(export_weights(adapted.state_dict(), base.config, 8.0), strict=True)
+    merged.load_state_dict(weights, strict=True)
     input_ids = torch.randint(4, 24, (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids).logits, adapted(input_ids).logits, rtol=1e-5, atol=1e-5)

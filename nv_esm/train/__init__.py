@@ -6,7 +6,7 @@
 - `config`: the run's typed settings (`TrainConfig` and its sections) and the command line that builds them.
 - `parallel`: process group and device mesh, FSDP2 sharding and prefetch, activation checkpointing, compile.
 - `materialize`: the NVEsm config of a run, the meta-device build, each rank's shard read or drawn fresh.
-- `lora`: LoRA adapters (PEFT), including the fused LayerNorm + QKV projection.
+- `lora`: LoRA adapters with stock PEFT on transformers' ESM projection names.
 - `feed`: this rank's micro-batches from `nv_esm.data`, prepared ahead with their data positions.
 - `checkpoint`: DCP checkpoints with data positions, RNG and FP8 scaling state; resume guards.
 - `metrics`: metrics.jsonl / TensorBoard logging and torch.profiler traces.

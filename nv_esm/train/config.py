@@ -61,6 +61,7 @@ class ModelConfig:
     fp8_recipe: str = "delayed"  # delayed, current or block
     lora_rank: int = 0  # 0: train all weights
     lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("query", "key", "value", "attention.output.dense")  # PEFT target_modules
     cuda_graphs: bool = True  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
 
     @property
@@ -206,6 +207,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="train LoRA adapters of this rank (PEFT) and the head",
     )
     model.add_argument("--lora-alpha", type=float, default=ModelConfig.lora_alpha)
+    model.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=list(ModelConfig.lora_targets),
+        help="PEFT target_modules: transformers' ESM names (query key value dense, attention.output.dense, "
+        "intermediate.dense, output.dense)",
+    )
 
     data = parser.add_argument_group("data")
     data.add_argument("--data", nargs="+", required=True, help="FASTA/.txt/.parquet (mlm) or a labelled CSV")
@@ -278,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             fp8_recipe=args.fp8_recipe,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
+            lora_targets=tuple(args.lora_targets),
             cuda_graphs=args.cuda_graphs,
         ),
         data=DataConfig(

@@ -30,6 +30,8 @@ from nv_esm.hub_folder import (
 )
 from nv_esm.model_card import training_card
 from nv_esm.train.checkpoint import TRAIN_STATE
+from nv_esm.train.config import ModelConfig
+from nv_esm.train.lora import merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
 
@@ -49,7 +51,7 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         dcp_to_torch_save(checkpoint, consolidated)
         model_state = torch.load(consolidated, weights_only=False)["model"]
         consolidated.unlink()
-        weights = export_weights(model_state, config, run["lora_alpha"])
+        weights = export_weights(model_state, config, task, run.get("lora"))
         save_file(weights, staging / WEIGHTS_NAME, metadata={"format": "pt"})
         # No load-time options (backend, FP8 layers, input checks): training-time ones are in train_state.json.
         config_dict = nv_config_dict(config, MODEL_CLASSES[task].__name__)
@@ -71,17 +73,27 @@ def describe(folder: Path) -> str:
     return "\n".join([f"wrote {folder} ({architecture}, {summary}):", *lines])
 
 
-def export_weights(model_state: dict[str, Any], config: NVEsmConfig, lora_alpha: float) -> dict[str, torch.Tensor]:
-    """Checkpoint names, contiguous fp32 tensors; LoRA adapters merged into the weights they adapt (W + alpha/r BA);
-    the tied decoder weight and TE's `_extra_state` left out, as the converter writes them."""
-    state = {canonical_name(k): v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
-    for key in [k for k in state if ".lora_A." in k]:
-        prefix, adapter = key.split(".lora_A.")
-        down, up = state.pop(key).float(), state.pop(f"{prefix}.lora_B.{adapter}").float()
-        state[f"{prefix}.weight"] = state[f"{prefix}.weight"].float() + lora_alpha / down.shape[0] * up @ down
-    state = {k.replace(".modules_to_save.default.", "."): v for k, v in state.items() if ".original_module." not in k}
+def export_weights(
+    model_state: dict[str, Any], config: NVEsmConfig, task: str, lora: dict[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    """Checkpoint names, contiguous fp32 tensors; LoRA adapters (`lora`: the run's rank, alpha and targets) merged
+    by PEFT into the weights they adapt (in place: `model_state`'s tensors change); the tied decoder weight and TE's
+    `_extra_state` left out, as the converter writes them."""
+    state = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    if lora is not None:
+        settings = ModelConfig(
+            task=task, lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_targets=tuple(lora["targets"])
+        )
+        with torch.device("meta"):  # the merge runs on the checkpoint's tensors (assigned), on the CPU
+            model = MODEL_CLASSES[task](NVEsmConfig.from_dict({**config.to_dict(), "backend": "torch"}))
+        state = merged_weights(model, settings, state)
+    elif any(".lora_A." in key for key in state):
+        raise ValueError(
+            "this checkpoint's LoRA adapters come from an earlier nv-esm release: export it with that one."
+        )
+    state = {canonical_name(k): v for k, v in state.items()}
     tied = {"lm_head.decoder.weight"} if config.tie_word_embeddings else set()
-    return {k: v.float().contiguous() for k, v in state.items() if not k.endswith("_extra_state") and k not in tied}
+    return {k: v.float().contiguous() for k, v in state.items() if k not in tied}
 
 
 def export_main(argv: list[str], prog: str) -> None:

@@ -28,6 +28,7 @@ from nv_esm.train.checkpoint import load_checkpoint, load_rng_state, prepare_out
 from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, parse_config
 from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
+from nv_esm.train.lora import lora_fields
 from nv_esm.train.materialize import build_model, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import Dist, forward_context, init_distributed
@@ -126,7 +127,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     )
     run_info = dict(
         config=nv_config.to_dict(),
-        lora_alpha=config.model.lora_alpha,
+        lora=lora_fields(config.model),
         start=config.model.init_from or "scratch",
         settings=resume_settings(config),
     )

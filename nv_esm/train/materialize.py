@@ -50,8 +50,6 @@ def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)
     backend = resolve_backend(settings.backend)
-    if settings.lora_rank and backend == "te":
-        raise ValueError("--lora-rank needs --backend torch: PEFT cannot wrap Transformer Engine's fused layers.")
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
     fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(settings.fp8, num_layers))
     # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).

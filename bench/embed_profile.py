@@ -19,6 +19,7 @@ Writes OUT/embed_profile.json after every measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -60,25 +61,25 @@ def model_only(model, sequences: list[str], tokens_per_batch: int) -> dict:
     return {"seconds": seconds, "proteins_per_s": len(sequences) / seconds, "batches": len(batches)}
 
 
+def timed_run(checkpoint: Path, config, model, source: Path, folder: Path, options: list[str], profiler=None) -> dict:
+    """Seconds (and proteins/s) of one `nv_esm.embed.run` of `source` into a fresh `folder`, within `profiler` if
+    given (a torch.profiler or cProfile context)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", *options], "bench")
+    settings, records = embed.plan_run(args, config, torch.device("cuda"))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profiler if profiler is not None else contextlib.nullcontext():
+        embed.run(args, model, settings, records)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "proteins_per_s": len(records) / seconds}
+
+
 def command(checkpoint: Path, config, model, fasta: Path, warm: Path, work: Path, options: list[str], profiler=None):
     """Seconds of `nv_esm.embed.run` over `fasta` with `options` (after a warm-up run on `warm`)."""
-    device = torch.device("cuda")
-    for name, source in (("warm", warm), ("timed", fasta)):
-        folder = work / name
-        shutil.rmtree(folder, ignore_errors=True)
-        args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", *options], "bench")
-        settings, records = embed.plan_run(args, config, device)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        if name == "timed" and profiler is not None:
-            with profiler:
-                embed.run(args, model, settings, records)
-                torch.cuda.synchronize()
-        else:
-            embed.run(args, model, settings, records)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "proteins_per_s": len(records) / seconds}
+    timed_run(checkpoint, config, model, warm, work / "warm", options)
+    return timed_run(checkpoint, config, model, fasta, work / "timed", options, profiler)
 
 
 def patch_variant(model, variant: str, tokens_per_batch: int) -> dict:
@@ -143,21 +144,9 @@ def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, repo
         for run in ("warm", "first", "second"):
             source = warm if run == "warm" else fasta
             before = dict(counts)
-            folder = work / run
-            shutil.rmtree(folder, ignore_errors=True)
-            args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", "--fp8", fp8], "b")
-            settings, records = embed.plan_run(args, config, torch.device("cuda"))
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            embed.run(args, model, settings, records)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            entry[run] = {
-                "seconds": seconds,
-                "proteins_per_s": len(records) / seconds,
-                "captures": counts["captures"] - before["captures"],
-                "capture_seconds": counts["capture_seconds"] - before["capture_seconds"],
-            }
+            entry[run] = timed_run(checkpoint, config, model, source, work / run, ["--fp8", fp8])
+            entry[run]["captures"] = counts["captures"] - before["captures"]
+            entry[run]["capture_seconds"] = counts["capture_seconds"] - before["capture_seconds"]
         report[f"captures_fp8_{fp8}_{variant}"] = entry
         print(variant, fp8, entry, flush=True)
         save()

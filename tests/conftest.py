@@ -104,6 +104,18 @@ def make_nv_model(hf_model: EsmForMaskedLM, **overrides: object) -> NVEsmForMask
     return model
 
 
+def share_random_adapters(hf_peft: torch.nn.Module, nv_peft: torch.nn.Module, seed: int, std: float) -> None:
+    """The same random values (normal, `std`) in every LoRA tensor of transformers' PEFT model and NVEsm's (whose
+    keys read `.layers.` where transformers' read `.layer.`), B included, so every adapter changes the output."""
+    generator = torch.Generator().manual_seed(seed)
+    hf_state, nv_state = hf_peft.state_dict(), nv_peft.state_dict()
+    with torch.no_grad():
+        for key in [k for k in nv_state if "lora_" in k]:
+            values = torch.randn(nv_state[key].shape, generator=generator) * std
+            nv_state[key].copy_(values)
+            hf_state[key.replace(".layers.", ".layer.")].copy_(values)
+
+
 def random_protein(length: int, generator: torch.Generator, mask_fraction: float = 0.0) -> torch.Tensor:
     """`<cls> residues <eos>` with `length` tokens in all (length 1: just `<cls>`), some residues masked."""
     residues = torch.tensor(list(AMINO_ACIDS))[torch.randint(0, 20, (max(length - 2, 0),), generator=generator)]

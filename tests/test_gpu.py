@@ -33,6 +33,7 @@ from conftest import (
     random_padded_batch,
     random_proteins,
     relative_error,
+    share_random_adapters,
 )
 from convert_helpers import save_hf
 from modeling_nv_esm import NVEsmForMaskedLM, import_transformer_engine
@@ -378,13 +379,7 @@ def test_stock_peft_lora_on_te_matches_transformers_and_merges(hf_fp32, attn_inp
     hf_peft = peft.get_peft_model(hf_on_gpu(hf_fp32, torch.float32), peft.LoraConfig(**config)).eval()
     model = te_model(hf_fp32, torch.float32, attn_input_format=attn_input_format)
     nv_peft = peft.get_peft_model(model, peft.LoraConfig(**config)).eval()
-    generator = torch.Generator().manual_seed(7)
-    hf_state, nv_state = hf_peft.state_dict(), nv_peft.state_dict()
-    with torch.no_grad():
-        for key in [k for k in nv_state if "lora_" in k]:
-            values = torch.randn(nv_state[key].shape, generator=generator) * 0.05
-            nv_state[key].copy_(values)
-            hf_state[key.replace(".layers.", ".layer.")].copy_(values)
+    share_random_adapters(hf_peft, nv_peft, seed=7, std=0.05)
     input_ids, attention_mask = padded_inputs(seed=107)
     keep = attention_mask.bool()
     with torch.no_grad():

@@ -23,6 +23,7 @@ from conftest import (
     random_lengths,
     random_padded_batch,
     random_proteins,
+    share_random_adapters,
 )
 from nv_esm.alphabet import GFP
 from nv_esm.state_dict_mapping import hf_to_nv_state_dict
@@ -44,15 +45,9 @@ def adapted_pair(targets, seed: int, **lora: object):
     config = dict(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, **lora)
     hf_peft = peft.get_peft_model(hf_model, peft.LoraConfig(**config)).eval()
     nv_peft = peft.get_peft_model(nv_model, peft.LoraConfig(**config)).eval()
-    generator = torch.Generator().manual_seed(seed)
-    hf_state, nv_state = hf_peft.state_dict(), nv_peft.state_dict()
-    nv_adapters = sorted(key for key in nv_state if "lora_" in key)
-    assert nv_adapters == sorted(key.replace(".layer.", ".layers.") for key in hf_state if "lora_" in key)
-    with torch.no_grad():
-        for key in nv_adapters:
-            values = torch.randn(nv_state[key].shape, generator=generator) * 0.2
-            nv_state[key].copy_(values)
-            hf_state[key.replace(".layers.", ".layer.")].copy_(values)
+    nv_adapters = sorted(key for key in nv_peft.state_dict() if "lora_" in key)
+    assert nv_adapters == sorted(key.replace(".layer.", ".layers.") for key in hf_peft.state_dict() if "lora_" in key)
+    share_random_adapters(hf_peft, nv_peft, seed, std=0.2)
     return hf_peft, nv_peft
 
 

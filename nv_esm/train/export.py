@@ -30,8 +30,7 @@ from nv_esm.hub_folder import (
 )
 from nv_esm.model_card import training_card
 from nv_esm.train.checkpoint import TRAIN_STATE
-from nv_esm.train.config import ModelConfig
-from nv_esm.train.lora import merged_weights
+from nv_esm.train.lora import lora_settings, merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
 
@@ -81,12 +80,9 @@ def export_weights(
     `_extra_state` left out, as the converter writes them."""
     state = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     if lora is not None:
-        settings = ModelConfig(
-            task=task, lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_targets=tuple(lora["targets"])
-        )
         with torch.device("meta"):  # the merge runs on the checkpoint's tensors (assigned), on the CPU
             model = MODEL_CLASSES[task](NVEsmConfig.from_dict({**config.to_dict(), "backend": "torch"}))
-        state = merged_weights(model, settings, state)
+        state = merged_weights(model, lora_settings(lora, task), state)
     elif any(".lora_A." in key for key in state):
         raise ValueError(
             "this checkpoint's LoRA adapters come from an earlier nv-esm release: export it with that one."

@@ -36,6 +36,13 @@ def lora_fields(settings: ModelConfig) -> dict[str, Any] | None:
     return {"rank": settings.lora_rank, "alpha": settings.lora_alpha, "targets": list(settings.lora_targets)}
 
 
+def lora_settings(fields: dict[str, Any], task: str) -> ModelConfig:
+    """The `ModelConfig` LoRA part of a run from its `lora_fields` (what the export rebuilds the adapters with)."""
+    return ModelConfig(
+        task=task, lora_rank=fields["rank"], lora_alpha=fields["alpha"], lora_targets=tuple(fields["targets"])
+    )
+
+
 def add_lora(model: nn.Module, settings: ModelConfig) -> nn.Module:
     """`model` wrapped by PEFT with the run's LoRA adapters (`lora_config`)."""
     from peft import get_peft_model

@@ -269,16 +269,22 @@ def static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[
     """The bucket a packed batch runs in under CUDA graphs: `(tokens, sequence slots, max_length)`.
 
     Tokens round up in steps of 1/8 of the power of two below them, and of 256 below 4096 tokens (padding under
-    1/8 of the tokens or under 256; multiples of 256, so also of `FP8_TOKEN_MULTIPLE`); `max_length` rounds up to
-    a power of two (at least 64) up to 1024 and to a multiple of 512 above (ESM-2's 1026 positions: 1536); the
-    slots (proteins, dummy proteins of at most `max_length` tokens holding the padding, then empty ones) to a power
-    of two (at least 16). A run of similar batches thus uses a few shapes.
+    1/8 of the tokens or under 256; multiples of 256, so also of `FP8_TOKEN_MULTIPLE`). `max_length` rounds up to
+    a power of two (at least 64) up to 512, to 1026 above (ESM-2's longest protein: 1024 residues, <cls> and
+    <eos>) and to a multiple of 512 past 1026. The slots (proteins, dummy proteins of at most `max_length` tokens
+    holding the padding, then empty ones) round up to a power of two, at least 16 and at least the number of
+    proteins a quarter of `max_length` long that fill the tokens: full batches of length-sorted proteins under one
+    token budget (`nv-esm embed`) then share one shape per `max_length` bucket (empty slots cost the attention
+    kernels next to nothing), and a run of similar batches uses a few.
     """
     step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
     tokens = -(-num_tokens // step) * step
-    length = max(64, 1 << (max_length - 1).bit_length()) if max_length <= 1024 else -(-max_length // 512) * 512
+    if max_length <= 512:
+        length = max(64, 1 << (max_length - 1).bit_length())
+    else:
+        length = 1026 if max_length <= 1026 else -(-max_length // 512) * 512
     dummies = -(-(tokens - num_tokens) // length)
-    slots = max(16, 1 << (num_sequences + dummies - 1).bit_length())
+    slots = max(16, 1 << (max(num_sequences + dummies, tokens // (length // 4)) - 1).bit_length())
     return tokens, slots, length
 
 
@@ -823,8 +829,9 @@ class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
 
     With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
-    captured once per shape with Transformer Engine's `make_graphed_callables`: one graph for the forward of all
-    layers and one for their backward, replayed instead of launching every kernel from Python.
+    captured once per shape (at its second batch) with Transformer Engine's `make_graphed_callables`: one graph
+    for the forward of all layers and one for their backward, replayed instead of launching every kernel from
+    Python.
     """
 
     def __init__(self, config: NVEsmConfig, backend: str) -> None:
@@ -970,7 +977,9 @@ class StaticShapeLayers(nn.Module):
 
 
 class StaticShapeGraphs:
-    """CUDA graphs of the encoder, one per static shape and mode, captured on first use into one memory pool.
+    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool the
+    `capture_at_use`-th time a shape is met (earlier batches of that shape run eagerly: a shape met once, such as
+    the last, partly filled batch of each `nv-esm embed` shard, never pays a capture).
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
@@ -982,8 +991,11 @@ class StaticShapeGraphs:
     buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
     """
 
+    capture_at_use = 2  # the tests capture at first use (1), so that each graphed call they check replays a graph
+
     def __init__(self) -> None:
         self._graphs: dict[tuple, nn.Module | None] = {}
+        self._uses: dict[tuple, int] = {}  # eager runs of each shape not captured yet
         self._pool: Any = None
         self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
@@ -1004,6 +1016,7 @@ class StaticShapeGraphs:
         (PyTorch's allocator asserts, the capture fails and leaves the CUDA generator in capture mode, so every
         later random op on the GPU raises)."""
         self._graphs.clear()
+        self._uses.clear()
         self._pool = None
         self._awaiting_backward = False
         self._weights = None
@@ -1015,8 +1028,8 @@ class StaticShapeGraphs:
 
     def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
-        tensor. None when this shape's capture failed (or an earlier one ran out of memory): the encoder then runs
-        it eagerly."""
+        tensor. None when this shape is not captured yet (`capture_at_use`), its capture failed or an earlier one
+        ran out of memory: the encoder then runs it eagerly."""
         if self._out_of_memory:
             return None
         # Graphs read the parameters' storage and fix at capture which parameters get gradients.
@@ -1037,6 +1050,9 @@ class StaticShapeGraphs:
             torch.is_inference_mode_enabled(),
         )
         if key not in self._graphs:
+            self._uses[key] = self._uses.get(key, 0) + 1
+            if self._uses[key] < self.capture_at_use:
+                return None
             graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
             if self._out_of_memory:
                 return None

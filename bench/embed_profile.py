@@ -11,8 +11,10 @@ and for the default settings in bf16:
   trace         busy/idle of the GPU over a command run on the first 3,000 proteins (`nv_esm.trace_summary`)
 and, with `--experiments captures`, what the CUDA-graph captures of a first run cost: per variant a fresh model, a
 warm-up run on 512 proteins, then two runs over all proteins (the first captures the shapes the warm-up did not
-meet), each with the number of captures and their seconds; variants `fixed_tokens` (batches over half the token
-budget padded to the whole budget: fewer shapes) and `one_warmup` (one warm-up forward per capture, not 3).
+meet), each with the number of captures, their seconds and the batches run eagerly before their shape was
+captured; variants `previous` (session 11: shapes by `previous_static_shape`, captured at first use) and `default`
+(the model as it is). (Session 11's variants, fixed token counts and one warm-up forward per capture, are in
+bench/results/embed_profile_h100_session11/embed_captures.json.)
 Writes OUT/embed_profile.json after every measurement.
 """
 
@@ -82,36 +84,28 @@ def command(checkpoint: Path, config, model, fasta: Path, warm: Path, work: Path
     return timed_run(checkpoint, config, model, fasta, work / "timed", options, profiler)
 
 
-def patch_variant(model, variant: str, tokens_per_batch: int) -> dict:
-    """Apply `variant` to `model` (its remote-code module); a dict that counts the captures and their seconds."""
+def previous_static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
+    """`static_shape` before session 12: `max_length` in powers of two up to 1024 (1026 tokens: 1536), slots the
+    power of two over the proteins and dummies."""
+    step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
+    tokens = -(-num_tokens // step) * step
+    length = max(64, 1 << (max_length - 1).bit_length()) if max_length <= 1024 else -(-max_length // 512) * 512
+    dummies = -(-(tokens - num_tokens) // length)
+    return tokens, max(16, 1 << (num_sequences + dummies - 1).bit_length()), length
+
+
+def patch_variant(model, variant: str) -> dict:
+    """Apply `variant` to `model` (its remote-code module): "default" leaves it as it is, "previous" restores the
+    session-11 behaviour (`previous_static_shape`, capture at a shape's first use). A dict that counts the
+    captures, their seconds and the batches run eagerly before their shape's capture."""
     import sys
 
-    import transformer_engine.pytorch as te
-
     module = sys.modules[type(model).__module__]
-    if not hasattr(module, "_original_static_shape"):
-        module._original_static_shape = module.static_shape
-    module.static_shape = module._original_static_shape
-    if not hasattr(te, "_original_make_graphed_callables"):
-        te._original_make_graphed_callables = te.make_graphed_callables
-    te.make_graphed_callables = te._original_make_graphed_callables
-    if "fixed_tokens" in variant:
-
-        def fixed_tokens(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
-            tokens, _, length = module._original_static_shape(num_tokens, num_sequences, max_length)
-            if num_tokens > tokens_per_batch // 2:
-                tokens = max(tokens, tokens_per_batch)
-            dummies = -(-(tokens - num_tokens) // length)
-            return tokens, max(16, 1 << (num_sequences + dummies - 1).bit_length()), length
-
-        module.static_shape = fixed_tokens
-    if "one_warmup" in variant:
-
-        def one_warmup(*args, **kwargs):
-            return te._original_make_graphed_callables(*args, num_warmup_iters=1, **kwargs)
-
-        te.make_graphed_callables = one_warmup
+    module.__dict__.setdefault("_static_shape", module.static_shape)
+    module.static_shape = previous_static_shape if variant == "previous" else module._static_shape
     graphs = model.encoder.graphs
+    if variant == "previous":
+        graphs.capture_at_use = 1
     capture = graphs._capture
     counts = {"captures": 0, "capture_seconds": 0.0}
 
@@ -128,25 +122,25 @@ def patch_variant(model, variant: str, tokens_per_batch: int) -> dict:
     return counts
 
 
+def eager_first_batches(model) -> int:
+    """Batches run eagerly so far because their shape was not captured yet."""
+    return sum(model.encoder.graphs._uses.values()) - len(model.encoder.graphs._graphs)
+
+
 def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, report: dict, save) -> None:
     """First and second run of fresh models per variant, with their captures."""
-    for fp8, variant in [
-        ("off", "default"),
-        ("off", "fixed_tokens"),
-        ("off", "one_warmup"),
-        ("off", "fixed_tokens_one_warmup"),
-        ("all", "default"),
-        ("all", "fixed_tokens_one_warmup"),
-    ]:
+    for fp8, variant in [("off", "previous"), ("off", "default"), ("all", "previous"), ("all", "default")]:
         model = embed.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
-        counts = patch_variant(model, variant, 16384)
+        counts = patch_variant(model, variant)
         entry = {}
         for run in ("warm", "first", "second"):
             source = warm if run == "warm" else fasta
-            before = dict(counts)
+            before, eager_before = dict(counts), eager_first_batches(model)
             entry[run] = timed_run(checkpoint, config, model, source, work / run, ["--fp8", fp8])
             entry[run]["captures"] = counts["captures"] - before["captures"]
             entry[run]["capture_seconds"] = counts["capture_seconds"] - before["capture_seconds"]
+            entry[run]["eager_before_capture"] = eager_first_batches(model) - eager_before
+            entry[run]["shapes"] = len(model.encoder.graphs._uses)
         report[f"captures_fp8_{fp8}_{variant}"] = entry
         print(variant, fp8, entry, flush=True)
         save()

@@ -18,11 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CHECKPOINT = ROOT / "assets" / "esm2_tiny"
 # Marks of the GPU test modules. Asking whether TE imports imports it, before anything loads cuDNN in the process
 # (see shared/gpu/README.md).
+# CUDA graphs are captured at a shape's first use there (the default waits for the second), so every graphed call a
+# GPU test checks replays a graph.
 GPU_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not (torch.cuda.is_available() and transformer_engine_available()), reason="needs CUDA and Transformer Engine"
     ),
+    pytest.mark.usefixtures("capture_at_first_use"),
 ]
 # PyTorch twin vs transformers, fp32, CPU: logits, hidden states, losses, gradients (tests/test_model.py says why).
 ATOL_FP32 = 1e-5
@@ -44,6 +47,14 @@ def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from convert_helpers import save_hf
 
     return save_hf(make_hf_model("tiny", seed=7), tmp_path_factory.mktemp("src") / "esm2_random_tiny")
+
+
+@pytest.fixture
+def capture_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met."""
+    from modeling_nv_esm import StaticShapeGraphs
+
+    monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

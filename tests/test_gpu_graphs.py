@@ -121,6 +121,38 @@ def test_training_with_graphs_follows_eager(hf_fp32, layer_precision):
     assert shapes >= 1
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch, training):
+    """The default `capture_at_use` (2): a shape's first batch runs eagerly (no capture), its second is captured and
+    replayed, the third replays; outputs (and, training, gradients) follow the eager model at each."""
+    from modeling_nv_esm import StaticShapeGraphs
+
+    monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 2)
+    eager, graphed = te_pair(hf_fp32)
+    graphs = graphed.esm.encoder.graphs
+    batch = packed_on_gpu(batches(210, 1)[0])
+    captured = []
+    for model in (eager, graphed):
+        model.train(training)
+    for _ in range(3):
+        outputs = []
+        for model in (eager, graphed):
+            with torch.set_grad_enabled(training), torch.autocast("cuda", dtype=torch.bfloat16, enabled=training):
+                output = model(**batch, labels=batch["input_ids"])
+            if training:
+                output.loss.backward()
+            outputs.append(output)
+        captured.append(len(graphs._graphs))
+        assert max_abs_diff(outputs[1].logits.float(), outputs[0].logits.float()) <= (
+            BF16_ATOL if training else FP32_ATOL
+        )
+    assert captured == [0, 1, 1] and None not in graphs._graphs.values()
+    if training:
+        for (name, a), (_, b) in zip(eager.named_parameters(), graphed.named_parameters()):
+            if a.grad is not None and a.grad.norm() > 0:
+                assert relative_error(b.grad, a.grad) <= GRAD_RTOL, name
+
+
 def test_a_second_forward_before_backward_is_refused(hf_fp32):
     """Two training forwards before one backward: the graphs' shared memory holds what the first backward reads, so
     the second forward raises (running it eagerly gave NaN gradients on an H100). After the backward, replays go

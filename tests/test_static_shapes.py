@@ -18,6 +18,7 @@ from modeling_nv_esm import (
     _expandable_segments,
     _pad_packed_for_fp8,
     _pad_packed_to_static_shape,
+    length_sorted_batches,
     static_shape,
 )
 
@@ -31,11 +32,14 @@ def test_static_shape_bounds(seed):
         num_tokens = int(torch.randint(max_length, max_length * num_sequences + 1, (), generator=generator))
         tokens, slots, length = static_shape(num_tokens, num_sequences, max_length)
         assert 0 <= tokens - num_tokens < max(num_tokens / 8, 256) and tokens % 256 == 0
-        if max_length <= 1024:
+        if max_length <= 512:
             assert max_length <= length < max(2 * max_length, 65) and length & (length - 1) == 0
+        elif max_length <= 1026:
+            assert length == 1026
         else:
             assert max_length <= length < max_length + 512 and length % 512 == 0
         assert slots >= num_sequences + -(-(tokens - num_tokens) // length) and slots & (slots - 1) == 0
+        assert slots < max(32, 2 * (num_sequences + -(-(tokens - num_tokens) // length)), 8 * tokens // length)
 
 
 def test_lognormal_batches_use_few_static_shapes():
@@ -48,6 +52,23 @@ def test_lognormal_batches_use_few_static_shapes():
             shapes.add(static_shape(int(lengths.sum()), proteins, int(lengths.max())))
         print(f"\n[static shapes] {proteins} proteins per batch, 500 batches: {len(shapes)} shapes")
         assert len(shapes) <= most
+
+
+def test_length_sorted_batches_share_one_shape_per_length_bucket():
+    """`nv-esm embed`'s batches (length-sorted proteins under one token budget): apart from the last batch, those
+    whose longest protein falls in one `max_length` bucket share one static shape (one capture), 1,024-residue
+    proteins included (1026 tokens)."""
+    generator = torch.Generator().manual_seed(8)
+    lengths = (torch.exp(5.6 + 0.7 * torch.randn(3000, generator=generator)).clamp(10, 1024) + 2).long().tolist()
+    lengths[:3] = [1026, 1026, 1025]
+    batches = length_sorted_batches([[0] * length for length in lengths], 16384)
+    shapes = {}
+    for batch in batches[:-1]:
+        tokens, slots, length = static_shape(sum(lengths[i] for i in batch), len(batch), max(lengths[i] for i in batch))
+        shapes.setdefault(length, set()).add((tokens, slots))
+    print(f"\n[static shapes] {len(batches)} length-sorted batches: {shapes}")
+    assert len(shapes) >= 4 and all(len(found) == 1 for found in shapes.values()), shapes
+    assert 1026 in shapes
 
 
 @pytest.mark.parametrize("pad", [_pad_packed_to_static_shape, _pad_packed_for_fp8])

@@ -9,6 +9,10 @@ epoch's order from `random.Random(seed + epoch)`, so a stream's `{"epoch", "posi
 `Batches` round-robins a rank's streams: with world size W and gradient accumulation A, rank r owns streams
 `r * A .. r * A + A - 1` of `W * A`, so a step's global batch is the same proteins for any W, A with equal W * A.
 
+A validation split (`Holdout`) sets aside a fraction of the records (picked by a hash of their global index, the
+same for every seed and world size); the training streams then shard the records left, the validation streams the
+ones set aside, and `one_pass` reads a stream once with epoch 0's randomness (the same masks at every call).
+
 Memory: a stream keeps its own sequences in memory as token ids, one byte per residue in one buffer plus one
 8-byte offset per protein (about total residues / (W * A) bytes per stream, so a rank holds ~1/W of the data set).
 The single buffer is shared copy-on-write by forked DataLoader workers.
@@ -159,6 +163,35 @@ def mask_tokens(
         elif action < mask_token_fraction + random_token_fraction:
             input_ids[position] = generator.choice(STANDARD_IDS)
     return input_ids, labels
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """A validation split of a data set: the records whose global index `held_out` picks (about `fraction` of
+    them). `part` says which side a stream reads: "train" (the others) or "validation" (those)."""
+
+    fraction: float
+    part: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"the validation fraction must be between 0 and 1, got {self.fraction}.")
+        if self.part not in ("train", "validation"):
+            raise ValueError(f"part must be 'train' or 'validation', got {self.part!r}.")
+
+    def keeps(self, index: int) -> bool:
+        """Whether the record with global index `index` belongs to `part`."""
+        return held_out(index, self.fraction) == (self.part == "validation")
+
+
+def held_out(index: int, fraction: float) -> bool:
+    """Whether record `index` is in a validation split of `fraction`: a 64-bit mix of the index (splitmix64's
+    finalizer), read as a number in [0, 1), below `fraction`."""
+    mask = (1 << 64) - 1
+    z = (index + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) / 2**64 < fraction
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -316,6 +349,17 @@ class _PackedStream:
         return self
 
     def __next__(self) -> PackedBatch:
+        return self._pack(within_epoch=False)
+
+    def one_pass(self) -> Iterator[PackedBatch]:
+        """Every protein of the stream once, as epoch 0 packs them (its order and randomness: the same batches at
+        every call); the last batch may be short. Leaves the stream at the start of epoch 1."""
+        self._epoch = self._position = 0
+        while self._epoch == 0:
+            yield self._pack(within_epoch=True)
+
+    def _pack(self, within_epoch: bool) -> PackedBatch:
+        """The next micro-batch; it ends at the epoch's end if `within_epoch`, else it may go on into the next."""
         tokens, labels, used = [], [], 0
         while True:
             local_index = self._epoch_order()[self._position]
@@ -329,6 +373,8 @@ class _PackedStream:
             self._position += 1
             if self._position == len(self):
                 self._epoch, self._position = self._epoch + 1, 0
+                if within_epoch:
+                    return self._collate(tokens, labels)
 
     def state_dict(self) -> dict:
         """`{"epoch", "position"}`: the first protein not yet in an emitted batch (index into the epoch's order)."""
@@ -342,7 +388,8 @@ class _PackedStream:
 
 
 class MLMStream(_PackedStream):
-    """One data-parallel stream of masked-language-model batches from FASTA/.txt/.parquet `files`.
+    """One data-parallel stream of masked-language-model batches from FASTA/.txt/.parquet `files` (with `holdout`,
+    of one side of a validation split).
 
     Proteins are tokenized, cropped to a random window of `max_length` tokens, masked (`mask_tokens` with
     `mask_prob`) and packed into micro-batches of at most `token_budget` tokens; labels are `[1, T]`. Infinite.
@@ -358,18 +405,21 @@ class MLMStream(_PackedStream):
         mask_prob: float = 0.15,
         seed: int = 0,
         shuffle: bool = True,
+        holdout: Holdout | None = None,
     ) -> None:
         super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
         if isinstance(files, (str, Path)):
             files = [files]
         self.files, self.mask_prob = [Path(f) for f in files], mask_prob
-        self.file_counts: list[int] = []  # sequences per file (all streams)
-        global_index = 0
+        self.file_counts: list[int] = []  # sequences per file (all streams, both sides of a holdout)
+        global_index = kept = 0
         for path in self.files:
             count = 0
             for count, sequence in enumerate(read_sequences(path), 1):
-                if global_index % num_streams == stream_index:
-                    self._add(sequence, path, f"sequence {count - 1} (0-based)")
+                if holdout is None or holdout.keeps(global_index):
+                    if kept % num_streams == stream_index:
+                        self._add(sequence, path, f"sequence {count - 1} (0-based)")
+                    kept += 1
                 global_index += 1
             self.file_counts.append(count)
         self._finish_loading(", ".join(map(str, self.files)))
@@ -439,7 +489,8 @@ class ClassificationStream(_PackedStream):
     int64 class ids or float32 regression targets. Proteins longer than `max_length` get a random window (for the
     sequence task a window of residues between their own <cls> and <eos>, which the classification head reads).
     `num_labels` is the number of classes (1 for regression); `label_names` the token alphabet or the class ids
-    as strings (None for regression). Pass the training set's `label_names` when reading a validation set.
+    as strings (None for regression). Pass the training set's `label_names` when reading a validation set;
+    `holdout` reads one side of a validation split of the CSV's rows.
     """
 
     def __init__(
@@ -453,6 +504,7 @@ class ClassificationStream(_PackedStream):
         seed: int = 0,
         shuffle: bool = True,
         label_names: list[str] | None = None,
+        holdout: Holdout | None = None,
     ) -> None:
         super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
         sequences, labels, alphabet = read_labelled_csv(csv_path, task)
@@ -476,10 +528,10 @@ class ClassificationStream(_PackedStream):
                 raise ValueError(f"{csv_path}: labels {sorted(unknown)} are not in label_names {self.label_names}.")
         label_ids = {name: index for index, name in enumerate(self.label_names or ())}
         self._labels: list = []
-        for row, (sequence, label) in enumerate(zip(sequences, labels)):
-            if row % num_streams == stream_index:
-                self._add(sequence, csv_path, f"row {row + 1}")
-                self._labels.append(bytes(label_ids[c] for c in label) if task == "token" else label)
+        rows = [row for row in range(len(sequences)) if holdout is None or holdout.keeps(row)]
+        for row in rows[stream_index::num_streams]:
+            self._add(sequences[row], csv_path, f"row {row + 1}")
+            self._labels.append(bytes(label_ids[c] for c in labels[row]) if task == "token" else labels[row])
         self._finish_loading(str(csv_path))
 
     def _example(self, local_index: int) -> tuple[list[int], list[int] | float | int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,26 @@ def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from convert_helpers import save_hf
 
     return save_hf(make_hf_model("tiny", seed=7), tmp_path_factory.mktemp("src") / "esm2_random_tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """config.json of the repo's model in the tiny shape (for runs of the recipe from scratch)."""
+    fields = json.loads((ROOT / "config.json").read_text())
+    fields.update(SHAPES["tiny"])
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+@pytest.fixture(scope="module")
+def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled tiny ESM-2 checkpoint, converted to NVEsm."""
+    from convert_checkpoint import convert_hf_to_nv
+
+    out = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
+    convert_hf_to_nv(TINY_CHECKPOINT, out)
+    return out
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.data import (
     Batches,
     ClassificationStream,
+    Holdout,
     MLMStream,
     PackedBatch,
     crop,
@@ -490,3 +491,63 @@ def test_sequence_task_crops_keep_cls_and_eos(tmp_path) -> None:
         starts, ends = batch.cu_seq_lens[:-1].long(), batch.cu_seq_lens[1:].long() - 1
         assert batch.input_ids[0, starts].eq(0).all() and batch.input_ids[0, ends].eq(2).all()
         assert int(batch.cu_seq_lens.diff().max()) == 32
+
+
+def stream_proteins(stream) -> list[str]:
+    """The residues of every protein a stream holds (in local order)."""
+    return [decode(stream._tokens(index)) for index in range(len(stream))]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_a_holdout_splits_the_records_alike_for_every_world_size(tmp_path: Path, fraction: float) -> None:
+    """--val-fraction: the records set aside are the same for 1, 2 or 3 streams and either side; the training side
+    holds the others, each once; about `fraction` of them are set aside."""
+    sequences = random_sequences(400, seed=11)
+    files = [write_fasta(tmp_path / "a.fasta", sequences[:250]), write_fasta(tmp_path / "b.fasta", sequences[250:])]
+    sides = {}
+    for part in ("train", "validation"):
+        seen = []
+        for num_streams in (1, 2, 3):
+            streams = [
+                MLMStream(files, index, num_streams, 1024, holdout=Holdout(fraction, part), shuffle=False)
+                for index in range(num_streams)
+            ]
+            proteins = sorted(p for stream in streams for p in stream_proteins(stream))
+            assert len(proteins) == len(set(proteins))
+            seen.append(proteins)
+        assert seen[0] == seen[1] == seen[2]
+        sides[part] = set(seen[0])
+    assert not sides["train"] & sides["validation"] and sides["train"] | sides["validation"] == set(sequences)
+    assert abs(len(sides["validation"]) - fraction * 400) < 4 * math.sqrt(400 * fraction * (1 - fraction))
+    rows = [f"{sequence},{index % 2}" for index, sequence in enumerate(sequences[:120])]
+    (tmp_path / "labels.csv").write_text("sequence,label\n" + "\n".join(rows) + "\n")
+    csv_sides = [
+        {p for i in range(2) for p in stream_proteins(ClassificationStream(
+            tmp_path / "labels.csv", "sequence", i, 2, 1024, holdout=Holdout(fraction, part)))}
+        for part in ("train", "validation")
+    ]  # fmt: skip
+    assert not csv_sides[0] & csv_sides[1] and csv_sides[0] | csv_sides[1] == set(sequences[:120])
+    assert csv_sides[1] == {p for p in sides["validation"] if p in set(sequences[:120])}  # row i is record i
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        Holdout(1.0, "train")
+
+
+def test_one_pass_reads_each_protein_once_the_same_way_every_time(tmp_path: Path) -> None:
+    """`one_pass`: every protein of the stream once, in file order, the same crops and masks at every call (also
+    after the stream was read as an infinite stream), the last batch short rather than running into epoch 1."""
+    sequences = random_sequences(90, seed=12, high=200)
+    path = write_fasta(tmp_path / "v.fasta", sequences)
+    stream = MLMStream(path, 1, 2, token_budget=512, max_length=64, seed=0, shuffle=False)
+    first = list(stream.one_pass())
+    for _ in range(7):
+        next(stream)
+    again = list(stream.one_pass())
+    assert len(first) == len(again) and all(
+        torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels) for a, b in zip(first, again)
+    )
+    assert sum(batch.num_proteins for batch in first) == len(stream) == 45
+    assert all(batch.num_tokens <= 512 for batch in first)
+    unmasked = [torch.where(b.labels == -100, b.input_ids, b.labels)[0] for b in first]
+    proteins = [decode(ids[start:end].tolist()) for ids, b in zip(unmasked, first) for start, end in
+                zip(b.cu_seq_lens[:-1].tolist(), b.cu_seq_lens[1:].tolist())]  # fmt: skip
+    assert all(seq.find(p) >= 0 for p, seq in zip(proteins, sequences[1::2]))  # crops of stream 1's proteins, in order

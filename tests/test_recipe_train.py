@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ATOL_FP32, ROOT, SHAPES, TINY_CHECKPOINT, max_abs_diff
-from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
+from conftest import ATOL_FP32, ROOT, TINY_CHECKPOINT, max_abs_diff
+from convert_checkpoint import convert_nv_to_hf
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
 from nv_esm import trace_summary
 from nv_esm.train.config import ModelConfig, OptimizerConfig
@@ -44,22 +44,6 @@ def losses(out: Path) -> dict[int, float]:
     """Step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {record["step"]: record["loss"] for record in records}
-
-
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    fields = json.loads((ROOT / "config.json").read_text())
-    fields.update(SHAPES["tiny"])
-    path = tmp_path_factory.mktemp("config") / "config.json"
-    path.write_text(json.dumps(fields))
-    return path
-
-
-@pytest.fixture(scope="module")
-def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
-    convert_hf_to_nv(TINY_CHECKPOINT, out)
-    return out
 
 
 def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:

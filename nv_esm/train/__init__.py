@@ -8,6 +8,7 @@
 - `materialize`: the NVEsm config of a run, the meta-device build, each rank's shard read or drawn fresh.
 - `lora`: LoRA adapters with stock PEFT on transformers' ESM projection names.
 - `feed`: this rank's micro-batches from `nv_esm.data`, prepared ahead with their data positions.
+- `validation`: the validation set (files, or a fraction of the data set aside), one pass over it, its metrics.
 - `checkpoint`: DCP checkpoints with data positions, RNG and FP8 scaling state; resume guards.
 - `metrics`: metrics.jsonl / TensorBoard logging and torch.profiler traces.
 - `export`: a consolidated Hub folder from a checkpoint.

@@ -72,7 +72,12 @@ def resume_settings(config: TrainConfig) -> dict[str, Any]:
         "lr": config.optimizer.lr,
         "min_lr_ratio": config.optimizer.min_lr_ratio,
         "decay": config.optimizer.decay,
+        "val_fraction": config.validation.fraction,
     }
+
+
+# Settings added to `resume_settings` after checkpoints were written without them: the value they had then.
+_SETTINGS_BEFORE = {"val_fraction": 0.0}
 
 
 def save_checkpoint(
@@ -130,7 +135,7 @@ def load_checkpoint(
             f"{folder} was written by {state['world_size']} ranks; resume it with the same number of ranks "
             f"(got {world.world_size})."
         )
-    saved = state["run"]["settings"]
+    saved = {**_SETTINGS_BEFORE, **state["run"]["settings"]}
     changed = {k: (saved.get(k), v) for k, v in run_info["settings"].items() if saved.get(k) != v}
     if changed:
         listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())

@@ -41,6 +41,11 @@ Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` 
 same proteins for any W and A with the same product; the loss of a step is the sum over its masked tokens divided
 by their global count, so the gradients are those of one big batch whatever the split.
 
+Validation (`--val-data FILES` or `--val-fraction F` of --data set aside; every `--val-every` steps and after the
+last): MLM loss, perplexity and accuracy on the masked tokens (masked the same way at every validation);
+classification loss, accuracy, macro F1 and AUROC; regression MSE, RMSE and Spearman's rho. They go to
+metrics.jsonl (`val_*` keys), TensorBoard and the console.
+
 Checkpoints (`torch.distributed.checkpoint`, every `--save-every` steps, in OUT/checkpoints/step_NNNNNNN) hold the
 sharded model and optimizer, the step, every data stream's position, every rank's RNG and FP8 scaling history
 (delayed scaling); `--resume` continues exactly where the latest one stopped. `python -m nv_esm.train export
@@ -79,6 +84,20 @@ class DataConfig:
     max_length: int = 1024  # proteins are cropped to this many tokens
     mask_prob: float = 0.15
     workers: int = 1  # --data-workers: 1 process prepares batches ahead, or 0
+
+
+@dataclass
+class ValidationConfig:
+    """The validation set (`files`, or a `fraction` of the training data set aside; neither: no validation) and
+    how often it is evaluated (every `every` steps, 0: only after the last step)."""
+
+    files: list[str] = field(default_factory=list)  # --val-data: like --data (one labelled CSV for a head)
+    fraction: float = 0.0  # --val-fraction: records of --data set aside (the same ones for every seed and world)
+    every: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.files) or self.fraction > 0
 
 
 @dataclass
@@ -138,6 +157,7 @@ class TrainConfig:
     out: Path
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -162,9 +182,21 @@ class TrainConfig:
             raise ValueError("--tensorboard needs the tensorboard package: pip install '.[train]' (or tensorboard).")
         if self.optimizer.warmup_steps >= steps:
             raise ValueError(f"--warmup-steps ({self.optimizer.warmup_steps}) must be smaller than --steps ({steps}).")
-        for path in self.data.files:
-            if not Path(path).exists():
-                raise FileNotFoundError(f"--data {path} does not exist.")
+        for option, paths in (("--data", self.data.files), ("--val-data", self.validation.files)):
+            for path in paths:
+                if not Path(path).exists():
+                    raise FileNotFoundError(f"{option} {path} does not exist.")
+        validation = self.validation
+        if validation.files and validation.fraction:
+            raise ValueError("Give --val-data or --val-fraction, not both.")
+        if not 0 <= validation.fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {validation.fraction}.")
+        if validation.every < 0:
+            raise ValueError(f"--val-every must be at least 0, got {validation.every}.")
+        if validation.every and not validation.enabled:
+            raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
+        if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
+            raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -228,6 +260,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         choices=(0, 1),
         default=DataConfig.workers,
         help="1: a process prepares batches ahead; 0: none",
+    )
+
+    validation = parser.add_argument_group("validation")
+    validation.add_argument("--val-data", nargs="+", default=[], help="validation files, as --data")
+    validation.add_argument(
+        "--val-fraction",
+        type=float,
+        default=ValidationConfig.fraction,
+        help="set this fraction of --data aside for validation (the same records for every seed and world size)",
+    )
+    validation.add_argument(
+        "--val-every", type=int, default=ValidationConfig.every, help="validate every N steps (0: after the last)"
     )
 
     optim = parser.add_argument_group("optimisation")
@@ -315,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             keep_gathered=args.keep_gathered,
             compile=args.compile,
         ),
+        validation=ValidationConfig(files=list(args.val_data), fraction=args.val_fraction, every=args.val_every),
         checkpoint=CheckpointConfig(
             enabled=not args.no_checkpoint,
             save_every=args.save_every,

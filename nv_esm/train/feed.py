@@ -9,16 +9,23 @@ from typing import Any
 
 import torch
 
-from nv_esm.data import Batches, ClassificationStream, PackedBatch, rank_stream_indices, rank_streams
+from nv_esm.data import Batches, ClassificationStream, Holdout, PackedBatch, rank_stream_indices, rank_streams
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist
 
 
 def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, Any]]:
-    """This rank's micro-batches, and the config fields of a classification task's labels (`label_fields`)."""
+    """This rank's micro-batches, and the config fields of a classification task's labels (`label_fields`).
+    With `--val-fraction`, the records set aside for validation are left out."""
     data, task = config.data, config.model.task
     grad_accum = config.optimizer.grad_accum
-    common = dict(token_budget=data.token_budget, max_length=data.max_length, seed=config.seed)
+    fraction = config.validation.fraction
+    common = dict(
+        token_budget=data.token_budget,
+        max_length=data.max_length,
+        seed=config.seed,
+        holdout=Holdout(fraction, "train") if fraction else None,
+    )
     if task == "mlm":
         batches = rank_streams(data.files, world.rank, world.world_size, grad_accum, mask_prob=data.mask_prob, **common)
         return batches, {}

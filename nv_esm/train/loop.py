@@ -32,6 +32,7 @@ from nv_esm.train.lora import lora_fields
 from nv_esm.train.materialize import build_model, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import Dist, forward_context, init_distributed
+from nv_esm.train.validation import evaluate, validation_stream
 
 
 def summed_loss(model: nn.Module, batch: PackedBatch, task: str) -> torch.Tensor:
@@ -112,6 +113,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     random.seed(config.seed + world.rank)
     torch.manual_seed(config.seed + world.rank)
     batches, labels = make_batches(config, world)
+    validation = validation_stream(config, world, batches)
     nv_config = model_config(config.model, labels)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():
@@ -150,11 +152,14 @@ def run_training(config: TrainConfig, world: Dist) -> None:
         with profiler.step(step):
             pending.append(train_step(model, optimizer, micro_batches, config, world, nv_config))
         step += 1
-        save_every = config.checkpoint.save_every
+        save_every, val_every = config.checkpoint.save_every, config.validation.every
         saving = config.checkpoint.enabled and ((save_every and step % save_every == 0) or step == last)
-        if step % log_every == 0 or step == last or saving:
+        validating = validation is not None and ((val_every and step % val_every == 0) or step == last)
+        if step % log_every == 0 or step == last or saving or validating:
             metrics.log(step - len(pending) + 1, pending, interval_start)
             pending = []
+        if validating:
+            metrics.log_validation(step, evaluate(model, validation, config, world))
         if saving:
             checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, config.checkpoint.keep, run_info)
         if not pending:

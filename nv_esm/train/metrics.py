@@ -1,5 +1,6 @@
-"""What a training run reports: per-step numbers (`StepResult`), metrics.jsonl / tqdm / TensorBoard
-(`MetricsLog`), and torch.profiler traces of chosen steps (`StepProfiler`; summarised by `nv_esm.trace_summary`).
+"""What a training run reports: per-step numbers (`StepResult`) and validation metrics in metrics.jsonl / tqdm /
+TensorBoard (`MetricsLog`), and torch.profiler traces of chosen steps (`StepProfiler`; summarised by
+`nv_esm.trace_summary`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class StepResult:
 
 
 class MetricsLog:
-    """metrics.jsonl (rank 0), a tqdm bar on rank 0, optional TensorBoard; peak GPU memory of every rank."""
+    """metrics.jsonl (rank 0): one record per step, and one of `val_*` keys per validation; a tqdm bar on rank 0,
+    optional TensorBoard; peak GPU memory of every rank."""
 
     def __init__(self, out: Path, settings: LoggingConfig, total_steps: int, world: Dist, first_step: int) -> None:
         from tqdm.auto import tqdm
@@ -83,6 +85,21 @@ class MetricsLog:
                         self.tensorboard.add_scalar(key, value, step)
         self.file.flush()
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
+
+    def log_validation(self, step: int, values: dict[str, float | None]) -> None:
+        """Write the validation metrics after `step` (rank 0): a metrics.jsonl record, TensorBoard, a console line."""
+        if not self.world.is_main:
+            return
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if value is not None:
+                    self.tensorboard.add_scalar(key, value, step)
+        shown = ", ".join(
+            f"{key.removeprefix('val_')} {'n/a' if value is None else f'{value:.4g}'}" for key, value in values.items()
+        )
+        self.bar.write(f"step {step} validation: {shown}")
 
     def memory_gb(self) -> float:
         """This rank's peak GPU memory allocated so far, in GiB (0 on CPU)."""

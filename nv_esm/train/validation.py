@@ -1,0 +1,207 @@
+"""Validation during training: this rank's share of the validation set (`validation_stream`), one pass of the
+model over it (`evaluate`), and the metrics of each task, computed from all ranks' predictions.
+
+    mlm                  val_loss (cross-entropy per masked token), val_perplexity, val_masked_accuracy
+    token / sequence     val_loss (cross-entropy), val_accuracy, val_f1_macro, val_auroc
+    sequence regression  val_loss (mean squared error), val_rmse, val_spearman
+
+plus `val_count`, the masked tokens, labelled residues or proteins scored. The set is read in file order and masked
+or cropped with a fixed seed, so every validation of a run, and of runs with other seeds or world sizes, scores the
+same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream
+from nv_esm.train.config import TrainConfig
+from nv_esm.train.parallel import Dist, forward_context
+
+VALIDATION_SEED = 0  # masks and crops of the validation proteins, whatever --seed says
+
+
+def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> MLMStream | ClassificationStream | None:
+    """This rank's part of the validation set (records `rank`, `rank + world_size`, ... of `--val-data` or of the
+    records `--val-fraction` set aside), or None without validation. A classification set uses the training
+    set's label names."""
+    settings, data, task = config.validation, config.data, config.model.task
+    if not settings.enabled:
+        return None
+    files = settings.files or data.files
+    common = dict(
+        stream_index=world.rank,
+        num_streams=world.world_size,
+        token_budget=data.token_budget,
+        max_length=data.max_length,
+        seed=VALIDATION_SEED,
+        shuffle=False,
+        holdout=Holdout(settings.fraction, "validation") if settings.fraction else None,
+    )
+    source = "the --val-fraction records" if settings.fraction else "--val-data"
+    try:
+        if task == "mlm":
+            return MLMStream(files, mask_prob=data.mask_prob, **common)
+        reference = training.streams[0]
+        stream = ClassificationStream(files[0], task, label_names=reference.label_names, **common)
+    except ValueError as error:
+        raise ValueError(f"validation set ({source}): {error}") from None
+    if stream.regression != reference.regression:
+        kinds = {True: "regression targets", False: "class ids"}
+        raise ValueError(
+            f"validation set ({source}): its labels read as {kinds[stream.regression]}, the training labels as "
+            f"{kinds[reference.regression]} (write regression targets with a decimal point, e.g. 3.0)."
+        )
+    return stream
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, stream: MLMStream | ClassificationStream, config: TrainConfig, world: Dist
+) -> dict[str, float | None]:
+    """One pass over every rank's validation proteins in eval mode; the metrics of the whole set (same on every
+    rank). Ranks with fewer batches repeat their last one, unscored, so that every rank runs as many forwards
+    (FSDP2 gathers each layer's weights from all ranks)."""
+    task = config.model.task
+    regression = isinstance(stream, ClassificationStream) and stream.regression
+    batches = list(stream.one_pass())
+    count = torch.tensor([len(batches)], device=world.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    was_training = model.training
+    model.eval()
+    scored = []
+    try:
+        for index in range(int(count.item())):
+            batch = batches[min(index, len(batches) - 1)].to(world.device)
+            with forward_context(config.parallel, world):
+                logits = model(**batch.model_inputs()).logits.float()
+            if index < len(batches):
+                scored.append(_scored(logits, batch.labels, task, regression))
+    finally:
+        model.train(was_training)
+    if task == "mlm":
+        sums = torch.stack(scored).sum(0) if scored else torch.zeros(3, device=world.device, dtype=torch.float64)
+        dist.all_reduce(sums)
+        return mlm_metrics(*sums.tolist())
+    local = [torch.cat(parts).cpu() for parts in zip(*scored)]
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, local)
+    outputs, labels = (torch.cat(parts) for parts in zip(*gathered))
+    if regression:
+        return regression_metrics(outputs, labels)
+    return classification_metrics(outputs, labels)
+
+
+def _scored(
+    logits: torch.Tensor, labels: torch.Tensor, task: str, regression: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What one batch contributes: MLM `[3]` float64 (summed loss, correct predictions, masked tokens); else the
+    scored logits `[n, C]` (predictions `[n]` for regression) and their labels `[n]`."""
+    if task == "mlm":
+        logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        masked = labels != IGNORE_INDEX
+        logits, labels = logits[masked], labels[masked]
+        loss = F.cross_entropy(logits, labels, reduction="sum")
+        correct = (logits.argmax(-1) == labels).sum()
+        return torch.stack([loss, correct, masked.sum()]).double()
+    if task == "token":
+        logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        labelled = labels != IGNORE_INDEX
+        return logits[labelled], labels[labelled]
+    return (logits.squeeze(-1), labels) if regression else (logits, labels)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------------------
+
+
+def mlm_metrics(loss_sum: float, correct: float, count: float) -> dict[str, float | None]:
+    """Mean cross-entropy per masked token, its exponential and the fraction of masked tokens predicted."""
+    if not count:
+        return {"val_loss": None, "val_perplexity": None, "val_masked_accuracy": None, "val_count": 0}
+    loss = loss_sum / count
+    return {
+        "val_loss": loss,
+        "val_perplexity": math.exp(loss),
+        "val_masked_accuracy": correct / count,
+        "val_count": int(count),
+    }
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
+    """Cross-entropy, accuracy, macro F1 and AUROC of `logits [n, C]` against class ids `labels [n]`.
+
+    Macro F1 averages the F1 of every class that occurs in the labels or the predictions. AUROC: of class 1's
+    probability for two classes, else the mean one-vs-rest AUROC over the classes with positives and negatives
+    among the labels; None where no class has both."""
+    logits, labels = logits.double(), labels.long()
+    predictions = logits.argmax(-1)
+    f1 = []
+    for label in torch.unique(torch.cat([labels, predictions])).tolist():
+        true_positives = ((predictions == label) & (labels == label)).sum().item()
+        predicted, actual = (predictions == label).sum().item(), (labels == label).sum().item()
+        f1.append(2 * true_positives / (predicted + actual))
+    probabilities = logits.softmax(-1)
+    classes = [1] if logits.shape[-1] == 2 else range(logits.shape[-1])
+    areas = [auroc(probabilities[:, label], labels == label) for label in classes]
+    areas = [area for area in areas if area is not None]
+    return {
+        "val_loss": F.cross_entropy(logits, labels).item(),
+        "val_accuracy": (predictions == labels).double().mean().item(),
+        "val_f1_macro": sum(f1) / len(f1),
+        "val_auroc": sum(areas) / len(areas) if areas else None,
+        "val_count": labels.numel(),
+    }
+
+
+def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float | None]:
+    """Mean squared error, its square root and Spearman's rank correlation of `predictions [n]` and `targets [n]`."""
+    error = ((predictions.double() - targets.double()) ** 2).mean().item()
+    return {
+        "val_loss": error,
+        "val_rmse": math.sqrt(error),
+        "val_spearman": spearman(predictions, targets),
+        "val_count": targets.numel(),
+    }
+
+
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """`[n]` float64 ranks 1..n of `values [n]`, tied values sharing the mean of their ranks."""
+    order = values.argsort()
+    sorted_values = values[order]
+    _, counts = torch.unique_consecutive(sorted_values, return_counts=True)
+    ends = counts.cumsum(0).double()
+    tied_ranks = (ends - (counts.double() - 1) / 2).repeat_interleave(counts)
+    ranks = torch.empty(values.numel(), dtype=torch.float64)
+    ranks[order] = tied_ranks
+    return ranks
+
+
+def auroc(scores: torch.Tensor, positives: torch.Tensor) -> float | None:
+    """Area under the ROC curve of `scores [n]` for the boolean `positives [n]` (Mann-Whitney U / (n+ n-), ties
+    counted half); None without both positives and negatives."""
+    num_positive = int(positives.sum())
+    num_negative = positives.numel() - num_positive
+    if not num_positive or not num_negative:
+        return None
+    ranks = average_ranks(scores.double().cpu())
+    rank_sum = ranks[positives.cpu()].sum().item()
+    return (rank_sum - num_positive * (num_positive + 1) / 2) / (num_positive * num_negative)
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """Spearman's rho of `x [n]` and `y [n]`: the Pearson correlation of their average ranks; None if either is
+    constant or n < 2."""
+    if x.numel() < 2:
+        return None
+    rank_x, rank_y = average_ranks(x.double().cpu()), average_ranks(y.double().cpu())
+    rank_x, rank_y = rank_x - rank_x.mean(), rank_y - rank_y.mean()
+    norm = rank_x.norm() * rank_y.norm()
+    return None if norm == 0 else (rank_x @ rank_y / norm).item()

@@ -1,0 +1,311 @@
+"""Validation in the training recipe: the metric functions against brute-force definitions, and the `val_*`
+metrics a 2-rank run logs against transformers' heads on the same validation inputs with the run's final weights
+(fp32, CPU: losses within 1e-5 relative; accuracy, F1 and AUROC from the same predictions)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_recipe_train import DEMO_FASTA, SECONDARY_STRUCTURE, mlm_args, run_recipe
+
+from conftest import ROOT
+from convert_checkpoint import convert_nv_to_hf
+from nv_esm.data import Holdout, MLMStream
+from nv_esm.train.config import parse_config
+from nv_esm.train.validation import (
+    VALIDATION_SEED,
+    auroc,
+    average_ranks,
+    classification_metrics,
+    regression_metrics,
+    spearman,
+)
+
+SOLUBILITY = ROOT / "recipes" / "demo_data" / "solubility.csv"
+LOSS_RTOL = 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Brute-force definitions
+# --------------------------------------------------------------------------------------------------------------
+
+
+def brute_ranks(values: list[float]) -> list[float]:
+    """1-based rank of each value: the values below it, plus the mean position among its equals."""
+    return [sum(v < x for v in values) + (sum(v == x for v in values) + 1) / 2 for x in values]
+
+
+def brute_auroc(scores: list[float], positives: list[bool]) -> float:
+    """The fraction of (positive, negative) pairs ordered right, ties counting half."""
+    pairs = [(p, n) for p, is_p in zip(scores, positives) if is_p for n, is_n in zip(scores, positives) if not is_n]
+    return sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
+
+
+def brute_pearson(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    cov = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+
+
+def brute_f1_macro(predictions: list[int], labels: list[int]) -> float:
+    scores = []
+    for label in set(predictions) | set(labels):
+        tp = sum(p == label and t == label for p, t in zip(predictions, labels))
+        fp = sum(p == label and t != label for p, t in zip(predictions, labels))
+        fn = sum(p != label and t == label for p, t in zip(predictions, labels))
+        scores.append(2 * tp / (2 * tp + fp + fn))
+    return sum(scores) / len(scores)
+
+
+def brute_classification(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Cross-entropy, accuracy, macro F1, AUROC (two classes: class 1; more: mean one-vs-rest) by the definitions."""
+    rows, truth = logits.double().tolist(), labels.tolist()
+    probabilities = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
+    predictions = [max(range(len(row)), key=row.__getitem__) for row in rows]
+    classes = [1] if len(rows[0]) == 2 else range(len(rows[0]))
+    areas = [
+        brute_auroc([p[c] for p in probabilities], [t == c for t in truth])
+        for c in classes
+        if 0 < sum(t == c for t in truth) < len(truth)
+    ]
+    return {
+        "val_loss": -sum(math.log(p[t]) for p, t in zip(probabilities, truth)) / len(truth),
+        "val_accuracy": sum(p == t for p, t in zip(predictions, truth)) / len(truth),
+        "val_f1_macro": brute_f1_macro(predictions, truth),
+        "val_auroc": sum(areas) / len(areas) if areas else None,
+        "val_count": len(truth),
+    }
+
+
+def brute_regression(predictions: torch.Tensor, targets: torch.Tensor) -> dict:
+    x, y = predictions.double().tolist(), targets.double().tolist()
+    error = sum((a - b) ** 2 for a, b in zip(x, y)) / len(x)
+    return {
+        "val_loss": error,
+        "val_rmse": math.sqrt(error),
+        "val_spearman": brute_pearson(brute_ranks(x), brute_ranks(y)),
+        "val_count": len(x),
+    }
+
+
+def assert_metrics_close(logged: dict, expected: dict, rel: float) -> None:
+    assert set(logged) == set(expected), (logged, expected)
+    for key, value in expected.items():
+        assert logged[key] == (None if value is None else pytest.approx(value, rel=rel, abs=1e-12)), key
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The metric functions
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_auroc_and_spearman_match_their_definitions(seed: int) -> None:
+    """Random scores with many ties (rounded), random labels; constant inputs and one-class labels give None."""
+    generator = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 60, (), generator=generator))
+    scores = (torch.rand(n, generator=generator) * 5).round() / 5
+    targets = (torch.randn(n, generator=generator) * 2).round()
+    positives = torch.rand(n, generator=generator) < 0.4
+    positives[0], positives[-1] = True, False
+    assert average_ranks(scores).tolist() == pytest.approx(brute_ranks(scores.tolist()))
+    assert auroc(scores, positives) == pytest.approx(brute_auroc(scores.tolist(), positives.tolist()))
+    if len(set(targets.tolist())) > 1 and len(set(scores.tolist())) > 1:
+        expected = brute_pearson(brute_ranks(scores.tolist()), brute_ranks(targets.tolist()))
+        assert spearman(scores, targets) == pytest.approx(expected)
+    assert auroc(scores, torch.ones(n, dtype=torch.bool)) is None
+    assert spearman(torch.ones(n), targets) is None and spearman(scores[:1], targets[:1]) is None
+
+
+@pytest.mark.parametrize("num_classes", [2, 3, 5])
+def test_classification_and_regression_metrics_match_their_definitions(num_classes: int) -> None:
+    generator = torch.Generator().manual_seed(num_classes)
+    logits = torch.randn(80, num_classes, generator=generator) * 2
+    labels = torch.randint(0, num_classes, (80,), generator=generator)
+    labels[labels == num_classes - 1] = 0  # a class never labelled: out of AUROC's mean, in F1's when predicted
+    assert_metrics_close(classification_metrics(logits, labels), brute_classification(logits, labels), rel=1e-9)
+    predictions, targets = torch.randn(50, generator=generator), torch.randn(50, generator=generator).round()
+    assert_metrics_close(regression_metrics(predictions, targets), brute_regression(predictions, targets), rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation in a run, against transformers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def validation_records(out: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in records if "val_loss" in r}
+
+
+def transformers_logits(model: torch.nn.Module, batch) -> torch.Tensor:
+    """transformers' logits of a packed batch's proteins, run right-padded: `[N, C]` for a sequence head, else the
+    packed `[T, C]` (padding dropped)."""
+    bounds = batch.cu_seq_lens.tolist()
+    proteins = [batch.input_ids[0, start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+    longest = max(len(p) for p in proteins)
+    input_ids = torch.ones(len(proteins), longest, dtype=torch.long)  # <pad> = 1
+    attention_mask = torch.zeros(len(proteins), longest, dtype=torch.long)
+    for row, protein in enumerate(proteins):
+        input_ids[row, : len(protein)], attention_mask[row, : len(protein)] = protein, 1
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return logits if logits.dim() == 2 else logits[attention_mask.bool()]
+
+
+def test_mlm_validation_equals_transformers_on_the_held_out_proteins(tiny_config: Path, tmp_path: Path) -> None:
+    """2 ranks, --val-fraction 0.1, validation at steps 2 and 4: loss, perplexity and masked accuracy at step 4
+    equal transformers' `EsmForMaskedLM` with the exported weights on the held-out proteins with the same masks
+    (rebuilt here in one stream: the masks do not depend on the world size); the run's --seed does not change
+    them; step 2's weights differ, so its loss does."""
+    from transformers import EsmForMaskedLM
+
+    out = tmp_path / "run"
+    run_recipe(out, *mlm_args(tiny_config, 4, "--val-fraction", "0.1", "--val-every", "2"))
+    logged = validation_records(out)
+    assert sorted(logged) == [2, 4] and logged[2]["val_loss"] != logged[4]["val_loss"]
+    convert_nv_to_hf(out / "final", tmp_path / "hf")
+    model = EsmForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    stream = MLMStream(
+        DEMO_FASTA, 0, 1, 1024, 256, seed=VALIDATION_SEED, shuffle=False, holdout=Holdout(0.1, "validation")
+    )
+    loss_sum = correct = count = 0.0
+    for batch in stream.one_pass():
+        logits = transformers_logits(model, batch)
+        labels = batch.labels[0]
+        masked = labels != -100
+        loss_sum += F.cross_entropy(logits[masked], labels[masked], reduction="sum").item()
+        correct += (logits[masked].argmax(-1) == labels[masked]).sum().item()
+        count += masked.sum().item()
+    expected = {
+        "val_loss": loss_sum / count,
+        "val_perplexity": math.exp(loss_sum / count),
+        "val_masked_accuracy": correct / count,
+        "val_count": int(count),
+    }
+    assert_metrics_close(logged[4], expected, rel=LOSS_RTOL)
+    assert 30 < expected["val_count"] / 0.15 / 270 < 100  # ~60 of 600 proteins of median length 270, 15% masked
+
+    other_seed = tmp_path / "seed"
+    run_recipe(other_seed, *mlm_args(tiny_config, 1, "--val-fraction", "0.1", "--no-export", "--seed", "9"))
+    assert validation_records(other_seed)[1]["val_count"] == expected["val_count"]
+
+
+def regression_csv(path: Path) -> Path:
+    """The solubility sequences with a float target: the fraction of charged residues (DEKR), rounded."""
+    rows = [line.split(",")[0] for line in SOLUBILITY.read_text().splitlines()[1:]]
+    lines = [f"{s},{round(sum(c in 'DEKR' for c in s) / len(s) * 10, 2):.2f}" for s in rows]
+    path.write_text("sequence,label\n" + "\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("task", ["sequence", "token", "regression"])
+def test_head_validation_equals_transformers(nv_tiny: Path, tmp_path: Path, task: str) -> None:
+    """Fine-tuning runs (2 ranks) with validation after the last step: sequence classification on --val-fraction
+    0.25 of solubility.csv, token classification on a --val-data CSV (the last 50 rows of
+    secondary_structure.csv), regression on --val-fraction 0.25. The logged metrics equal those of transformers'
+    heads (converted from the export) on the same proteins, computed by the brute-force definitions above."""
+    from transformers import EsmForSequenceClassification, EsmForTokenClassification
+
+    from nv_esm.data import ClassificationStream
+
+    args = ["--model", str(nv_tiny), "--steps", "3", "--lr", "5e-3", "--token-budget", "1024", "--max-length", "256"]
+    holdout = Holdout(0.25, "validation")
+    if task == "token":
+        rows = SECONDARY_STRUCTURE.read_text().splitlines()
+        (tmp_path / "train.csv").write_text("\n".join(rows[:151]) + "\n")
+        (tmp_path / "val.csv").write_text("\n".join(rows[:1] + rows[151:]) + "\n")
+        data, holdout = tmp_path / "train.csv", None
+        args += ["--task", "token", "--data", str(data), "--val-data", str(tmp_path / "val.csv")]
+        validation_file, hf_class = tmp_path / "val.csv", EsmForTokenClassification
+    else:
+        data = SOLUBILITY if task == "sequence" else regression_csv(tmp_path / "regression.csv")
+        args += ["--task", "sequence", "--data", str(data), "--val-fraction", "0.25"]
+        validation_file, hf_class = data, EsmForSequenceClassification
+    out = tmp_path / "run"
+    run_recipe(out, *args)
+    logged = validation_records(out)
+    assert sorted(logged) == [3]
+    convert_nv_to_hf(out / "final", tmp_path / "hf")
+    model = hf_class.from_pretrained(tmp_path / "hf").eval()
+    training = ClassificationStream(data, "token" if task == "token" else "sequence", 0, 1, 1024, 256)
+    stream = ClassificationStream(
+        validation_file,
+        "token" if task == "token" else "sequence",
+        0,
+        1,
+        1024,
+        256,
+        seed=VALIDATION_SEED,
+        shuffle=False,
+        label_names=training.label_names,
+        holdout=holdout,
+    )
+    logits, labels = [], []
+    for batch in stream.one_pass():
+        batch_labels = batch.labels.reshape(-1)
+        batch_logits = transformers_logits(model, batch)
+        keep = batch_labels != -100
+        logits.append(batch_logits[keep])
+        labels.append(batch_labels[keep])
+    logits, labels = torch.cat(logits), torch.cat(labels)
+    if task == "regression":
+        expected = brute_regression(logits.squeeze(-1), labels)
+    else:
+        expected = brute_classification(logits, labels)
+    assert_metrics_close(logged[3], expected, rel=LOSS_RTOL)
+    if task != "token":  # (token: the labelled residues of the crops)
+        assert expected["val_count"] == len(stream)
+
+
+def test_validation_options_are_checked_before_training(tiny_config: Path, tmp_path: Path) -> None:
+    """Both a file and a fraction, a fraction outside [0, 1), --val-every without a set, a missing file, several
+    CSVs for a head: ValueError (FileNotFoundError) naming the option, before anything runs."""
+    base = [*mlm_args(tiny_config, 2), "--out", str(tmp_path / "run")]
+    cases = {
+        "not both": ["--val-data", str(DEMO_FASTA), "--val-fraction", "0.1"],
+        r"--val-fraction must be in \[0, 1\)": ["--val-fraction", "1.5"],
+        "--val-every needs a validation set": ["--val-every", "5"],
+        "--val-every must be at least 0": ["--val-fraction", "0.1", "--val-every", "-1"],
+        "--val-data .* does not exist": ["--val-data", str(tmp_path / "missing.fasta")],
+    }
+    for message, extra in cases.items():
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            parse_config([*base, *extra]).validate()
+    head = ["--task", "token", "--val-data", str(SECONDARY_STRUCTURE), str(SECONDARY_STRUCTURE)]
+    with pytest.raises(ValueError, match="validates on one labelled CSV"):
+        parse_config([*base, *head]).validate()
+
+
+def test_regression_against_class_labels_is_refused(nv_tiny: Path, tmp_path: Path) -> None:
+    """A validation CSV whose labels read as class ids (all integers) for a regression run: refused, with the fix."""
+    train = regression_csv(tmp_path / "regression.csv")
+    result = run_recipe(
+        tmp_path / "run",
+        *["--model", str(nv_tiny), "--task", "sequence", "--data", str(train), "--val-data", str(SOLUBILITY)],
+        *["--steps", "1", "--token-budget", "1024", "--max-length", "256"],
+        ranks=1,
+        check=False,
+    )
+    assert result.returncode != 0 and "write regression targets with a decimal point" in result.stderr
+
+
+def test_held_out_records_are_not_trained_on(tmp_path: Path) -> None:
+    """--val-fraction takes its records out of the training streams (checked on the streams the run builds)."""
+    from nv_esm.train.feed import make_batches
+    from nv_esm.train.parallel import Dist
+
+    config = parse_config(
+        ["--config", "c.json", "--data", str(DEMO_FASTA), "--steps", "1", "--out", "x", "--val-fraction", "0.2"]
+    )
+    world = Dist(rank=0, world_size=1, device=torch.device("cpu"), mesh=None)
+    batches, _ = make_batches(config, world)
+    training = {tuple(batches.streams[0]._tokens(i)) for i in range(len(batches.streams[0]))}
+    validation = MLMStream(DEMO_FASTA, 0, 1, 16384, holdout=Holdout(0.2, "validation"))
+    held_out = {tuple(validation._tokens(i)) for i in range(len(validation))}
+    assert held_out and not training & held_out and len(training) + len(held_out) == 600

@@ -829,9 +829,9 @@ class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
 
     With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
-    captured once per shape (at its second batch) with Transformer Engine's `make_graphed_callables`: one graph
-    for the forward of all layers and one for their backward, replayed instead of launching every kernel from
-    Python.
+    captured once per shape (inference: at its second batch) with Transformer Engine's `make_graphed_callables`:
+    one graph for the forward of all layers and one for their backward, replayed instead of launching every kernel
+    from Python.
     """
 
     def __init__(self, config: NVEsmConfig, backend: str) -> None:
@@ -977,9 +977,10 @@ class StaticShapeLayers(nn.Module):
 
 
 class StaticShapeGraphs:
-    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool the
+    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool: for inference the
     `capture_at_use`-th time a shape is met (earlier batches of that shape run eagerly: a shape met once, such as
-    the last, partly filled batch of each `nv-esm embed` shard, never pays a capture).
+    the last, partly filled batch of each `nv-esm embed` shard, never pays a capture), for training at first use
+    (so that a resumed run replays where the run it continues did).
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
@@ -991,7 +992,7 @@ class StaticShapeGraphs:
     buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
     """
 
-    capture_at_use = 2  # the tests capture at first use (1), so that each graphed call they check replays a graph
+    capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, nn.Module | None] = {}
@@ -1028,8 +1029,8 @@ class StaticShapeGraphs:
 
     def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
-        tensor. None when this shape is not captured yet (`capture_at_use`), its capture failed or an earlier one
-        ran out of memory: the encoder then runs it eagerly."""
+        tensor. None when this inference shape is not captured yet (`capture_at_use`), its capture failed or an
+        earlier one ran out of memory: the encoder then runs it eagerly."""
         if self._out_of_memory:
             return None
         # Graphs read the parameters' storage and fix at capture which parameters get gradients.
@@ -1051,7 +1052,7 @@ class StaticShapeGraphs:
         )
         if key not in self._graphs:
             self._uses[key] = self._uses.get(key, 0) + 1
-            if self._uses[key] < self.capture_at_use:
+            if not hidden_states.requires_grad and self._uses[key] < self.capture_at_use:
                 return None
             graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
             if self._out_of_memory:

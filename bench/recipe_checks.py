@@ -63,7 +63,9 @@ def option_tag(extra: tuple[str, ...]) -> str:
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The training records of a run's metrics.jsonl (validation records, `val_*` keys, left out)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [record for record in records if "loss" in record]
 
 
 def throughput(records: list[dict]) -> dict:

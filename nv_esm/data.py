@@ -274,7 +274,14 @@ class _PackedStream:
     """
 
     def __init__(
-        self, stream_index: int, num_streams: int, token_budget: int, max_length: int, seed: int, shuffle: bool
+        self,
+        stream_index: int,
+        num_streams: int,
+        token_budget: int,
+        max_length: int,
+        seed: int,
+        shuffle: bool,
+        allow_empty: bool = False,
     ) -> None:
         if not 0 <= stream_index < num_streams:
             raise ValueError(f"stream_index {stream_index} is outside [0, num_streams={num_streams}).")
@@ -286,6 +293,7 @@ class _PackedStream:
             )
         self.stream_index, self.num_streams = stream_index, num_streams
         self.token_budget, self.max_length, self.seed, self.shuffle = token_budget, max_length, seed, shuffle
+        self.allow_empty = allow_empty  # a validation stream may hold nothing (more ranks than records)
         self._parts: list[bytes] | None = []
         self._residues = b""
         self._offsets = array("q", [0])
@@ -306,7 +314,7 @@ class _PackedStream:
         self._offsets.append(self._offsets[-1] + len(ids))
 
     def _finish_loading(self, source: str) -> None:
-        if not self._parts:
+        if not self._parts and not self.allow_empty:
             raise ValueError(
                 f"{source} has no sequences for stream {self.stream_index} of {self.num_streams} "
                 "(fewer sequences than streams?)."
@@ -339,11 +347,19 @@ class _PackedStream:
     def _epoch_order(self) -> list[int]:
         """This epoch's visiting order of local indices: `random.Random(seed + epoch).shuffle`, or sorted."""
         if self._order_epoch != self._epoch:
-            self._order = list(range(len(self)))
-            if self.shuffle:
-                random.Random(self.seed + self._epoch).shuffle(self._order)
+            self._order = self._order_of(self._epoch)
             self._order_epoch = self._epoch
         return self._order
+
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(len(self)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def _length(self, local_index: int) -> int:
+        """Tokens of a protein in a batch: its residues, <cls> and <eos>, at most `max_length`."""
+        return min(self._offsets[local_index + 1] - self._offsets[local_index] + 2, self.max_length)
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
@@ -353,17 +369,27 @@ class _PackedStream:
 
     def one_pass(self) -> Iterator[PackedBatch]:
         """Every protein of the stream once, as epoch 0 packs them (its order and randomness: the same batches at
-        every call); the last batch may be short. Leaves the stream at the start of epoch 1."""
+        every call); the last batch may be short. Leaves the stream at the start of epoch 1 (at 0 if empty)."""
         self._epoch = self._position = 0
-        while self._epoch == 0:
+        while len(self) and self._epoch == 0:
             yield self._pack(within_epoch=True)
+
+    def one_pass_length(self) -> int:
+        """How many batches `one_pass` yields (from the proteins' lengths alone: nothing is masked or packed)."""
+        batches, used = 0, 0
+        for local_index in self._order_of(0):
+            length = self._length(local_index)
+            if not batches or used + length > self.token_budget:
+                batches, used = batches + 1, 0
+            used += length
+        return batches
 
     def _pack(self, within_epoch: bool) -> PackedBatch:
         """The next micro-batch; it ends at the epoch's end if `within_epoch`, else it may go on into the next."""
         tokens, labels, used = [], [], 0
         while True:
             local_index = self._epoch_order()[self._position]
-            length = min(self._offsets[local_index + 1] - self._offsets[local_index] + 2, self.max_length)
+            length = self._length(local_index)
             if tokens and used + length > self.token_budget:
                 return self._collate(tokens, labels)
             protein, label = self._example(local_index)
@@ -406,8 +432,9 @@ class MLMStream(_PackedStream):
         seed: int = 0,
         shuffle: bool = True,
         holdout: Holdout | None = None,
+        allow_empty: bool = False,
     ) -> None:
-        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
+        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle, allow_empty)
         if isinstance(files, (str, Path)):
             files = [files]
         self.files, self.mask_prob = [Path(f) for f in files], mask_prob
@@ -505,8 +532,9 @@ class ClassificationStream(_PackedStream):
         shuffle: bool = True,
         label_names: list[str] | None = None,
         holdout: Holdout | None = None,
+        allow_empty: bool = False,
     ) -> None:
-        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle)
+        super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle, allow_empty)
         sequences, labels, alphabet = read_labelled_csv(csv_path, task)
         self.task, self.regression = task, task == "sequence" and isinstance(labels[0], float)
         if self.regression:

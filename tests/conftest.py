@@ -72,7 +72,8 @@ def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def capture_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met."""
+    """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met (models loaded
+    with trust_remote_code run their own copy of the module, with the default)."""
     from modeling_nv_esm import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 1)

@@ -319,6 +319,38 @@ def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
     assert abs(loss["fresh"] - loss["trained"]) > 1e-4 * loss["trained"]
 
 
+def test_recipe_validation_leaves_the_training_state_as_it_found_it(hf_fp32):
+    """The recipe's validation mode (`nv_esm.train.validation`): eval forwards move delayed scaling's amax history
+    (checked inside), which is restored after; train mode, `cuda_graphs` and the captured graphs are as before
+    (validation runs eagerly: no inference graph joins the training graphs' pool)."""
+    from nv_esm.train.validation import _validation_mode
+
+    layers = hf_fp32.config.num_hidden_layers
+    model = te_model(hf_fp32, layer_precision=["fp8"] * layers, fp8_recipe="delayed").train()
+    batches = [pack_batch(random_proteins([120, 7, 300, 1], seed=140 + i, mask_fraction=0.15)) for i in range(3)]
+    batches = [{k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    for batch in batches[:2]:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+
+    def scaling() -> list[torch.Tensor]:
+        return [
+            tensor.clone()
+            for module in model.modules()
+            if getattr(module, "fp8_meta", {}).get("scaling_fwd") is not None
+            for tensor in (module.fp8_meta["scaling_fwd"].amax_history, module.fp8_meta["scaling_fwd"].scale)
+        ]
+
+    before, captured = scaling(), set(model.esm.encoder.graphs._graphs)
+    with _validation_mode(model, fp8=True):
+        assert not model.training and not model.config.cuda_graphs
+        with torch.no_grad():
+            model(**batches[2])
+        assert any(not torch.equal(a, b) for a, b in zip(scaling(), before))
+    assert all(torch.equal(a, b) for a, b in zip(scaling(), before)) and len(before) >= 2 * layers
+    assert model.training and model.config.cuda_graphs == CUDA_GRAPHS
+    assert set(model.esm.encoder.graphs._graphs) == captured
+
+
 def test_te_attention_maps_and_contacts_match_transformers_within_bf16():
     """TE layers form no maps: the explicit pass over their weights gives transformers' eager maps and contacts
     (fp32 reference on the GPU) no worse than transformers' own bf16 run does, plus the floor."""

@@ -122,9 +122,10 @@ def test_training_with_graphs_follows_eager(hf_fp32, layer_precision):
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-def test_a_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch, training):
-    """The default `capture_at_use` (2): a shape's first batch runs eagerly (no capture), its second is captured and
-    replayed, the third replays; outputs (and, training, gradients) follow the eager model at each."""
+def test_an_inference_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch, training):
+    """The default `capture_at_use` (2): an inference shape's first batch runs eagerly (no capture), its second is
+    captured and replayed, the third replays; a training shape is captured at its first batch. Outputs (and,
+    training, gradients) follow the eager model at each."""
     from modeling_nv_esm import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 2)
@@ -146,7 +147,7 @@ def test_a_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch, training)
         assert max_abs_diff(outputs[1].logits.float(), outputs[0].logits.float()) <= (
             BF16_ATOL if training else FP32_ATOL
         )
-    assert captured == [0, 1, 1] and None not in graphs._graphs.values()
+    assert captured == ([1, 1, 1] if training else [0, 1, 1]) and None not in graphs._graphs.values()
     if training:
         for (name, a), (_, b) in zip(eager.named_parameters(), graphed.named_parameters()):
             if a.grad is not None and a.grad.norm() > 0:

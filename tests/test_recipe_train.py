@@ -43,7 +43,7 @@ def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> sub
 def losses(out: Path) -> dict[int, float]:
     """Step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in records}
+    return {record["step"]: record["loss"] for record in records if "loss" in record}  # not validation records
 
 
 def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:

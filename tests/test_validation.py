@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from conftest import ROOT
 from convert_checkpoint import convert_nv_to_hf
 from nv_esm.data import Holdout, MLMStream
 from nv_esm.train.config import parse_config
+from nv_esm.train.parallel import Dist
 from nv_esm.train.validation import (
     VALIDATION_SEED,
     auroc,
@@ -24,6 +26,7 @@ from nv_esm.train.validation import (
     classification_metrics,
     regression_metrics,
     spearman,
+    validation_stream,
 )
 
 SOLUBILITY = ROOT / "recipes" / "demo_data" / "solubility.csv"
@@ -161,8 +164,8 @@ def transformers_logits(model: torch.nn.Module, batch) -> torch.Tensor:
 def test_mlm_validation_equals_transformers_on_the_held_out_proteins(tiny_config: Path, tmp_path: Path) -> None:
     """2 ranks, --val-fraction 0.1, validation at steps 2 and 4: loss, perplexity and masked accuracy at step 4
     equal transformers' `EsmForMaskedLM` with the exported weights on the held-out proteins with the same masks
-    (rebuilt here in one stream: the masks do not depend on the world size); the run's --seed does not change
-    them; step 2's weights differ, so its loss does."""
+    (rebuilt here in one stream: the masks do not depend on the world size); the validation streams the run builds
+    do not depend on --seed either; step 2's weights differ, so its loss does."""
     from transformers import EsmForMaskedLM
 
     out = tmp_path / "run"
@@ -191,9 +194,16 @@ def test_mlm_validation_equals_transformers_on_the_held_out_proteins(tiny_config
     assert_metrics_close(logged[4], expected, rel=LOSS_RTOL)
     assert 30 < expected["val_count"] / 0.15 / 270 < 100  # ~60 of 600 proteins of median length 270, 15% masked
 
-    other_seed = tmp_path / "seed"
-    run_recipe(other_seed, *mlm_args(tiny_config, 1, "--val-fraction", "0.1", "--no-export", "--seed", "9"))
-    assert validation_records(other_seed)[1]["val_count"] == expected["val_count"]
+    for seed, world_size in (("9", 2), ("3", 3)):  # rank 0 of 2 and rank 1 of 3: --seed is not used
+        config = parse_config([*mlm_args(tiny_config, 4, "--val-fraction", "0.1"), "--seed", seed, "--out", "x"])
+        world = Dist(rank=world_size - 2, world_size=world_size, device=torch.device("cpu"), mesh=None)
+        with mock.patch("torch.distributed.all_reduce"):  # (no process group here)
+            part = validation_stream(config, world, training=None)
+        assert [(b.input_ids.tolist(), b.labels.tolist()) for b in part.one_pass()] == [
+            (b.input_ids.tolist(), b.labels.tolist())
+            for b in MLMStream(DEMO_FASTA, world_size - 2, world_size, 1024, 256, seed=VALIDATION_SEED,
+                               shuffle=False, holdout=Holdout(0.1, "validation")).one_pass()
+        ]  # fmt: skip
 
 
 def regression_csv(path: Path) -> Path:
@@ -298,7 +308,6 @@ def test_regression_against_class_labels_is_refused(nv_tiny: Path, tmp_path: Pat
 def test_held_out_records_are_not_trained_on(tmp_path: Path) -> None:
     """--val-fraction takes its records out of the training streams (checked on the streams the run builds)."""
     from nv_esm.train.feed import make_batches
-    from nv_esm.train.parallel import Dist
 
     config = parse_config(
         ["--config", "c.json", "--data", str(DEMO_FASTA), "--steps", "1", "--out", "x", "--val-fraction", "0.2"]
@@ -309,3 +318,27 @@ def test_held_out_records_are_not_trained_on(tmp_path: Path) -> None:
     validation = MLMStream(DEMO_FASTA, 0, 1, 16384, holdout=Holdout(0.2, "validation"))
     held_out = {tuple(validation._tokens(i)) for i in range(len(validation))}
     assert held_out and not training & held_out and len(training) + len(held_out) == 600
+
+
+@pytest.mark.parametrize("task", ["mlm", "token"])
+def test_a_rank_without_validation_records_runs_filler_forwards(nv_tiny: Path, tmp_path: Path, task: str) -> None:
+    """A --val-data file of one protein on 2 ranks: rank 1 holds none, runs as many (unscored) forwards as rank 0
+    (FSDP2 would hang otherwise) and the metrics count rank 0's protein alone. A validation set that is empty
+    everywhere is refused."""
+    rows = SECONDARY_STRUCTURE.read_text().splitlines()
+    if task == "mlm":
+        (tmp_path / "one.fasta").write_text(">one\n" + rows[1].split(",")[0] + "\n")
+        data, validation = [str(DEMO_FASTA)], tmp_path / "one.fasta"
+    else:
+        (tmp_path / "one.csv").write_text("\n".join(rows[:2]) + "\n")
+        data, validation = [str(SECONDARY_STRUCTURE), "--task", "token"], tmp_path / "one.csv"
+    common = ["--model", str(nv_tiny), "--steps", "1", "--token-budget", "1024", "--max-length", "256", "--no-export"]
+    run_recipe(tmp_path / "run", *common, "--data", *data, "--val-data", str(validation))
+    (record,) = validation_records(tmp_path / "run").values()
+    if task == "mlm":
+        alone = MLMStream(validation, 0, 1, 1024, 256, seed=VALIDATION_SEED, shuffle=False)
+        assert record["val_count"] == sum(int((b.labels != -100).sum()) for b in alone.one_pass()) > 0
+    else:
+        assert record["val_count"] == min(len(rows[1].split(",")[0]), 254)
+    empty = run_recipe(tmp_path / "empty", *common, "--data", *data, "--val-fraction", "1e-4", check=False)
+    assert empty.returncode != 0 and "validation set (the --val-fraction records) is empty" in empty.stderr

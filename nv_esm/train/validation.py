@@ -12,7 +12,9 @@ same inputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream
+from nv_esm.alphabet import CLS, EOS
+from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, PackedBatch, pack_batch
+from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist, forward_context
 
@@ -29,8 +33,9 @@ VALIDATION_SEED = 0  # masks and crops of the validation proteins, whatever --se
 
 def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> MLMStream | ClassificationStream | None:
     """This rank's part of the validation set (records `rank`, `rank + world_size`, ... of `--val-data` or of the
-    records `--val-fraction` set aside), or None without validation. A classification set uses the training
-    set's label names."""
+    records `--val-fraction` set aside; possibly none when there are more ranks than records), or None without
+    validation. A classification set uses the training set's label names. Raises ValueError (on every rank) for
+    an empty set."""
     settings, data, task = config.validation, config.data, config.model.task
     if not settings.enabled:
         return None
@@ -43,16 +48,22 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
         seed=VALIDATION_SEED,
         shuffle=False,
         holdout=Holdout(settings.fraction, "validation") if settings.fraction else None,
+        allow_empty=True,
     )
     source = "the --val-fraction records" if settings.fraction else "--val-data"
     try:
         if task == "mlm":
-            return MLMStream(files, mask_prob=data.mask_prob, **common)
-        reference = training.streams[0]
-        stream = ClassificationStream(files[0], task, label_names=reference.label_names, **common)
+            stream = MLMStream(files, mask_prob=data.mask_prob, **common)
+        else:
+            reference = training.streams[0]
+            stream = ClassificationStream(files[0], task, label_names=reference.label_names, **common)
     except ValueError as error:
         raise ValueError(f"validation set ({source}): {error}") from None
-    if stream.regression != reference.regression:
+    total = torch.tensor([len(stream)], device=world.device)
+    dist.all_reduce(total)
+    if not total.item():
+        raise ValueError(f"validation set ({source}) is empty: raise --val-fraction, or give --val-data.")
+    if task != "mlm" and stream.regression != reference.regression:
         kinds = {True: "regression targets", False: "class ids"}
         raise ValueError(
             f"validation set ({source}): its labels read as {kinds[stream.regression]}, the training labels as "
@@ -65,37 +76,65 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
 def evaluate(
     model: nn.Module, stream: MLMStream | ClassificationStream, config: TrainConfig, world: Dist
 ) -> dict[str, float | None]:
-    """One pass over every rank's validation proteins in eval mode; the metrics of the whole set (same on every
-    rank). Ranks with fewer batches repeat their last one, unscored, so that every rank runs as many forwards
-    (FSDP2 gathers each layer's weights from all ranks)."""
+    """One pass over every rank's validation proteins in eval mode, eagerly (no CUDA graphs: their captures would
+    share the training graphs' memory pool), leaving FP8 scaling state as training left it; the metrics of the
+    whole set (same on every rank). Ranks with fewer batches run unscored filler forwards, so that every rank runs
+    as many (FSDP2 gathers each layer's weights from all ranks)."""
     task = config.model.task
     regression = isinstance(stream, ClassificationStream) and stream.regression
-    batches = list(stream.one_pass())
-    count = torch.tensor([len(batches)], device=world.device)
+    count = torch.tensor([stream.one_pass_length()], device=world.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    was_training = model.training
-    model.eval()
     scored = []
-    try:
-        for index in range(int(count.item())):
-            batch = batches[min(index, len(batches) - 1)].to(world.device)
+    with _validation_mode(model, fp8=config.model.fp8 != "off"):
+        for batch, is_filler in _padded_pass(stream, int(count.item())):
+            batch = batch.to(world.device)
             with forward_context(config.parallel, world):
                 logits = model(**batch.model_inputs()).logits.float()
-            if index < len(batches):
+            if not is_filler:
                 scored.append(_scored(logits, batch.labels, task, regression))
-    finally:
-        model.train(was_training)
     if task == "mlm":
         sums = torch.stack(scored).sum(0) if scored else torch.zeros(3, device=world.device, dtype=torch.float64)
         dist.all_reduce(sums)
         return mlm_metrics(*sums.tolist())
-    local = [torch.cat(parts).cpu() for parts in zip(*scored)]
+    local = [torch.cat(parts).cpu() for parts in zip(*scored)] if scored else None
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, local)
-    outputs, labels = (torch.cat(parts) for parts in zip(*gathered))
+    outputs, labels = (torch.cat(parts) for parts in zip(*(part for part in gathered if part is not None)))
     if regression:
         return regression_metrics(outputs, labels)
     return classification_metrics(outputs, labels)
+
+
+def _padded_pass(stream: MLMStream | ClassificationStream, count: int) -> Iterator[tuple[PackedBatch, bool]]:
+    """`(batch, is_filler)`: the batches of `stream.one_pass()`, then filler batches (one protein of <cls> and
+    <eos>) up to `count` batches."""
+    yielded = 0
+    for batch in stream.one_pass():
+        yielded += 1
+        yield batch, False
+    for _ in range(count - yielded):
+        yield pack_batch([[CLS, EOS]], [[IGNORE_INDEX, IGNORE_INDEX]]), True
+
+
+@contextlib.contextmanager
+def _validation_mode(model: nn.Module, fp8: bool) -> Iterator[None]:
+    """Within: eval mode, CUDA graphs off; after: the previous mode and graphs, and (`fp8`) the FP8 scaling state
+    from before (delayed scaling updates it at every FP8 forward, eval ones included)."""
+    was_training = model.training
+    configs = [module.config for module in model.modules() if hasattr(module, "graphs")]  # the NVEsm encoders
+    graphs = [config.cuda_graphs for config in configs]
+    scaling = fp8_scaling_state(model) if fp8 else {}
+    model.eval()
+    for config in configs:
+        config.cuda_graphs = False
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        for config, enabled in zip(configs, graphs):
+            config.cuda_graphs = enabled
+        if scaling:
+            set_fp8_scaling_state(model, scaling)
 
 
 def _scored(
@@ -109,7 +148,7 @@ def _scored(
         logits, labels = logits[masked], labels[masked]
         loss = F.cross_entropy(logits, labels, reduction="sum")
         correct = (logits.argmax(-1) == labels).sum()
-        return torch.stack([loss, correct, masked.sum()]).double()
+        return torch.stack([loss.double(), correct.double(), masked.sum().double()])
     if task == "token":
         logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         labelled = labels != IGNORE_INDEX
@@ -129,7 +168,7 @@ def mlm_metrics(loss_sum: float, correct: float, count: float) -> dict[str, floa
     loss = loss_sum / count
     return {
         "val_loss": loss,
-        "val_perplexity": math.exp(loss),
+        "val_perplexity": math.exp(loss) if loss < 700 else math.inf,
         "val_masked_accuracy": correct / count,
         "val_count": int(count),
     }

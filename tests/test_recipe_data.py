@@ -546,6 +546,7 @@ def test_one_pass_reads_each_protein_once_the_same_way_every_time(tmp_path: Path
         torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels) for a, b in zip(first, again)
     )
     assert sum(batch.num_proteins for batch in first) == len(stream) == 45
+    assert len(first) == stream.one_pass_length() > 1
     assert all(batch.num_tokens <= 512 for batch in first)
     unmasked = [torch.where(b.labels == -100, b.input_ids, b.labels)[0] for b in first]
     proteins = [decode(ids[start:end].tolist()) for ids, b in zip(unmasked, first) for start, end in

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from test_recipe_train import DEMO_FASTA, SECONDARY_STRUCTURE, mlm_args, run_recipe
 
-from conftest import ROOT
+from conftest import ROOT, pad_batch
 from convert_checkpoint import convert_nv_to_hf
 from nv_esm.data import Holdout, MLMStream
 from nv_esm.train.config import parse_config
@@ -150,12 +150,7 @@ def transformers_logits(model: torch.nn.Module, batch) -> torch.Tensor:
     """transformers' logits of a packed batch's proteins, run right-padded: `[N, C]` for a sequence head, else the
     packed `[T, C]` (padding dropped)."""
     bounds = batch.cu_seq_lens.tolist()
-    proteins = [batch.input_ids[0, start:end] for start, end in zip(bounds[:-1], bounds[1:])]
-    longest = max(len(p) for p in proteins)
-    input_ids = torch.ones(len(proteins), longest, dtype=torch.long)  # <pad> = 1
-    attention_mask = torch.zeros(len(proteins), longest, dtype=torch.long)
-    for row, protein in enumerate(proteins):
-        input_ids[row, : len(protein)], attention_mask[row, : len(protein)] = protein, 1
+    input_ids, attention_mask = pad_batch([batch.input_ids[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])])
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     return logits if logits.dim() == 2 else logits[attention_mask.bool()]

@@ -13,6 +13,7 @@ same inputs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nv_esm.alphabet import CLS, EOS
-from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, PackedBatch, pack_batch
+from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, pack_batch
 from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist, forward_context
@@ -82,11 +83,14 @@ def evaluate(
     as many (FSDP2 gathers each layer's weights from all ranks)."""
     task = config.model.task
     regression = isinstance(stream, ClassificationStream) and stream.regression
-    count = torch.tensor([stream.one_pass_length()], device=world.device)
+    own = stream.one_pass_length()
+    count = torch.tensor([own], device=world.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    filler = pack_batch([[CLS, EOS]], [[IGNORE_INDEX, IGNORE_INDEX]])  # one protein of <cls> and <eos>
+    batches = itertools.chain(zip(stream.one_pass(), itertools.repeat(False)), [(filler, True)] * (count.item() - own))
     scored = []
     with _validation_mode(model, fp8=config.model.fp8 != "off"):
-        for batch, is_filler in _padded_pass(stream, int(count.item())):
+        for batch, is_filler in batches:
             batch = batch.to(world.device)
             with forward_context(config.parallel, world):
                 logits = model(**batch.model_inputs()).logits.float()
@@ -103,17 +107,6 @@ def evaluate(
     if regression:
         return regression_metrics(outputs, labels)
     return classification_metrics(outputs, labels)
-
-
-def _padded_pass(stream: MLMStream | ClassificationStream, count: int) -> Iterator[tuple[PackedBatch, bool]]:
-    """`(batch, is_filler)`: the batches of `stream.one_pass()`, then filler batches (one protein of <cls> and
-    <eos>) up to `count` batches."""
-    yielded = 0
-    for batch in stream.one_pass():
-        yielded += 1
-        yield batch, False
-    for _ in range(count - yielded):
-        yield pack_batch([[CLS, EOS]], [[IGNORE_INDEX, IGNORE_INDEX]]), True
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import math
 import numbers
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -976,11 +976,41 @@ class StaticShapeLayers(nn.Module):
         return self.encoder.emb_layer_norm_after(states)
 
 
+def host_shape(
+    captured: Iterable[tuple[int, int, int]], num_tokens: int, num_sequences: int, max_length: int
+) -> tuple[int, int, int] | None:
+    """The smallest of the `captured` static shapes `(tokens, slots, max_length)` that holds a packed batch of
+    `num_tokens` tokens in `num_sequences` proteins of at most `max_length` tokens (its padding in dummy proteins of
+    the shape's `max_length`, as `_pad_packed` lays it out), by tokens, then slots x max_length; None if none does."""
+    fitting = [
+        (tokens, slots, length)
+        for tokens, slots, length in captured
+        if tokens >= num_tokens
+        and length >= max_length
+        and slots >= num_sequences + -(-(tokens - num_tokens) // length)
+    ]
+    return min(fitting, key=lambda shape: (shape[0], shape[1] * shape[2]), default=None)
+
+
+def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
+    """What besides the shape tells the graphs apart: train mode, gradients, dtype, autocast, inference mode."""
+    return (
+        encoder.training,
+        hidden_states.requires_grad,
+        hidden_states.dtype,
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
+        torch.is_inference_mode_enabled(),
+    )
+
+
 class StaticShapeGraphs:
-    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool: for inference the
-    `capture_at_use`-th time a shape is met (earlier batches of that shape run eagerly: a shape met once, such as
-    the last, partly filled batch of each `nv-esm embed` shard, never pays a capture), for training at first use
-    (so that a resumed run replays where the run it continues did).
+    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
+    captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
+    shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which costs less
+    than an eager run, until the padding it has added there comes to `padding_before_capture` replays of that graph
+    (about what a capture costs): then its own shape is captured. With no graph to hold it, its shape is captured
+    the `capture_at_use`-th time it is met and runs eagerly before. A shape met once, such as the last, partly filled
+    batch of each `nv-esm embed` shard, so never pays a capture.
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
@@ -993,10 +1023,12 @@ class StaticShapeGraphs:
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
+    padding_before_capture = 4  # graph replays' worth of tokens
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, nn.Module | None] = {}
         self._uses: dict[tuple, int] = {}  # eager runs of each shape not captured yet
+        self._padding: dict[tuple, int] = {}  # padding tokens each shape not captured yet added to hosting graphs
         self._pool: Any = None
         self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
@@ -1018,6 +1050,7 @@ class StaticShapeGraphs:
         later random op on the GPU raises)."""
         self._graphs.clear()
         self._uses.clear()
+        self._padding.clear()
         self._pool = None
         self._awaiting_backward = False
         self._weights = None
@@ -1027,33 +1060,42 @@ class StaticShapeGraphs:
         """Whether a training replay's backward has not started yet."""
         return self._awaiting_backward
 
-    def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
-        """Replay (capturing first if new) `encoder`'s graph for this shape; `[T, hidden]` final states, a fresh
-        tensor. None when this inference shape is not captured yet (`capture_at_use`), its capture failed or an
-        earlier one ran out of memory: the encoder then runs it eagerly."""
+    def shape_for(
+        self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, packed: PackedSequences
+    ) -> tuple[int, int, int] | None:
+        """The static shape `(tokens, slots, max_length)` to pad this packed batch (`[T, hidden]` states) to before
+        `run`, or None: run it eagerly, unpadded (an inference shape not captured yet, with no graph to hold it)."""
         if self._out_of_memory:
             return None
-        # Graphs read the parameters' storage and fix at capture which parameters get gradients.
-        storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
-        if storage != self._parameter_storage:
-            self.clear()
-            self._parameter_storage = storage
+        self._check_parameters(encoder)
+        num_sequences = packed.cu_seq_lens.numel() - 1
+        own = static_shape(packed.num_tokens, num_sequences, packed.max_length)
+        mode = _graph_mode(encoder, hidden_states)
+        key = (*own, *mode)
+        if key in self._graphs or hidden_states.requires_grad:  # training: captured at first use
+            return own
+        captured = [graph_key[:3] for graph_key, graph in self._graphs.items() if graph and graph_key[3:] == mode]
+        host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
+        if host is not None:
+            padding = self._padding.get(key, 0) + host[0] - own[0]
+            if padding <= self.padding_before_capture * host[0]:
+                self._padding[key] = padding
+                return host
+            return own  # its padding has cost about a capture: capture its own shape
+        self._uses[key] = self._uses.get(key, 0) + 1
+        return own if self._uses[key] >= self.capture_at_use else None
+
+    def run(self, encoder: NVEsmEncoder, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
+        """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
+        `shape_for` gave); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier
+        one ran out of memory: the encoder then runs it eagerly."""
+        if self._out_of_memory:
+            return None
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         packed = inputs.packed
-        key = (
-            hidden_states.shape[0],
-            packed.cu_seq_lens.numel(),
-            packed.max_length,
-            encoder.training,
-            hidden_states.requires_grad,
-            hidden_states.dtype,
-            autocast_dtype,
-            torch.is_inference_mode_enabled(),
-        )
+        key = (hidden_states.shape[0], packed.cu_seq_lens.numel() - 1, packed.max_length)
+        key = (*key, *_graph_mode(encoder, hidden_states))
         if key not in self._graphs:
-            self._uses[key] = self._uses.get(key, 0) + 1
-            if not hidden_states.requires_grad and self._uses[key] < self.capture_at_use:
-                return None
             graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
             if self._out_of_memory:
                 return None
@@ -1071,6 +1113,14 @@ class StaticShapeGraphs:
             self._awaiting_backward = True
             states.register_hook(self._backward_started)
         return states
+
+    def _check_parameters(self, encoder: NVEsmEncoder) -> None:
+        """Graphs read the parameters' storage and fix at capture which parameters get gradients: when either
+        changed, drop them."""
+        storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
+        if storage != self._parameter_storage:
+            self.clear()
+            self._parameter_storage = storage
 
     def _free_after_out_of_memory(self, encoder: NVEsmEncoder) -> None:
         """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
@@ -1682,11 +1732,12 @@ class NVEsmModel(NVEsmPreTrainedModel):
             )
         num_tokens = run.num_tokens
         graphed = self.encoder.uses_cuda_graphs(eager)
-        if graphed:
-            hidden_states, run = _pad_packed_to_static_shape(hidden_states, run)
+        shape = self.encoder.graphs.shape_for(self.encoder, hidden_states, run) if graphed else None
+        if shape is not None:
+            hidden_states, run = _pad_packed(hidden_states, run, *shape)
         elif self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
             hidden_states, run = _pad_packed_for_fp8(hidden_states, run)
-        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run, static_shape=graphed)
+        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run, static_shape=shape is not None)
         return hidden_states, inputs, lambda states: to_input(states[:num_tokens])
 
     def _padded_run(
@@ -1836,14 +1887,6 @@ def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) ->
     return _pad_packed(
         hidden_states, packed, packed.num_tokens + extra, num_sequences + 1, max(packed.max_length, extra)
     )
-
-
-def _pad_packed_to_static_shape(
-    hidden_states: torch.Tensor, packed: PackedSequences
-) -> tuple[torch.Tensor, PackedSequences]:
-    """Pad `[T, hidden]` to its `static_shape` (see `_pad_packed`)."""
-    num_sequences = packed.cu_seq_lens.numel() - 1
-    return _pad_packed(hidden_states, packed, *static_shape(packed.num_tokens, num_sequences, packed.max_length))
 
 
 def _pad_packed(

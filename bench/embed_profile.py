@@ -11,10 +11,11 @@ and for the default settings in bf16:
   trace         busy/idle of the GPU over a command run on the first 3,000 proteins (`nv_esm.trace_summary`)
 and, with `--experiments captures`, what the CUDA-graph captures of a first run cost: per variant a fresh model, a
 warm-up run on 512 proteins, then two runs over all proteins (the first captures the shapes the warm-up did not
-meet), each with the number of captures, their seconds and the batches run eagerly before their shape was
-captured; variants `previous` (session 11: shapes by `previous_static_shape`, captured at first use) and `default`
-(the model as it is). (Session 11's variants, fixed token counts and one warm-up forward per capture, are in
-bench/results/embed_profile_h100_session11/embed_captures.json.)
+meet), each with the number of captures, their seconds, the batches run eagerly before their shape was captured
+and those run padded in a larger captured graph; variants `previous` (session 12: no batch runs in a larger graph)
+and `default` (the model as it is). (Earlier variants: session 11's in
+bench/results/embed_profile_h100_session11/embed_captures.json, session 12's against session 11's shapes in
+bench/results/embed_profile_h100_session12/embed_captures.json.)
 Writes OUT/embed_profile.json after every measurement.
 """
 
@@ -84,30 +85,19 @@ def command(checkpoint: Path, config, model, fasta: Path, warm: Path, work: Path
     return timed_run(checkpoint, config, model, fasta, work / "timed", options, profiler)
 
 
-def previous_static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
-    """`static_shape` before session 12: `max_length` in powers of two up to 1024 (1026 tokens: 1536), slots the
-    power of two over the proteins and dummies."""
-    step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
-    tokens = -(-num_tokens // step) * step
-    length = max(64, 1 << (max_length - 1).bit_length()) if max_length <= 1024 else -(-max_length // 512) * 512
-    dummies = -(-(tokens - num_tokens) // length)
-    return tokens, max(16, 1 << (num_sequences + dummies - 1).bit_length()), length
-
-
 def patch_variant(model, variant: str) -> dict:
-    """Apply `variant` to `model` (its remote-code module): "default" leaves it as it is, "previous" restores the
-    session-11 behaviour (`previous_static_shape`, capture at a shape's first use). A dict that counts the
-    captures, their seconds and the batches run eagerly before their shape's capture."""
+    """Apply `variant` to `model`: "default" leaves it as it is; "previous" restores session 12's policy (no
+    batch runs in a larger captured graph: a shape runs eagerly until its second batch, which captures it). A dict
+    that counts the captures, their seconds, the batches run eagerly before their shape's capture and the batches
+    run padded in a larger captured graph."""
     import sys
 
     module = sys.modules[type(model).__module__]
-    module.__dict__.setdefault("_static_shape", module.static_shape)
-    module.static_shape = previous_static_shape if variant == "previous" else module._static_shape
+    module.__dict__.setdefault("_host_shape", module.host_shape)
+    module.host_shape = (lambda *args: None) if variant == "previous" else module._host_shape
     graphs = model.encoder.graphs
-    if variant == "previous":
-        graphs.capture_at_use = 1
-    capture = graphs._capture
-    counts = {"captures": 0, "capture_seconds": 0.0}
+    capture, shape_for = graphs._capture, graphs.shape_for
+    counts = {"captures": 0, "capture_seconds": 0.0, "eager_before_capture": 0, "in_larger_graph": 0}
 
     def timed_capture(*args, **kwargs):
         torch.cuda.synchronize()
@@ -118,13 +108,15 @@ def patch_variant(model, variant: str) -> dict:
         counts["capture_seconds"] += time.perf_counter() - start
         return result
 
-    graphs._capture = timed_capture
+    def counted_shape_for(encoder, hidden_states, packed):
+        shape = shape_for(encoder, hidden_states, packed)
+        own = module.static_shape(packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
+        counts["eager_before_capture"] += shape is None
+        counts["in_larger_graph"] += shape is not None and shape != own
+        return shape
+
+    graphs._capture, graphs.shape_for = timed_capture, counted_shape_for
     return counts
-
-
-def eager_first_batches(model) -> int:
-    """Batches run eagerly so far because their shape was not captured yet."""
-    return sum(model.encoder.graphs._uses.values()) - len(model.encoder.graphs._graphs)
 
 
 def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, report: dict, save) -> None:
@@ -135,12 +127,10 @@ def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, repo
         entry = {}
         for run in ("warm", "first", "second"):
             source = warm if run == "warm" else fasta
-            before, eager_before = dict(counts), eager_first_batches(model)
+            before = dict(counts)
             entry[run] = timed_run(checkpoint, config, model, source, work / run, ["--fp8", fp8])
-            entry[run]["captures"] = counts["captures"] - before["captures"]
-            entry[run]["capture_seconds"] = counts["capture_seconds"] - before["capture_seconds"]
-            entry[run]["eager_before_capture"] = eager_first_batches(model) - eager_before
-            entry[run]["shapes"] = len(model.encoder.graphs._uses)
+            entry[run].update({name: counts[name] - before[name] for name in counts})
+            entry[run]["captured_shapes"] = len(model.encoder.graphs._graphs)
         report[f"captures_fp8_{fp8}_{variant}"] = entry
         print(variant, fp8, entry, flush=True)
         save()

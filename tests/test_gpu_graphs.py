@@ -154,6 +154,28 @@ def test_an_inference_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch
                 assert relative_error(b.grad, a.grad) <= GRAD_RTOL, name
 
 
+def test_smaller_inference_batches_replay_a_captured_graph_that_holds_them(hf_fp32, monkeypatch):
+    """The default policy (`capture_at_use` 2): once a large batch's shape is captured, a smaller batch of another
+    shape replays that graph, padded (no capture, no eager run), until its padding passes `padding_before_capture`
+    replays; then its own shape is captured. Logits follow the eager model at each call."""
+    from modeling_nv_esm import StaticShapeGraphs
+
+    monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 2)
+    eager, graphed = te_pair(hf_fp32)
+    graphs = graphed.esm.encoder.graphs
+    large = packed_on_gpu(random_proteins([300] * 6 + [150] * 4, seed=211, mask_fraction=0.15))
+    small = packed_on_gpu(random_proteins([1, 40, 60], seed=212, mask_fraction=0.15))
+    captured = []
+    for batch in [large, large] + [small] * (graphs.padding_before_capture + 2):
+        with torch.no_grad():
+            logits = [model(**batch).logits for model in (eager, graphed)]
+        assert max_abs_diff(logits[1], logits[0]) <= FP32_ATOL
+        captured.append(len(graphs._graphs))
+    padded_replays = captured.index(2) - 2  # small batches before their own capture
+    assert captured[:3] == [0, 1, 1] and 1 <= padded_replays <= graphs.padding_before_capture, captured
+    assert captured[-1] == 2 and None not in graphs._graphs.values()
+
+
 def test_a_second_forward_before_backward_is_refused(hf_fp32):
     """Two training forwards before one backward: the graphs' shared memory holds what the first backward reads, so
     the second forward raises (running it eagerly gave NaN gradients on an H100). After the backward, replays go

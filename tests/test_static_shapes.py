@@ -7,6 +7,8 @@ PyTorch backend, fp32, against the unpadded run within 1e-5 (tests/test_model.py
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -15,9 +17,12 @@ from modeling_nv_esm import (
     FP8_TOKEN_MULTIPLE,
     EncoderInputs,
     PackedSequences,
+    StaticShapeGraphs,
     _expandable_segments,
+    _graph_mode,
+    _pad_packed,
     _pad_packed_for_fp8,
-    _pad_packed_to_static_shape,
+    host_shape,
     length_sorted_batches,
     static_shape,
 )
@@ -71,11 +76,27 @@ def test_length_sorted_batches_share_one_shape_per_length_bucket():
     assert 1026 in shapes
 
 
-@pytest.mark.parametrize("pad", [_pad_packed_to_static_shape, _pad_packed_for_fp8])
+def pad_to_static_shape(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
+    shape = static_shape(packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
+    return _pad_packed(states, packed, *shape)
+
+
+# Captured shapes for `pad_into_a_larger_graph`: too few tokens and too short; too few slots for the dummies that
+# 2048 tokens of 256 need beside 7 proteins; the smallest that holds the batch; one with more tokens.
+CAPTURED = [(512, 16, 64), (2048, 8, 256), (2048, 16, 256), (4096, 64, 1026)]
+
+
+def pad_into_a_larger_graph(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
+    host = host_shape(CAPTURED, packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
+    assert host == (2048, 16, 256)
+    return _pad_packed(states, packed, *host)
+
+
+@pytest.mark.parametrize("pad", [pad_to_static_shape, pad_into_a_larger_graph, _pad_packed_for_fp8])
 @pytest.mark.parametrize("seed", range(3))
 def test_padding_the_packed_batch_changes_no_output(seed, pad):
-    """Dummy proteins and empty slots appended to a packed batch (to its static shape, or to the FP8 multiple of
-    16 tokens) leave every real token's final state unchanged."""
+    """Dummy proteins and empty slots appended to a packed batch (to its static shape, to a larger captured shape
+    that holds it, or to the FP8 multiple of 16 tokens) leave every real token's final state unchanged."""
     nv = make_nv_model(make_hf_model("wide_heads", seed=7))
     generator = torch.Generator().manual_seed(seed)
     proteins = random_proteins(random_lengths(generator, 7, longest=150), seed=seed, mask_fraction=0.15)
@@ -83,8 +104,10 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     embeddings = torch.randn(batch["input_ids"].shape[1], nv.config.hidden_size, generator=generator)
     packed = PackedSequences.right_padded(batch["cu_seq_lens_q"], batch["max_length_q"], embeddings.shape[0])
     padded_states, padded = pad(embeddings, packed)
-    if pad is _pad_packed_to_static_shape:
+    if pad is pad_to_static_shape:
         assert padded.num_tokens == static_shape(embeddings.shape[0], 7, packed.max_length)[0]
+    elif pad is pad_into_a_larger_graph:
+        assert (padded.num_tokens, padded.cu_seq_lens.numel() - 1, padded.max_length) == (2048, 16, 256)
     else:  # one dummy protein up to the next multiple of 16
         assert padded.num_tokens == -(-embeddings.shape[0] // FP8_TOKEN_MULTIPLE) * FP8_TOKEN_MULTIPLE
         assert padded.cu_seq_lens.numel() == packed.cu_seq_lens.numel() + 1
@@ -97,6 +120,38 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
         expected, _ = nv.esm.encoder(embeddings, EncoderInputs(rotary(packed.max_length), packed=packed), False)
         actual, _ = nv.esm.encoder(padded_states, EncoderInputs(rotary(padded.max_length), packed=padded), False)
     assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5
+
+
+def zero_packed_batch(lengths: list[int], hidden_size: int) -> tuple[torch.Tensor, PackedSequences]:
+    cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    num_tokens = int(cu_seq_lens[-1])
+    return torch.zeros(num_tokens, hidden_size), PackedSequences.right_padded(cu_seq_lens, max(lengths), num_tokens)
+
+
+def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_padding_costs_a_capture():
+    """`StaticShapeGraphs.shape_for`, the policy (the CPU captures nothing: a captured graph is stood for by its
+    key, as `run` files it). Inference: a shape no captured graph holds runs eagerly (None) at its first batch and is
+    captured at its second (`capture_at_use`); one a captured graph holds runs padded in it until the padding it
+    added passes `padding_before_capture` replays of that graph, then its own shape is captured. A captured shape
+    runs as itself. Training: its own shape at first use."""
+    nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
+    encoder, graphs, hidden = nv.esm.encoder, StaticShapeGraphs(), nv.config.hidden_size
+    large, small = zero_packed_batch([300] * 10, hidden), zero_packed_batch([1, 40, 40, 40, 79], hidden)
+    large_shape, small_shape = static_shape(3000, 10, 300), static_shape(200, 5, 79)
+    assert graphs.shape_for(encoder, *large) is None
+    assert graphs.shape_for(encoder, *large) == large_shape
+    graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
+    assert graphs.shape_for(encoder, *large) == large_shape
+    assert host_shape([large_shape], 200, 5, 79) == large_shape
+    padded_replays = graphs.padding_before_capture * large_shape[0] // (large_shape[0] - small_shape[0])
+    assert padded_replays >= 2
+    assert [graphs.shape_for(encoder, *small) for _ in range(padded_replays)] == [large_shape] * padded_replays
+    assert graphs.shape_for(encoder, *small) == small_shape
+    nv.train()
+    training_states = small[0].clone().requires_grad_()
+    assert graphs.shape_for(encoder, training_states, small[1]) == small_shape
+    graphs.clear()
+    assert graphs.shape_for(encoder, *small) is None
 
 
 @pytest.mark.parametrize("process_setting", ["", "expandable_segments:True"])

@@ -118,9 +118,11 @@ class OptimizerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model runs on the ranks: compute precision, FSDP2 options, activation checkpointing, compilation."""
+    """How the model runs on the ranks: compute precision, FSDP2 options (hybrid sharding included), activation
+    checkpointing, compilation."""
 
     precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
+    dp_replicate: int = 1  # HSDP: shard within groups of world_size / dp_replicate ranks, replicate across groups
     activation_checkpointing: bool = False
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
     compile: bool = False  # torch.compile each layer (torch backend)
@@ -171,6 +173,7 @@ class TrainConfig:
             "token_budget": self.data.token_budget,
             "max_length": self.data.max_length,
             "log_every": self.logging.log_every,
+            "dp_replicate": self.parallel.dp_replicate,
         }
         for name, value in at_least_one.items():
             if value < 1:
@@ -224,6 +227,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         action="store_true",
         help="keep layers gathered between forward and backward (FSDP2 "
         "reshard_after_forward=False): one all-gather less per layer and step, more memory",
+    )
+    model.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=ParallelConfig.dp_replicate,
+        help="hybrid sharding (HSDP): replicate the model over R groups, each sharding it over the world size / R "
+        "ranks (e.g. a node), so the all-gathers stay within a group",
     )
     model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
     model.add_argument(
@@ -355,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         parallel=ParallelConfig(
             precision=args.precision,
+            dp_replicate=args.dp_replicate,
             activation_checkpointing=args.activation_checkpointing,
             keep_gathered=args.keep_gathered,
             compile=args.compile,

@@ -98,7 +98,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 def train(config: TrainConfig) -> None:
     """Validate `config`, join the process group (torchrun's, or a world of one) and run the training."""
     config.validate()
-    world = init_distributed()
+    world = init_distributed(config.parallel)
     try:
         run_training(config, world)
     finally:

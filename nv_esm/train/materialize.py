@@ -119,7 +119,11 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
     with torch.no_grad():
         for index, (name, tensor) in enumerate(model.named_parameters()):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            start = world.rank * math.ceil(tensor.shape[0] / world.world_size) if local is not tensor else 0
+            if local is tensor:  # not sharded
+                start = 0
+            else:
+                shard, shards = world.shard_position
+                start = shard * math.ceil(tensor.shape[0] / shards)
             stop = min(start + local.shape[0], tensor.shape[0])
             rows = source.rows(canonical_name(name), start, stop) if source is not None else None
             if rows is None:

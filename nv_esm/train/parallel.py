@@ -1,5 +1,6 @@
-"""How the model runs on many ranks: the process group and device mesh, FSDP2 sharding with explicit prefetch,
-mixed precision, activation checkpointing and per-layer compilation.
+"""How the model runs on many ranks: the process group and device mesh, FSDP2 sharding (flat, or hybrid: sharded
+within groups of ranks, replicated across them) with explicit prefetch, mixed precision, activation checkpointing
+and per-layer compilation.
 
 `parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist), and
 `forward_context` the context its forwards run in; new scale-out options belong here. A world of one is not sharded
@@ -24,7 +25,9 @@ from nv_esm.train.config import ParallelConfig
 
 @dataclass
 class Dist:
-    """This process's place in the run: its rank of `world_size`, its device and the 1-D data-parallel mesh."""
+    """This process's place in the run: its rank of `world_size`, its device and the data-parallel device mesh,
+    1-D `("dp_shard",)` or, with `--dp-replicate R`, 2-D `("dp_replicate", "dp_shard")` of shape
+    `(R, world_size // R)`. Every rank is a data-parallel rank (its own micro-batches)."""
 
     rank: int
     world_size: int
@@ -35,14 +38,27 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def shard_position(self) -> tuple[int, int]:
+        """(this rank's index along the dimension FSDP2 shards over, that dimension's size): the rows of each
+        parameter this rank holds are the index-th of that many chunks."""
+        return self.mesh.get_local_rank("dp_shard"), self.mesh.size(self.mesh.mesh_dim_names.index("dp_shard"))
 
-def init_distributed() -> Dist:
-    """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one."""
+
+def init_distributed(settings: ParallelConfig) -> Dist:
+    """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one. Raises
+    ValueError (before joining the process group) when `--dp-replicate` does not divide the world size."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world_size, replicas = int(os.environ["WORLD_SIZE"]), settings.dp_replicate
+    if world_size % replicas:
+        raise ValueError(
+            f"--dp-replicate {replicas} must divide the number of ranks ({world_size}): each replica group shards "
+            "the model over the same number of ranks."
+        )
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -51,8 +67,12 @@ def init_distributed() -> Dist:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return Dist(dist.get_rank(), dist.get_world_size(), device, mesh)
+    if replicas == 1:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    else:
+        shape, names = (replicas, world_size // replicas), ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return Dist(dist.get_rank(), world_size, device, mesh)
 
 
 def compute_dtype(settings: ParallelConfig, device: torch.device) -> torch.dtype:
@@ -103,7 +123,9 @@ def shard(
     model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype, reshard_after_forward: bool
 ) -> None:
     """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group, computing in
-    `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`)."""
+    `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`).
+    On a 2-D mesh FSDP2 shards over "dp_shard" and replicates over "dp_replicate" (HSDP): gradients are
+    reduce-scattered within a replica group, then all-reduced across the groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

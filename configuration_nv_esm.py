@@ -32,6 +32,7 @@ LOAD_TIME_OPTIONS = (
     "fp8_recipe",
     "check_inputs",
     "cuda_graphs",
+    "offload_activations",
     "max_protein_length",
 )
 
@@ -87,12 +88,18 @@ class NVEsmConfig(PretrainedConfig):
             as CUDA graphs captured once per bucket, for training (train mode with gradients) and inference (eval
             mode without gradients). Other calls, and `output_hidden_states`, run eagerly. A training forward must
             be followed by its backward before the next forward; set False to run several forwards per backward.
+        offload_activations: Training forwards (train mode with gradients, on a CUDA GPU, Transformer Engine
+            installed) keep what every layer but the last saves for backward in pinned host memory (Transformer
+            Engine's `get_cpu_offload_context`: layer i is copied out before layer i + 1 runs and back when its
+            backward starts). Less GPU memory for activations, at the cost of host-device traffic. Such calls run
+            eagerly (no CUDA graphs); each must be followed by its backward before the next. Not with gradient
+            checkpointing (it would offload nothing: refused).
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `check_inputs`, `cuda_graphs`, `max_protein_length`) describe the machine and the run, not the model:
-    `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an older
-    version) is read without them, with a warning for values other than the defaults. Pass them to
+    `check_inputs`, `cuda_graphs`, `offload_activations`, `max_protein_length`) describe the machine and the run,
+    not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an
+    older version) is read without them, with a warning for values other than the defaults. Pass them to
     `from_pretrained`.
     """
 
@@ -127,6 +134,7 @@ class NVEsmConfig(PretrainedConfig):
         fp8_recipe: str = "delayed",
         check_inputs: bool = True,
         cuda_graphs: bool = True,
+        offload_activations: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -157,6 +165,7 @@ class NVEsmConfig(PretrainedConfig):
         self.fp8_recipe = fp8_recipe
         self.check_inputs = check_inputs
         self.cuda_graphs = cuda_graphs
+        self.offload_activations = offload_activations
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self._check()
@@ -249,7 +258,7 @@ class NVEsmConfig(PretrainedConfig):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if not self.layer_norm_eps > 0 or not self.initializer_range > 0 or not self.rope_theta > 0:
             raise ValueError("layer_norm_eps, initializer_range and rope_theta must be positive")
-        for name in ("token_dropout", "check_inputs", "cuda_graphs", "tie_word_embeddings"):
+        for name in ("token_dropout", "check_inputs", "cuda_graphs", "offload_activations", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):

@@ -825,6 +825,51 @@ def attention_probabilities(
     return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
 
 
+class ActivationOffload:
+    """Transformer Engine's CPU offload context for the encoder's layers (`config.offload_activations`), built on
+    first use, and whether an offloaded training forward still waits for its backward. TE hands saved tensors back
+    by layer and position, so a second forward before the first one's backward would give that backward the second
+    forward's activations: it is refused. Copies and pickles as unbuilt (the context holds a CUDA stream)."""
+
+    def __init__(self) -> None:
+        self.context: Any = None  # entered around each layer's forward
+        self.sync: Callable[[torch.Tensor], torch.Tensor] | None = None  # each layer's output passes through it
+        self.awaiting_backward = False
+
+    def __deepcopy__(self, memo: dict) -> ActivationOffload:
+        return ActivationOffload()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def build(self, num_layers: int) -> None:
+        """Offload every layer but the last. TE then finishes copying layer i out before layer i + 1 runs and
+        copies it back when layer i's backward starts (no overlap with compute)."""
+        if not transformer_engine_available():
+            raise ImportError(f"offload_activations uses Transformer Engine's offloading. {TE_INSTALL_HINT}")
+        offloading = importlib.import_module("transformer_engine.pytorch.cpu_offload")
+        if not hasattr(offloading, "DefaultOffloadSynchronizer") or offloading.NVTE_CPU_OFFLOAD_V1:
+            raise ImportError(
+                "offload_activations needs Transformer Engine's offloading of any saved tensor (TE 2.20's default; "
+                "not the NVTE_CPU_OFFLOAD_V1=1 code path, which offloads only what TE modules mark)."
+            )
+        self.context, self.sync = import_transformer_engine().get_cpu_offload_context(
+            enabled=True, num_layers=num_layers - 1, model_layers=num_layers
+        )
+
+    def forward_done(self, output: torch.Tensor) -> None:
+        """An offloaded forward finished with `output` (the last layer's): no other until its backward starts."""
+        if output.requires_grad:
+            self.awaiting_backward = True
+            output.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self.awaiting_backward = False
+
+
 class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
 
@@ -849,6 +894,7 @@ class NVEsmEncoder(nn.Module):
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
         self.graphs = StaticShapeGraphs()
+        self._offload = ActivationOffload()
         self.register_state_dict_post_hook(_drop_te_extra_state)
         self.register_load_state_dict_post_hook(_ignore_missing_te_extra_state)
 
@@ -884,14 +930,50 @@ class NVEsmEncoder(nn.Module):
     ) -> torch.Tensor:
         """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states` and
         handing each layer's attention probabilities to `attention_sink`."""
-        for index, layer in enumerate(self.layers):
-            if attention_sink is not None:
-                attention_sink(attention_probabilities(layer, hidden_states, inputs, self.config))
-            with self.layer_precision(index):
-                hidden_states = self.run_layer(layer, hidden_states, inputs)
-            if all_hidden_states is not None:
-                all_hidden_states.append(hidden_states)
+        offload = self.activation_offload(hidden_states)
+        try:
+            for index, layer in enumerate(self.layers):
+                if attention_sink is not None:
+                    attention_sink(attention_probabilities(layer, hidden_states, inputs, self.config))
+                with self.layer_precision(index), offload.context if offload else contextlib.nullcontext():
+                    hidden_states = self.run_layer(layer, hidden_states, inputs)
+                if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
+                    hidden_states = offload.sync(hidden_states)
+                if all_hidden_states is not None:
+                    all_hidden_states.append(hidden_states)
+        except BaseException:
+            if offload:  # TE's context counts layers: a forward cut short leaves it out of step
+                self._offload = ActivationOffload()
+            raise
+        if offload:
+            offload.forward_done(hidden_states)
         return hidden_states
+
+    def activation_offload(self, hidden_states: torch.Tensor) -> ActivationOffload | None:
+        """With `config.offload_activations`, in train mode with gradients: the built `ActivationOffload` whose
+        context each layer runs in. None otherwise. Raises RuntimeError while an offloaded forward waits for its
+        backward, and ValueError with gradient checkpointing or off CUDA."""
+        if not (self.config.offload_activations and self.training and torch.is_grad_enabled()):
+            return None
+        if self._offload.awaiting_backward:
+            raise RuntimeError(
+                "offload_activations: this model ran a training forward whose backward has not run yet; another "
+                "one now would give that backward the wrong activations. Call backward first, or load the model "
+                "with offload_activations=False to run several forwards per backward."
+            )
+        if self.gradient_checkpointing:
+            raise ValueError(
+                "offload_activations with gradient checkpointing offloads nothing (Transformer Engine's context does "
+                "not reach the checkpointed layer inputs; measured on an H100): use one of them."
+            )
+        if hidden_states.device.type != "cuda":
+            raise ValueError(
+                f"offload_activations moves GPU activations to host memory; this model runs on "
+                f"{hidden_states.device.type}. Load it with offload_activations=False."
+            )
+        if self._offload.context is None:
+            self._offload.build(len(self.layers))
+        return self._offload
 
     def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
         """One layer, `layer(hidden_states, inputs)` on both backends; recomputed in backward under gradient
@@ -904,7 +986,8 @@ class NVEsmEncoder(nn.Module):
 
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
-        train mode with gradients or eval mode without, no per-layer outputs or activation checkpointing, layers
+        train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
+        offloading, layers
         not sharded by FSDP, no module hooks (a replay would not call them), not inside `torch.compile`, another
         CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a process group of several
         ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to `main_grad` instead).
@@ -923,7 +1006,7 @@ class NVEsmEncoder(nn.Module):
             )
         if output_hidden_states or self.training != torch.is_grad_enabled():
             return False
-        if self.training and (self.gradient_checkpointing or _several_ranks()):
+        if self.training and (self.gradient_checkpointing or self.config.offload_activations or _several_ranks()):
             return False
         if (
             torch.compiler.is_compiling()
@@ -937,6 +1020,7 @@ class NVEsmEncoder(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
+        self._offload = ActivationOffload()  # its stream belongs to the device the model was on
         return super()._apply(fn, recurse)
 
     def fp8_region(self) -> contextlib.AbstractContextManager:
@@ -1008,9 +1092,11 @@ class StaticShapeGraphs:
     captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
     shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which costs less
     than an eager run, until the padding it has added there comes to `padding_before_capture` replays of that graph
-    (about what a capture costs): then its own shape is captured. With no graph to hold it, its shape is captured
-    the `capture_at_use`-th time it is met and runs eagerly before. A shape met once, such as the last, partly filled
-    batch of each `nv-esm embed` shard, so never pays a capture.
+    (about what a capture costs): then its own shape is captured. Padding is counted in tokens, so a shape held by a
+    graph of as many tokens (more slots or a longer `max_length`, which cost the attention kernels next to nothing)
+    stays there. With no graph to hold it, its shape is captured the `capture_at_use`-th time it is met and runs
+    eagerly before. A shape met once, such as the last, partly filled batch of each `nv-esm embed` shard, so never
+    pays a capture.
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
@@ -1072,9 +1158,9 @@ class StaticShapeGraphs:
         own = static_shape(packed.num_tokens, num_sequences, packed.max_length)
         mode = _graph_mode(encoder, hidden_states)
         key = (*own, *mode)
-        if key in self._graphs or hidden_states.requires_grad:  # training: captured at first use
+        if key in self._graphs or encoder.training:  # training: captured at first use
             return own
-        captured = [graph_key[:3] for graph_key, graph in self._graphs.items() if graph and graph_key[3:] == mode]
+        captured = [shape[:3] for shape, graph in self._graphs.items() if graph is not None and shape[3:] == mode]
         host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
         if host is not None:
             padding = self._padding.get(key, 0) + host[0] - own[0]

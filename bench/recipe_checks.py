@@ -6,6 +6,7 @@
     python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 GPUs
     python bench/recipe_checks.py fit --shape 15B --activation-checkpointing --out $OUT/recipe   # a big model, 2 GPUs
     python bench/recipe_checks.py graphs --out $OUT/recipe    # 1 GPU: eager vs CUDA graphs vs graphs + FP8
+    python bench/recipe_checks.py offload --shape 3B --gpus 1 --out $OUT/recipe   # activation offloading vs not
 
 Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
 their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
@@ -231,9 +232,51 @@ def check_graphs(out: Path, shape: str, steps: int, budget: int) -> dict:
     )
 
 
+def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> dict:
+    """Activation offloading (`--offload-activations`) against the default (CUDA graphs on one GPU), eager and
+    activation checkpointing, same init and data on `gpus` GPUs: losses, tokens/s and peak memory per rank
+    (expandable segments, as `fit`). A variant that failed (e.g. out of memory) is listed under "failed". (The
+    first H100 run, bench/results/offload_h100_session13/, also ran offloading with checkpointing: it offloaded
+    nothing, and the recipe now refuses it.)"""
+    config = write_config(out, shape)
+    allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "2", "--lr", "1e-4"]
+    common += ["--log-every", "1", "--no-checkpoint"]
+    variants = {
+        "default": [],
+        "eager": ["--no-cuda-graphs"],
+        "offload": ["--offload-activations"],
+        "checkpointing": ["--activation-checkpointing"],
+    }
+    records, failed = {}, []
+    for name, extra in variants.items():
+        run = out / f"offload_{shape}_{budget}_{name}"
+        try:
+            launch(run, gpus, config, *common, *extra, env=allocator)
+        except RuntimeError:  # e.g. out of memory: recorded, the other variants still run
+            failed.append(name)
+            continue
+        records[name] = metrics(run)
+    eager = records.get("eager", [])
+    return dict(
+        shape=shape,
+        gpus=gpus,
+        steps=steps,
+        token_budget=budget,
+        failed=failed,
+        max_relative_loss_difference_vs_eager={
+            name: max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(eager, rows))
+            for name, rows in records.items()
+            if eager
+        },
+        **{f"losses_{name}": [r["loss"] for r in rows] for name, rows in records.items()},
+        **{name: throughput(rows) for name, rows in records.items()},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs"))
+    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload"))
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
@@ -243,7 +286,7 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--gpus", type=int, default=2, help="fp8: GPUs per run")
+    parser.add_argument("--gpus", type=int, default=2, help="fp8, offload: GPUs per run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.check == "scaling":
@@ -259,11 +302,13 @@ def main() -> None:
         result = check_fit(args.out, args.shape or "3B", args.steps or 12, args.budget, *extra)
     elif args.check == "graphs":
         result = check_graphs(args.out, args.shape or "650M", args.steps or 40, args.budget)
+    elif args.check == "offload":
+        result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, args.gpus)
     elif args.check == "profile":
         result = check_profile(args.out, args.shape or "650M", args.budget)
     else:
         result = check_fp8(args.out, args.shape or "150M", args.steps or 200, args.gpus)
-    name = args.check + ("_fp8" if args.fp8 else "") + (f"_{args.gpus}gpu" if args.check == "fp8" else "")
+    name = args.check + ("_fp8" if args.fp8 else "") + (f"_{args.gpus}gpu" if args.check in ("fp8", "offload") else "")
     if args.check == "weak":
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":

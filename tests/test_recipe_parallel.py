@@ -1,16 +1,20 @@
 """The recipe's scale-out options on CPU (4-process gloo runs of the tiny model, fp32): hybrid sharding (HSDP,
-`--dp-replicate`) against the flat FSDP2 run on the same data, resuming under another layout, and the refusals.
+`--dp-replicate`) against the flat FSDP2 run on the same data, resuming under another layout, and the refusals
+(activation offloading needs a GPU: tests/test_gpu.py checks its gradients).
 
 Losses of the same run under two layouts differ only by the order of the fp32 gradient reductions (a reduce-scatter
 over 4 ranks, or over 2 and then an all-reduce over 2): within 1e-5 relative."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
+import torch
 from test_recipe_train import losses, mlm_args, run_recipe
 
+from conftest import make_hf_model, make_nv_model, pack_batch, random_proteins
 from nv_esm.train.config import parse_config
 
 RANKS = 4
@@ -31,11 +35,19 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
             "replicated": ("--dp-replicate", "4"),
         }.items()
     }
-    for out, args in run.values():
-        run_recipe(out, *args, ranks=RANKS)
+    meshes = {
+        "flat": "dp_shard=4",
+        "hybrid": "dp_replicate=2 x dp_shard=2",
+        "replicated": "dp_replicate=4 x dp_shard=1",
+    }
+    for name, (out, args) in run.items():
+        assert f"4 ranks: {meshes[name]}\n" in run_recipe(out, *args, ranks=RANKS).stdout, name
     switched = tmp_path / "switched"
     run_recipe(switched, *mlm_args(tiny_config, steps, "--stop-at-step", "3", "--no-export"), ranks=RANKS)
-    run_recipe(switched, *mlm_args(tiny_config, steps, "--resume", "--dp-replicate", "2", "--no-export"), ranks=RANKS)
+    resumed_run = run_recipe(
+        switched, *mlm_args(tiny_config, steps, "--resume", "--dp-replicate", "2", "--no-export"), ranks=RANKS
+    )
+    assert f"4 ranks: {meshes['hybrid']}\n" in resumed_run.stdout
 
     flat = losses(run["flat"][0])
     assert sorted(flat) == list(range(1, steps + 1))
@@ -56,3 +68,36 @@ def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: 
     config = parse_config([*mlm_args(tiny_config, 2, "--dp-replicate", "0"), "--out", str(tmp_path / "other")])
     with pytest.raises(ValueError, match="--dp-replicate must be at least 1"):
         config.validate()
+
+
+def test_activation_offloading_is_refused_off_the_gpu(tiny_config: Path, tmp_path: Path) -> None:
+    """`--offload-activations` (the model's `offload_activations`) moves GPU activations to host memory: on CPU the
+    recipe refuses it before training, and the model refuses a training forward (eval forwards do not offload)."""
+    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--offload-activations"), ranks=1, check=False)
+    assert refused.returncode != 0 and "--offload-activations moves activations from GPU to host" in refused.stderr
+    hf = make_hf_model("tiny", seed=5)
+    offloading, plain = make_nv_model(hf, offload_activations=True), make_nv_model(hf)
+    batch = pack_batch(random_proteins([30, 1, 64], seed=6, mask_fraction=0.15))
+    with torch.no_grad():
+        torch.testing.assert_close(offloading(**batch).logits, plain(**batch).logits, rtol=0, atol=0)
+    offloading.train()
+    with pytest.raises(ValueError, match="offload_activations moves GPU activations to host memory"):
+        offloading(**batch, labels=batch["input_ids"])
+    offloading.esm.encoder._offload.awaiting_backward = True  # as after a GPU forward (tests/test_gpu.py runs one)
+    with pytest.raises(RuntimeError, match="backward has not run yet"):
+        offloading(**batch, labels=batch["input_ids"])
+    copied = copy.deepcopy(offloading)  # the context (a CUDA stream) is not copied; nor is the waiting state
+    assert copied.esm.encoder._offload.context is None and not copied.esm.encoder._offload.awaiting_backward
+
+
+def test_activation_offloading_with_checkpointing_is_refused(tiny_config: Path, tmp_path: Path) -> None:
+    """Transformer Engine's offload context does not reach the inputs `te.checkpoint` keeps (an H100 run offloaded
+    0 MB): the recipe and the model refuse the combination rather than offload nothing silently."""
+    argv = [*mlm_args(tiny_config, 2, "--offload-activations", "--activation-checkpointing"), "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="offloads nothing"):
+        parse_config(argv).validate()
+    model = make_nv_model(make_hf_model("tiny", seed=5), offload_activations=True).train()
+    model.gradient_checkpointing_enable()
+    batch = pack_batch(random_proteins([30, 1, 64], seed=6, mask_fraction=0.15))
+    with pytest.raises(ValueError, match="offloads nothing"):
+        model(**batch, labels=batch["input_ids"])

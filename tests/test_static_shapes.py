@@ -133,7 +133,8 @@ def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_paddin
     key, as `run` files it). Inference: a shape no captured graph holds runs eagerly (None) at its first batch and is
     captured at its second (`capture_at_use`); one a captured graph holds runs padded in it until the padding it
     added passes `padding_before_capture` replays of that graph, then its own shape is captured. A captured shape
-    runs as itself. Training: its own shape at first use."""
+    runs as itself; graphs of another mode or failed captures hold nothing; `clear()` forgets the counts.
+    Training: its own shape at first use."""
     nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
     encoder, graphs, hidden = nv.esm.encoder, StaticShapeGraphs(), nv.config.hidden_size
     large, small = zero_packed_batch([300] * 10, hidden), zero_packed_batch([1, 40, 40, 40, 79], hidden)
@@ -143,14 +144,16 @@ def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_paddin
     graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
     assert graphs.shape_for(encoder, *large) == large_shape
     assert host_shape([large_shape], 200, 5, 79) == large_shape
-    padded_replays = graphs.padding_before_capture * large_shape[0] // (large_shape[0] - small_shape[0])
-    assert padded_replays >= 2
-    assert [graphs.shape_for(encoder, *small) for _ in range(padded_replays)] == [large_shape] * padded_replays
-    assert graphs.shape_for(encoder, *small) == small_shape
-    nv.train()
-    training_states = small[0].clone().requires_grad_()
-    assert graphs.shape_for(encoder, training_states, small[1]) == small_shape
+    # (3072, 32, 512) holds (256, 16, 128) with 2816 padding tokens a batch: 4 such batches fit in 4 x 3072.
+    assert (large_shape, small_shape) == ((3072, 32, 512), (256, 16, 128))
+    assert [graphs.shape_for(encoder, *small) for _ in range(5)] == [large_shape] * 4 + [small_shape]
     graphs.clear()
+    assert not graphs._graphs and not graphs._uses and not graphs._padding
+    nv.train()  # training: its own shape at first use, even where a graph would hold it
+    graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
+    assert graphs.shape_for(encoder, small[0].clone().requires_grad_(), small[1]) == small_shape
+    nv.eval()  # a training graph holds no inference batch, nor does a failed capture (None)
+    graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = None
     assert graphs.shape_for(encoder, *small) is None
 
 

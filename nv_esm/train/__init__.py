@@ -4,7 +4,8 @@
     python -m nv_esm.train --help
 
 - `config`: the run's typed settings (`TrainConfig` and its sections) and the command line that builds them.
-- `parallel`: process group and device mesh, FSDP2 sharding and prefetch, activation checkpointing, compile.
+- `parallel`: process group and device mesh (flat or hybrid sharding), FSDP2 and prefetch, activation
+  checkpointing and offloading, compile.
 - `materialize`: the NVEsm config of a run, the meta-device build, each rank's shard read or drawn fresh.
 - `lora`: LoRA adapters with stock PEFT on transformers' ESM projection names.
 - `feed`: this rank's micro-batches from `nv_esm.data`, prepared ahead with their data positions.

@@ -119,11 +119,12 @@ class OptimizerConfig:
 @dataclass
 class ParallelConfig:
     """How the model runs on the ranks: compute precision, FSDP2 options (hybrid sharding included), activation
-    checkpointing, compilation."""
+    checkpointing and offloading, compilation."""
 
     precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
     dp_replicate: int = 1  # HSDP: shard within groups of world_size / dp_replicate ranks, replicate across groups
     activation_checkpointing: bool = False
+    offload_activations: bool = False  # the model's `offload_activations` (GPU, Transformer Engine)
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
     compile: bool = False  # torch.compile each layer (torch backend)
 
@@ -198,6 +199,11 @@ class TrainConfig:
             raise ValueError(f"--val-every must be at least 0, got {validation.every}.")
         if validation.every and not validation.enabled:
             raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
+        if self.parallel.offload_activations and self.parallel.activation_checkpointing:
+            raise ValueError(
+                "--offload-activations with --activation-checkpointing offloads nothing (Transformer Engine's "
+                "offloading does not reach the checkpointed layer inputs): use one of them."
+            )
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
@@ -222,6 +228,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     model.add_argument("--fp8-recipe", choices=("delayed", "current", "block"), default=ModelConfig.fp8_recipe)
     model.add_argument("--activation-checkpointing", action="store_true")
+    model.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep every layer's saved activations (but the last layer's) in pinned host memory between forward "
+        "and backward (Transformer Engine's offloading; GPUs only, not with --activation-checkpointing)",
+    )
     model.add_argument(
         "--keep-gathered",
         action="store_true",
@@ -367,6 +379,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             precision=args.precision,
             dp_replicate=args.dp_replicate,
             activation_checkpointing=args.activation_checkpointing,
+            offload_activations=args.offload_activations,
             keep_gathered=args.keep_gathered,
             compile=args.compile,
         ),

@@ -110,6 +110,8 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     checkpoint, log and profile as `config` asks, and export OUT/final when the schedule is complete."""
     out, settings = config.out, config.optimizer
     resume_from = prepare_out(out, config.checkpoint.resume, world)
+    if world.is_main:
+        print(world.describe(), flush=True)
     random.seed(config.seed + world.rank)
     torch.manual_seed(config.seed + world.rank)
     batches, labels = make_batches(config, world)

@@ -1,6 +1,6 @@
 """How the model runs on many ranks: the process group and device mesh, FSDP2 sharding (flat, or hybrid: sharded
 within groups of ranks, replicated across them) with explicit prefetch, mixed precision, activation checkpointing
-and per-layer compilation.
+and offloading, and per-layer compilation.
 
 `parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist), and
 `forward_context` the context its forwards run in; new scale-out options belong here. A world of one is not sharded
@@ -37,6 +37,11 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def describe(self) -> str:
+        """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2"."""
+        dimensions = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        return f"{self.world_size} ranks: {dimensions}"
 
     @property
     def shard_position(self) -> tuple[int, int]:
@@ -88,12 +93,16 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend: str) -> None:
-    """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing,
-    `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the weights are
-    materialised after).
+    """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing
+    and offloading, `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the
+    weights are materialised after).
     `backend` is the model config's layer backend (`te` or `torch`)."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if settings.offload_activations:
+        if world.device.type != "cuda":
+            raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
+        model.config.offload_activations = True
     layers = find_layers(model)
     if settings.compile:
         if backend == "te":

@@ -825,25 +825,30 @@ def attention_probabilities(
     return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
 
 
-class ActivationOffload:
-    """Transformer Engine's CPU offload context for the encoder's layers (`config.offload_activations`), built on
-    first use, and whether an offloaded training forward still waits for its backward. TE hands saved tensors back
-    by layer and position, so a second forward before the first one's backward would give that backward the second
-    forward's activations: it is refused. Copies and pickles as unbuilt (the context holds a CUDA stream)."""
+class FreshWhenCopied:
+    """Runtime state of one model object (captured CUDA graphs, an offload context holding a CUDA stream) that
+    `copy.deepcopy` and pickling give as new, empty state: a copied or loaded model builds its own."""
 
-    def __init__(self) -> None:
-        self.context: Any = None  # entered around each layer's forward
-        self.sync: Callable[[torch.Tensor], torch.Tensor] | None = None  # each layer's output passes through it
-        self.awaiting_backward = False
-
-    def __deepcopy__(self, memo: dict) -> ActivationOffload:
-        return ActivationOffload()
+    def __deepcopy__(self, memo: dict) -> FreshWhenCopied:
+        return type(self)()
 
     def __getstate__(self) -> dict:
         return {}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
+
+
+class ActivationOffload(FreshWhenCopied):
+    """Transformer Engine's CPU offload context for the encoder's layers (`config.offload_activations`), built on
+    first use, and whether an offloaded training forward still waits for its backward. TE hands saved tensors back
+    by layer and position, so a second forward before the first one's backward would give that backward the second
+    forward's activations: it is refused."""
+
+    def __init__(self) -> None:
+        self.context: Any = None  # entered around each layer's forward
+        self.sync: Callable[[torch.Tensor], torch.Tensor] | None = None  # each layer's output passes through it
+        self.awaiting_backward = False
 
     def build(self, num_layers: int) -> None:
         """Offload every layer but the last. TE then finishes copying layer i out before layer i + 1 runs and
@@ -874,7 +879,7 @@ class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
 
     With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
-    captured once per shape (inference: at its second batch) with Transformer Engine's `make_graphed_callables`:
+    captured once per shape (when, `StaticShapeGraphs` says) with Transformer Engine's `make_graphed_callables`:
     one graph for the forward of all layers and one for their backward, replayed instead of launching every kernel
     from Python.
     """
@@ -987,10 +992,10 @@ class NVEsmEncoder(nn.Module):
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
         train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
-        offloading, layers
-        not sharded by FSDP, no module hooks (a replay would not call them), not inside `torch.compile`, another
-        CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a process group of several
-        ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to `main_grad` instead).
+        offloading, layers not sharded by FSDP, no module hooks (a replay would not call them), not inside
+        `torch.compile`, another CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a
+        process group of several ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to
+        `main_grad` instead).
 
         Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
         would overwrite memory that backward reads. (A training forward must be followed by its backward; an
@@ -1087,7 +1092,7 @@ def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
     )
 
 
-class StaticShapeGraphs:
+class StaticShapeGraphs(FreshWhenCopied):
     """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
     captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
     shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which costs less
@@ -1120,15 +1125,6 @@ class StaticShapeGraphs:
         self._awaiting_backward = False
         self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
         self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
-
-    def __deepcopy__(self, memo: dict) -> StaticShapeGraphs:
-        return StaticShapeGraphs()  # a copied model captures its own graphs
-
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture

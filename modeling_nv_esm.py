@@ -337,6 +337,101 @@ class EncoderInputs:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Tensor parallelism (Transformer Engine's `set_parallel_mode` with sequence parallelism, and the twin's copy)
+# --------------------------------------------------------------------------------------------------------------
+
+# The layer parameters that tensor parallelism splits across its ranks, by name inside a layer, with the dimension
+# they are split along: query/key/value rows (interleaved per head, so each rank gets whole heads) and fc1 rows
+# (column-parallel), and the columns of the attention output projection and of fc2 (row-parallel). Every other
+# layer parameter (LayerNorms, the two output biases) is whole on each rank and sees only that rank's tokens, so
+# its gradient there is a partial sum over the tensor-parallel ranks.
+TENSOR_PARALLEL_SPLITS = {
+    "self_attention.layernorm_qkv.weight": 0,
+    "self_attention.layernorm_qkv.bias": 0,
+    "self_attention.proj.weight": 1,
+    "layernorm_mlp.fc1_weight": 0,
+    "layernorm_mlp.fc1_bias": 0,
+    "layernorm_mlp.fc2_weight": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A tensor-parallel group: each of its `size` ranks holds `1/size` of every layer's heads and MLP columns and,
+    between the layers' matrix products, `1/size` of the tokens (sequence parallelism); `rank` is this process's
+    place in it."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, group: Any) -> TensorParallel:
+        distributed = torch.distributed
+        return cls(group, distributed.get_world_size(group), distributed.get_rank(group))
+
+
+def _collective(name: str, older_name: str) -> Callable:
+    distributed = torch.distributed
+    return getattr(distributed, name, None) or getattr(distributed, older_name)
+
+
+def _all_gather_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """`[t, ...]` on each rank -> `[size * t, ...]`, the ranks' tokens in rank order."""
+    gathered = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))
+    _collective("all_gather_single", "all_gather_into_tensor")(gathered, x.contiguous(), group=tp.group)
+    return gathered
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """`[T, ...]` partial sums on each rank -> this rank's `[T / size, ...]` of their sum."""
+    part = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(part, x.contiguous(), group=tp.group)
+    return part
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather the tokens `[T / size, ...] -> [T, ...]`. Backward: when the ranks use the gathered tokens
+    differently (they feed split weights), each rank's gradient is partial and is reduce-scattered; when every
+    rank computes the same from them (`replicated`), each keeps its own part of its (whole) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, replicated: bool) -> torch.Tensor:
+        ctx.tp, ctx.replicated = tp, replicated
+        return _all_gather_tokens(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.replicated:
+            return grad.chunk(ctx.tp.size)[ctx.tp.rank].contiguous(), None, None
+        return _reduce_scatter_tokens(grad, ctx.tp), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """This rank's tokens `[T, ...] -> [T / size, ...]`: of the ranks' sum (`summed`: the partial products of a
+    row-parallel weight, reduce-scattered) or of a tensor every rank holds whole. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.Tensor:
+        ctx.tp = tp
+        return _reduce_scatter_tokens(x, tp) if summed else x.chunk(tp.size)[tp.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_tokens(grad, ctx.tp), None, None
+
+
+def gather_tokens(x: torch.Tensor, tp: TensorParallel, replicated: bool = False) -> torch.Tensor:
+    """`_GatherTokens`: `[T / size, ...] -> [T, ...]`."""
+    return _GatherTokens.apply(x, tp, replicated)
+
+
+def scatter_tokens(x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.Tensor:
+    """`_ScatterTokens`: `[T, ...] -> [T / size, ...]`."""
+    return _ScatterTokens.apply(x, tp, summed)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # PyTorch twin of Transformer Engine's TransformerLayer
 # --------------------------------------------------------------------------------------------------------------
 
@@ -538,11 +633,17 @@ def refuse_adapters_on_fused_modules(layer: nn.Module) -> None:
 
 
 class NVEsmLayerNormLinear(nn.Module):
-    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear`."""
+    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear`.
 
-    def __init__(self, in_features: int, out_features: int, eps: float) -> None:
+    With `tensor_parallel` (column-parallel): `out_features` is this rank's rows; the LayerNormed tokens of all
+    ranks are gathered before the product, `[T / size, in] -> [T, out]`."""
+
+    def __init__(
+        self, in_features: int, out_features: int, eps: float, tensor_parallel: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.tensor_parallel = tensor_parallel
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -550,28 +651,43 @@ class NVEsmLayerNormLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        if self.tensor_parallel is not None:
+            normed = gather_tokens(normed, self.tensor_parallel)
         return with_qkv_updates(self, normed, F.linear(normed, self.weight, self.bias))
 
 
 class NVEsmLinear(nn.Module):
     """Linear with the parameter names of `transformer_engine.pytorch.Linear` (the attention output projection;
-    not an `nn.Linear`, so that PEFT adapts it only as `attention.output.dense`, as on TE)."""
+    not an `nn.Linear`, so that PEFT adapts it only as `attention.output.dense`, as on TE).
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    With `tensor_parallel` (row-parallel): `in_features` is this rank's columns; the ranks' partial products are
+    summed and scattered by tokens before the bias is added, `[T, in] -> [T / size, out]`."""
+
+    def __init__(self, in_features: int, out_features: int, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tensor_parallel = tensor_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel is not None:
+            return scatter_tokens(F.linear(x, self.weight), self.tensor_parallel, summed=True) + self.bias
         return with_update(self.__dict__.get("lora_targets"), x, F.linear(x, self.weight, self.bias))
 
 
 class NVEsmLayerNormMLP(nn.Module):
-    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`."""
+    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
+    With `tensor_parallel`: `intermediate_size` is this rank's part; fc1 is column-parallel and fc2 row-parallel
+    (tokens gathered after the LayerNorm, summed and scattered before fc2's bias), `[T / size, hidden]` in and out.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, eps: float, tensor_parallel: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.tensor_parallel = tensor_parallel
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
         self.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size))
         self.fc1_weight = nn.Parameter(torch.empty(intermediate_size, hidden_size))
@@ -580,7 +696,14 @@ class NVEsmLayerNormMLP(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
+        tp = self.tensor_parallel
+        if tp is None:
+            return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
+        normed = gather_tokens(
+            F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps), tp
+        )
+        activated = gelu(F.linear(normed, self.fc1_weight, self.fc1_bias))
+        return scatter_tokens(F.linear(activated, self.fc2_weight), tp, summed=True) + self.fc2_bias
 
 
 class NVEsmSelfAttention(nn.Module):
@@ -588,15 +711,18 @@ class NVEsmSelfAttention(nn.Module):
 
     `layernorm_qkv.weight` rows are interleaved per head, `[h0: q, k, v | h1: q, k, v | ...]`, as TE's
     default `qkv_weight_interleaved=True`. Attention is `torch.nn.functional.scaled_dot_product_attention`.
+    With `tensor_parallel`, this rank's `num_heads / size` heads attend over all tokens.
     """
 
-    def __init__(self, config: NVEsmConfig) -> None:
+    def __init__(self, config: NVEsmConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.num_heads = config.num_attention_heads // size
         self.head_dim = config.head_dim
         self.dropout = config.attention_probs_dropout_prob
-        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * config.hidden_size, config.layer_norm_eps)
-        self.proj = NVEsmLinear(config.hidden_size, config.hidden_size)
+        width = self.num_heads * self.head_dim
+        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * width, config.layer_norm_eps, tensor_parallel)
+        self.proj = NVEsmLinear(width, config.hidden_size, tensor_parallel)
 
     def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
         """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
@@ -624,12 +750,16 @@ class NVEsmSelfAttention(nn.Module):
 
 
 class NVEsmTorchLayer(nn.Module):
-    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it."""
+    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it (with
+    `tensor_parallel`: as `set_parallel_mode=True, sequence_parallel=True` configures it)."""
 
-    def __init__(self, config: NVEsmConfig) -> None:
+    def __init__(self, config: NVEsmConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attention = NVEsmSelfAttention(config)
-        self.layernorm_mlp = NVEsmLayerNormMLP(config.hidden_size, config.intermediate_size, config.layer_norm_eps)
+        self.self_attention = NVEsmSelfAttention(config, tensor_parallel)
+        size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.layernorm_mlp = NVEsmLayerNormMLP(
+            config.hidden_size, config.intermediate_size // size, config.layer_norm_eps, tensor_parallel
+        )
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         attention = self.self_attention
         add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
@@ -699,10 +829,19 @@ def te_layer_class() -> type[nn.Module]:
     return NVEsmTELayer
 
 
-def make_te_layer(config: NVEsmConfig, layer_number: int) -> nn.Module:
-    """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based)."""
+def make_te_layer(config: NVEsmConfig, layer_number: int, tensor_parallel: TensorParallel | None = None) -> nn.Module:
+    """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based);
+    with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism)."""
     init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
     on_meta = torch.get_default_device().type == "meta"
+    parallel: dict[str, Any] = {}
+    if tensor_parallel is not None:
+        parallel = dict(
+            set_parallel_mode=True,
+            tp_group=tensor_parallel.group,
+            tp_size=tensor_parallel.size,
+            sequence_parallel=True,
+        )
     return te_layer_class()(
         config=config,
         hidden_size=config.hidden_size,
@@ -725,6 +864,7 @@ def make_te_layer(config: NVEsmConfig, layer_number: int) -> nn.Module:
         attn_input_format=config.attn_input_format,
         params_dtype=torch.get_default_dtype(),
         device="meta" if on_meta else "cuda",
+        **parallel,
     )
 
 
@@ -898,6 +1038,7 @@ class NVEsmEncoder(nn.Module):
                 logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
+        self.tensor_parallel: TensorParallel | None = None  # set by `enable_tensor_parallel`
         self.graphs = StaticShapeGraphs()
         self._offload = ActivationOffload()
         self.register_state_dict_post_hook(_drop_te_extra_state)
@@ -918,8 +1059,17 @@ class NVEsmEncoder(nn.Module):
             if states is not None:
                 return states, None
         all_hidden_states = [hidden_states] if output_hidden_states else None
+        tp = self.tensor_parallel
+        if tp is not None:  # each rank runs its share of the tokens between the layers' products
+            if attention_sink is not None:
+                raise ValueError("output_attentions is not supported with tensor parallelism.")
+            hidden_states = scatter_tokens(hidden_states, tp, summed=False)
         with self.fp8_region():
             hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states, attention_sink)
+        if tp is not None:
+            hidden_states = gather_tokens(hidden_states, tp, replicated=True)
+            if all_hidden_states is not None:
+                all_hidden_states[1:] = [gather_tokens(h, tp, replicated=True) for h in all_hidden_states[1:]]
         hidden_states = self.emb_layer_norm_after(hidden_states)
         if all_hidden_states is None:
             return hidden_states, None
@@ -953,6 +1103,54 @@ class NVEsmEncoder(nn.Module):
         if offload:
             offload.forward_done(hidden_states)
         return hidden_states
+
+    def enable_tensor_parallel(self, tensor_parallel: TensorParallel) -> None:
+        """Split every layer across the ranks of `tensor_parallel` (Megatron-style tensor parallelism with
+        sequence parallelism, `TENSOR_PARALLEL_SPLITS`): the layers are rebuilt as this rank's part, holding the
+        matching slices of the current weights (none on the meta device). Packed (THD) layers only; the model's
+        inputs and outputs stay whole on every rank. Raises ValueError for what it does not support: padded
+        layers, dropout, head or MLP sizes the group size does not divide, LoRA adapters, activation offloading,
+        a second call."""
+        config, size = self.config, tensor_parallel.size
+        refusals = {
+            "it was enabled already": self.tensor_parallel is not None,
+            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
+            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
+                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
+            ),
+            f"{config.num_attention_heads} heads do not split over {size} ranks": config.num_attention_heads % size,
+            f"intermediate_size {config.intermediate_size} does not split over {size} ranks": (
+                config.intermediate_size % size
+            ),
+            "LoRA adapters are not supported": any(
+                type(module).__name__ == "LoraLayer" or hasattr(module, "lora_A") for module in self.modules()
+            ),
+            "activation offloading is not supported": config.offload_activations,
+        }
+        for reason, refused in refusals.items():
+            if refused:
+                raise ValueError(f"tensor parallelism: {reason}.")
+        old = self.layers
+        device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
+        with torch.device("meta"):
+            layers = nn.ModuleList(
+                make_te_layer(config, i + 1, tensor_parallel)
+                if self.backend == "te"
+                else NVEsmTorchLayer(config, tensor_parallel)
+                for i in range(len(old))
+            ).to(dtype)
+        if device.type != "meta":
+            layers.to_empty(device=device)
+            with torch.no_grad():
+                for new_layer, old_layer in zip(layers, old):
+                    whole = dict(old_layer.named_parameters())
+                    for name, parameter in new_layer.named_parameters():
+                        dim = TENSOR_PARALLEL_SPLITS.get(name)
+                        value = whole[name] if dim is None else whole[name].chunk(size, dim)[tensor_parallel.rank]
+                        parameter.copy_(value)
+        layers.train(self.training)
+        self.layers, self.tensor_parallel = layers, tensor_parallel
+        self.graphs.clear()
 
     def activation_offload(self, hidden_states: torch.Tensor) -> ActivationOffload | None:
         """With `config.offload_activations`, in train mode with gradients: the built `ActivationOffload` whose
@@ -1002,6 +1200,8 @@ class NVEsmEncoder(nn.Module):
         eager call in between gave NaN gradients.)"""
         if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
             return False
+        if self.tensor_parallel is not None:  # eager: the layers' collectives are not captured
+            return False
         if self.graphs.awaiting_backward():
             raise RuntimeError(
                 "cuda_graphs=True: this model ran a training forward whose backward has not run yet, and another "
@@ -1035,7 +1235,8 @@ class NVEsmEncoder(nn.Module):
         region exits, so per-layer regions would repeat that work for every layer."""
         if self.fp8_recipe is None:
             return contextlib.nullcontext()
-        return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe)
+        group = None if self.tensor_parallel is None else self.tensor_parallel.group
+        return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe, amax_reduction_group=group)
 
     def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
         """Inside `fp8_region`: FP8 stays on for layers marked "fp8" and is switched off for the others."""
@@ -1499,6 +1700,20 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         elif isinstance(module, NVEsmRotaryEmbedding):
             module.inv_freq.copy_(module.default_inv_freq(self.config))
 
+    def enable_tensor_parallel(self, tp_group: Any) -> None:
+        """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`
+        (`NVEsmEncoder.enable_tensor_parallel`). Every rank of the group calls it, then runs the same batches and
+        gets the same outputs. `save_pretrained` is refused afterwards: each rank holds part of each layer."""
+        self.base_model.encoder.enable_tensor_parallel(TensorParallel.of(tp_group))
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        if self.base_model.encoder.tensor_parallel is not None:
+            raise ValueError(
+                "save_pretrained: this model's layers are split over tensor-parallel ranks (each holds part of each "
+                "weight); save a whole model (e.g. export the recipe's checkpoint: python -m nv_esm.train export)."
+            )
+        return super().save_pretrained(*args, **kwargs)
+
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
     ) -> nn.Embedding:
@@ -1794,7 +2009,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         Packed runs take `[T, hidden]`. Padded runs take the right-padded view `[N, max_length, hidden]`: a padded
         input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
         sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
-        `FP8_TOKEN_MULTIPLE`; CUDA-graph runs pad the packed batch to its static shape (`static_shape`) unless the
+        `FP8_TOKEN_MULTIPLE`, tensor-parallel runs to a multiple of the group size (times that with FP8), which
+        splits the tokens; CUDA-graph runs pad the packed batch to its static shape (`static_shape`) unless the
         call needs the layers run `eager` (per-layer outputs or attention maps).
 
         Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
@@ -1815,10 +2031,13 @@ class NVEsmModel(NVEsmPreTrainedModel):
         num_tokens = run.num_tokens
         graphed = self.encoder.uses_cuda_graphs(eager)
         shape = self.encoder.graphs.shape_for(self.encoder, hidden_states, run) if graphed else None
+        multiple = FP8_TOKEN_MULTIPLE if self.encoder.fp8_recipe is not None else 1
+        if self.encoder.tensor_parallel is not None:
+            multiple *= self.encoder.tensor_parallel.size
         if shape is not None:
             hidden_states, run = _pad_packed(hidden_states, run, *shape)
-        elif self.encoder.fp8_recipe is not None and num_tokens % FP8_TOKEN_MULTIPLE:
-            hidden_states, run = _pad_packed_for_fp8(hidden_states, run)
+        elif num_tokens % multiple:
+            hidden_states, run = _pad_packed_to_multiple(hidden_states, run, multiple)
         inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run, static_shape=shape is not None)
         return hidden_states, inputs, lambda states: to_input(states[:num_tokens])
 
@@ -1962,9 +2181,12 @@ def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str)
     return sums / (lengths - 2).clamp_min(1)[:, None]
 
 
-def _pad_packed_for_fp8(hidden_states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
-    """Append a dummy protein of zeros so the token count is a multiple of `FP8_TOKEN_MULTIPLE`."""
-    extra = -packed.num_tokens % FP8_TOKEN_MULTIPLE
+def _pad_packed_to_multiple(
+    hidden_states: torch.Tensor, packed: PackedSequences, multiple: int
+) -> tuple[torch.Tensor, PackedSequences]:
+    """Append a dummy protein of zeros so the token count is a multiple of `multiple` (FP8 GEMMs need
+    `FP8_TOKEN_MULTIPLE`; tensor parallelism splits the tokens over its ranks)."""
+    extra = -packed.num_tokens % multiple
     num_sequences = packed.cu_seq_lens.numel() - 1
     return _pad_packed(
         hidden_states, packed, packed.num_tokens + extra, num_sequences + 1, max(packed.max_length, extra)

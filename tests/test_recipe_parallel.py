@@ -1,6 +1,7 @@
-"""The recipe's scale-out options on CPU (4-process gloo runs of the tiny model, fp32): hybrid sharding (HSDP,
-`--dp-replicate`) against the flat FSDP2 run on the same data, resuming under another layout, and the refusals
-(activation offloading needs a GPU: tests/test_gpu.py checks its gradients).
+"""The recipe's scale-out options on CPU (gloo runs of the tiny model on up to 4 processes, fp32): hybrid sharding
+(HSDP, `--dp-replicate`) against the flat FSDP2 run on the same data, tensor parallelism (`--tp`) against the run
+with as many data-parallel ranks, resuming under another layout, and the refusals (activation offloading needs a
+GPU: tests/test_gpu.py checks its gradients).
 
 Losses of the same run under two layouts differ only by the order of the fp32 gradient reductions (a reduce-scatter
 over 4 ranks, or over 2 and then an all-reduce over 2): within 1e-5 relative."""
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_recipe_train import losses, mlm_args, run_recipe
 
 from conftest import make_hf_model, make_nv_model, pack_batch, random_proteins
@@ -60,6 +62,69 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     for step in flat:
         assert resumed[step] == pytest.approx(flat[step], rel=LOSS_RTOL), step
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
+
+
+def test_tensor_parallelism_matches_the_runs_of_its_data_parallel_size_and_resumes(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """`--tp 2`: the two ranks of a pair train on the same micro-batches, so a run equals the run with as many
+    data-parallel ranks: 1 rank vs `--tp 2` on 2 ranks (dp_shard=1 x tp=2); 2 ranks vs `--tp 2` on 4 ranks
+    (dp_shard=2 x tp=2) and with `--dp-replicate 2` (dp_replicate=2 x dp_shard=1 x tp=2). Same losses (fp32, the
+    split products sum in another order), and the exported weights of the split run equal the 1-rank run's, so
+    checkpoints hold whole parameters. A 4-rank `--tp 2` run stopped at step 3 resumes with the unbroken run's
+    losses; resuming it with another `--tp` is refused (its data positions belong to 2 data-parallel ranks)."""
+    steps = 6
+    runs = {
+        "one": (1, (), "1 ranks: dp_shard=1"),
+        "split_one": (2, ("--tp", "2"), "2 ranks: dp_shard=1 x tp=2"),
+        "two": (2, (), "2 ranks: dp_shard=2"),
+        "split_two": (4, ("--tp", "2"), "4 ranks: dp_shard=2 x tp=2"),
+        "replicated_split": (4, ("--tp", "2", "--dp-replicate", "2"), "4 ranks: dp_replicate=2 x dp_shard=1 x tp=2"),
+    }
+    for name, (ranks, extra, mesh) in runs.items():
+        export = () if name in ("one", "split_one") else ("--no-export",)
+        result = run_recipe(tmp_path / name, *mlm_args(tiny_config, steps, *export, *extra), ranks=ranks)
+        assert f"{mesh}\n" in result.stdout, name
+    stopped = tmp_path / "stopped"
+    run_recipe(stopped, *mlm_args(tiny_config, steps, "--tp", "2", "--stop-at-step", "3", "--no-export"), ranks=4)
+    refused = run_recipe(stopped, *mlm_args(tiny_config, steps, "--resume", "--no-export"), ranks=4, check=False)
+    assert refused.returncode != 0 and "was written with --tp 2" in refused.stderr
+    run_recipe(stopped, *mlm_args(tiny_config, steps, "--tp", "2", "--resume", "--no-export"), ranks=4)
+
+    for split, reference in (
+        ("split_one", "one"),
+        ("split_two", "two"),
+        ("replicated_split", "two"),
+        ("stopped", "two"),
+    ):
+        expected, actual = losses(tmp_path / reference), losses(tmp_path / split)
+        assert sorted(actual) == sorted(expected) == list(range(1, steps + 1)), split
+        for step in expected:
+            assert actual[step] == pytest.approx(expected[step], rel=LOSS_RTOL), (split, step)
+    assert losses(tmp_path / "two") != losses(tmp_path / "one")  # other data: the comparisons above can fail
+    # Adam's steps amplify the summation-order differences of near-zero gradients: up to ~2e-6 in 6 steps; weights
+    # put in the wrong place would be off by their own size (~2e-2).
+    weights = {name: load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "split_one")}
+    assert weights["one"].keys() == weights["split_one"].keys()
+    for key, value in weights["one"].items():
+        assert weights["split_one"][key].shape == value.shape, key
+        torch.testing.assert_close(weights["split_one"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_what_tensor_parallelism_does_not_support_is_refused(tiny_config: Path, tmp_path: Path) -> None:
+    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "3"), ranks=2, check=False)
+    assert refused.returncode != 0 and "--tp 3 must divide the number of ranks (2)" in refused.stderr
+    refused = run_recipe(
+        tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "2", "--dp-replicate", "2"), ranks=2, check=False
+    )
+    assert (
+        refused.returncode != 0
+        and "--dp-replicate 2 must divide the number of ranks (2 / --tp 2 = 1)" in refused.stderr
+    )
+    for option in ("--lora-rank 4", "--offload-activations", "--compile"):
+        config = parse_config([*mlm_args(tiny_config, 2, "--tp", "2", *option.split()), "--out", str(tmp_path / "x")])
+        with pytest.raises(ValueError, match=f"--tp 2 with {option.split()[0]} is not supported"):
+            config.validate()
 
 
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: Path, tmp_path: Path) -> None:

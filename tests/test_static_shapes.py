@@ -21,7 +21,7 @@ from modeling_nv_esm import (
     _expandable_segments,
     _graph_mode,
     _pad_packed,
-    _pad_packed_for_fp8,
+    _pad_packed_to_multiple,
     host_shape,
     length_sorted_batches,
     static_shape,
@@ -92,7 +92,11 @@ def pad_into_a_larger_graph(states: torch.Tensor, packed: PackedSequences) -> tu
     return _pad_packed(states, packed, *host)
 
 
-@pytest.mark.parametrize("pad", [pad_to_static_shape, pad_into_a_larger_graph, _pad_packed_for_fp8])
+def pad_for_fp8(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
+    return _pad_packed_to_multiple(states, packed, FP8_TOKEN_MULTIPLE)
+
+
+@pytest.mark.parametrize("pad", [pad_to_static_shape, pad_into_a_larger_graph, pad_for_fp8])
 @pytest.mark.parametrize("seed", range(3))
 def test_padding_the_packed_batch_changes_no_output(seed, pad):
     """Dummy proteins and empty slots appended to a packed batch (to its static shape, to a larger captured shape

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nv_esm.train.config import TrainConfig
-from nv_esm.train.parallel import Dist
+from nv_esm.train.parallel import Dist, checkpoint_view
 
 if TYPE_CHECKING:
     from nv_esm.data import Batches
@@ -103,7 +103,10 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dcp.save(
+        {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
+        checkpoint_id=partial,
+    )
     streams: list[Any] = [None] * world.world_size
     dist.all_gather_object(streams, feed.state_dict())
     torch.save(rng_state(), partial / f"rng_rank{world.rank}.pt")
@@ -112,7 +115,7 @@ def save_checkpoint(
         torch.save(scaling, partial / f"fp8_rank{world.rank}.pt")
     dist.barrier()
     if world.is_main:
-        state = {"step": step, "world_size": world.world_size, "data": streams, "run": run_info}
+        state = {"step": step, "world_size": world.world_size, "tp": world.tp_size, "data": streams, "run": run_info}
         (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
         partial.rename(final)
         for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
@@ -125,7 +128,8 @@ def load_checkpoint(
     folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, world: Dist, run_info: dict
 ) -> int:
     """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
-    returns the step it was taken after."""
+    returns the step it was taken after. The weights load under any layout (DCP reshards them); the data
+    positions need the same number of ranks and of data-parallel ranks (the same `--tp`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -135,15 +139,25 @@ def load_checkpoint(
             f"{folder} was written by {state['world_size']} ranks; resume it with the same number of ranks "
             f"(got {world.world_size})."
         )
+    written_tp = state.get("tp", 1)
+    if written_tp != world.tp_size:
+        raise ValueError(
+            f"{folder} was written with --tp {written_tp}: its data positions belong to "
+            f"{state['world_size'] // written_tp} data-parallel ranks. Resume it with --tp {written_tp} "
+            f"(got --tp {world.tp_size})."
+        )
     saved = {**_SETTINGS_BEFORE, **state["run"]["settings"]}
     changed = {k: (saved.get(k), v) for k, v in run_info["settings"].items() if saved.get(k) != v}
     if changed:
         listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")
     model_state, optim_state = get_state_dict(model, optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    # Loaded in place: the views share the state dicts' tensors.
+    dcp.load(
+        {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
+        checkpoint_id=folder,
+    )
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     batches.load_state_dict(state["data"][world.rank])
     scaling = folder / f"fp8_rank{world.rank}.pt"
     if scaling.exists():

@@ -118,11 +118,12 @@ class OptimizerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model runs on the ranks: compute precision, FSDP2 options (hybrid sharding included), activation
-    checkpointing and offloading, compilation."""
+    """How the model runs on the ranks: compute precision, FSDP2 options (hybrid sharding included), tensor
+    parallelism, activation checkpointing and offloading, compilation."""
 
     precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
     dp_replicate: int = 1  # HSDP: shard within groups of world_size / dp_replicate ranks, replicate across groups
+    tp: int = 1  # tensor parallelism (with sequence parallelism) over groups of this many consecutive ranks
     activation_checkpointing: bool = False
     offload_activations: bool = False  # the model's `offload_activations` (GPU, Transformer Engine)
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
@@ -175,6 +176,7 @@ class TrainConfig:
             "max_length": self.data.max_length,
             "log_every": self.logging.log_every,
             "dp_replicate": self.parallel.dp_replicate,
+            "tp": self.parallel.tp,
         }
         for name, value in at_least_one.items():
             if value < 1:
@@ -204,6 +206,15 @@ class TrainConfig:
                 "--offload-activations with --activation-checkpointing offloads nothing (Transformer Engine's "
                 "offloading does not reach the checkpointed layer inputs): use one of them."
             )
+        if self.parallel.tp > 1:
+            unsupported = {
+                "--lora-rank": self.model.lora_rank,
+                "--offload-activations": self.parallel.offload_activations,
+                "--compile": self.parallel.compile,
+            }
+            for option, value in unsupported.items():
+                if value:
+                    raise ValueError(f"--tp {self.parallel.tp} with {option} is not supported; use one of them.")
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
@@ -246,6 +257,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         default=ParallelConfig.dp_replicate,
         help="hybrid sharding (HSDP): replicate the model over R groups, each sharding it over the world size / R "
         "ranks (e.g. a node), so the all-gathers stay within a group",
+    )
+    model.add_argument(
+        "--tp",
+        type=int,
+        default=ParallelConfig.tp,
+        help="tensor parallelism: split every layer (heads, MLP columns, and the tokens between them) over T "
+        "consecutive ranks, e.g. the GPUs of a node; FSDP2 shards over the world size / T groups",
     )
     model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
     model.add_argument(
@@ -378,6 +396,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=ParallelConfig(
             precision=args.precision,
             dp_replicate=args.dp_replicate,
+            tp=args.tp,
             activation_checkpointing=args.activation_checkpointing,
             offload_activations=args.offload_activations,
             keep_gathered=args.keep_gathered,

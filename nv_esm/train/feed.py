@@ -15,8 +15,9 @@ from nv_esm.train.parallel import Dist
 
 
 def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, Any]]:
-    """This rank's micro-batches, and the config fields of a classification task's labels (`label_fields`).
-    With `--val-fraction`, the records set aside for validation are left out."""
+    """This rank's micro-batches (those of its data-parallel index: the ranks of a `--tp` group share them), and
+    the config fields of a classification task's labels (`label_fields`). With `--val-fraction`, the records set
+    aside for validation are left out."""
     data, task = config.data, config.model.task
     grad_accum = config.optimizer.grad_accum
     fraction = config.validation.fraction
@@ -27,11 +28,11 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
         holdout=Holdout(fraction, "train") if fraction else None,
     )
     if task == "mlm":
-        batches = rank_streams(data.files, world.rank, world.world_size, grad_accum, mask_prob=data.mask_prob, **common)
+        batches = rank_streams(data.files, world.dp_rank, world.dp_size, grad_accum, mask_prob=data.mask_prob, **common)
         return batches, {}
     if len(data.files) != 1:
         raise ValueError(f"--task {task} reads one labelled CSV, got {len(data.files)} files.")
-    indices, num_streams = rank_stream_indices(world.rank, world.world_size, grad_accum)
+    indices, num_streams = rank_stream_indices(world.dp_rank, world.dp_size, grad_accum)
     streams = [ClassificationStream(data.files[0], task, index, num_streams, **common) for index in indices]
     return Batches(streams), label_fields(streams[0])
 

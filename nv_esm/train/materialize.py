@@ -27,7 +27,7 @@ from modeling_nv_esm import (
 from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, parallelize, sharded
+from nv_esm.train.parallel import Dist, parallelize, sharded, tensor_parallel_split_dim
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -99,10 +99,14 @@ class CheckpointReader:
         self.handles = [safe_open(folder / name, framework="pt") for name in files]
         self.where = {key: handle for handle in self.handles for key in handle.keys()}
 
-    def rows(self, name: str, start: int, stop: int | None) -> torch.Tensor | None:
-        """Rows `start:stop` (dim 0) of tensor `name`, or None when the checkpoint does not hold it."""
+    def rows(self, name: str, start: int, stop: int | None, columns: slice | None = None) -> torch.Tensor | None:
+        """Rows `start:stop` (dim 0) of tensor `name`, only `columns` of them if given, or None when the checkpoint
+        does not hold it."""
         handle = self.where.get(name)
-        return None if handle is None else handle.get_slice(name)[start:stop]
+        if handle is None:
+            return None
+        tensor = handle.get_slice(name)
+        return tensor[start:stop] if columns is None else tensor[start:stop, columns]
 
 
 def canonical_name(name: str) -> str:
@@ -114,7 +118,8 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
     """Fill every parameter shard and buffer, from `source` where it has the tensor, else a fresh initialisation.
 
     A fresh tensor is drawn whole (on the device, one at a time) from a generator seeded by `seed` and the
-    parameter's index, then cut to this rank's rows, so the weights do not depend on the world size."""
+    parameter's index, then cut to this rank's rows, so the weights do not depend on the world size. With `--tp`,
+    a split parameter's rank part (`tensor_parallel_split_dim`) is this rank's rows or columns of the whole one."""
     loaded, fresh = 0, []
     with torch.no_grad():
         for index, (name, tensor) in enumerate(model.named_parameters()):
@@ -125,10 +130,20 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
                 shard, shards = world.shard_position
                 start = shard * math.ceil(tensor.shape[0] / shards)
             stop = min(start + local.shape[0], tensor.shape[0])
-            rows = source.rows(canonical_name(name), start, stop) if source is not None else None
+            whole_shape, columns = list(tensor.shape), None
+            split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
+            if split_dim is not None:  # this rank's part of the whole parameter
+                part = tensor.shape[split_dim]
+                whole_shape[split_dim] *= world.tp_size
+                if split_dim == 0:
+                    start, stop = start + world.tp_rank * part, stop + world.tp_rank * part
+                else:
+                    columns = slice(world.tp_rank * part, (world.tp_rank + 1) * part)
+            rows = source.rows(canonical_name(name), start, stop, columns) if source is not None else None
             if rows is None:
                 fresh.append(name)
-                rows = fresh_tensor(name, tuple(tensor.shape), config, seed * 100_003 + index, world.device)[start:stop]
+                whole = fresh_tensor(name, tuple(whole_shape), config, seed * 100_003 + index, world.device)
+                rows = whole[start:stop] if columns is None else whole[start:stop, columns]
             else:
                 loaded += 1
             local[: stop - start].copy_(rows)

@@ -1,6 +1,6 @@
 """How the model runs on many ranks: the process group and device mesh, FSDP2 sharding (flat, or hybrid: sharded
-within groups of ranks, replicated across them) with explicit prefetch, mixed precision, activation checkpointing
-and offloading, and per-layer compilation.
+within groups of ranks, replicated across them) with explicit prefetch, tensor parallelism, mixed precision,
+activation checkpointing and offloading, and per-layer compilation.
 
 `parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist), and
 `forward_context` the context its forwards run in; new scale-out options belong here. A world of one is not sharded
@@ -20,23 +20,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modeling_nv_esm import TENSOR_PARALLEL_SPLITS
 from nv_esm.train.config import ParallelConfig
 
 
 @dataclass
 class Dist:
-    """This process's place in the run: its rank of `world_size`, its device and the data-parallel device mesh,
-    1-D `("dp_shard",)` or, with `--dp-replicate R`, 2-D `("dp_replicate", "dp_shard")` of shape
-    `(R, world_size // R)`. Every rank is a data-parallel rank (its own micro-batches)."""
+    """This process's place in the run: its rank of `world_size`, its device and the device mesh: `("dp_shard",)`;
+    with `--dp-replicate R`, `("dp_replicate", "dp_shard")` of shape `(R, world_size // R)`; with `--tp T`, a last
+    dimension `"tp"` of size T (consecutive ranks). The ranks of a "tp" group share their micro-batches; the
+    others are data-parallel ranks with their own. `checkpoint_mesh` (with `--tp` only) holds the same ranks with
+    "tp" first, the layout in which checkpoints see the split weights (`checkpoint_view`)."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+    checkpoint_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def tp_size(self) -> int:
+        names = self.mesh.mesh_dim_names
+        return self.mesh.size(names.index("tp")) if "tp" in names else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp") if self.tp_size > 1 else 0
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel ranks (groups of `tp_size` ranks that share micro-batches)."""
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which micro-batches it trains on."""
+        return self.rank // self.tp_size
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The mesh FSDP2 shards (and replicates) over: `mesh` without its "tp" dimension."""
+        names = self.mesh.mesh_dim_names
+        return self.mesh if "tp" not in names else self.mesh[tuple(name for name in names if name != "tp")]
 
     def describe(self) -> str:
         """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2"."""
@@ -52,16 +81,20 @@ class Dist:
 
 def init_distributed(settings: ParallelConfig) -> Dist:
     """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one. Raises
-    ValueError (before joining the process group) when `--dp-replicate` does not divide the world size."""
+    ValueError (before joining the process group) when `--tp` does not divide the world size, or `--dp-replicate`
+    the world size / `--tp`."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    world_size, replicas = int(os.environ["WORLD_SIZE"]), settings.dp_replicate
-    if world_size % replicas:
+    world_size, replicas, tp = int(os.environ["WORLD_SIZE"]), settings.dp_replicate, settings.tp
+    if world_size % tp:
+        raise ValueError(f"--tp {tp} must divide the number of ranks ({world_size}).")
+    if (world_size // tp) % replicas:
+        ranks = f"{world_size}" if tp == 1 else f"{world_size} / --tp {tp} = {world_size // tp}"
         raise ValueError(
-            f"--dp-replicate {replicas} must divide the number of ranks ({world_size}): each replica group shards "
+            f"--dp-replicate {replicas} must divide the number of ranks ({ranks}): each replica group shards "
             "the model over the same number of ranks."
         )
     if torch.cuda.is_available():
@@ -70,14 +103,20 @@ def init_distributed(settings: ParallelConfig) -> Dist:
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    if replicas == 1:
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-    else:
-        shape, names = (replicas, world_size // replicas), ("dp_replicate", "dp_shard")
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return Dist(dist.get_rank(), world_size, device, mesh)
+    names, shape = ["dp_shard"], [world_size // (replicas * tp)]
+    if replicas > 1:
+        names, shape = ["dp_replicate", *names], [replicas, *shape]
+    if tp > 1:
+        names, shape = [*names, "tp"], [*shape, tp]
+    mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
+    checkpoint_mesh = None
+    if tp > 1:
+        order = [len(names) - 1, *range(len(names) - 1)]
+        ranks = mesh.mesh.permute(order)
+        checkpoint_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=tuple(names[i] for i in order))
+    return Dist(dist.get_rank(), world_size, device, mesh, checkpoint_mesh)
 
 
 def compute_dtype(settings: ParallelConfig, device: torch.device) -> torch.dtype:
@@ -96,13 +135,16 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing
     and offloading, `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the
     weights are materialised after).
-    `backend` is the model config's layer backend (`te` or `torch`)."""
+    `backend` is the model config's layer backend (`te` or `torch`). With `--tp`, the layers are split over the
+    "tp" ranks first (`NVEsmPreTrainedModel.enable_tensor_parallel`) and FSDP2 shards each rank's part."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.offload_activations:
         if world.device.type != "cuda":
             raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
         model.config.offload_activations = True
+    if world.tp_size > 1:
+        model.enable_tensor_parallel(world.mesh.get_group("tp"))
     layers = find_layers(model)
     if settings.compile:
         if backend == "te":
@@ -134,13 +176,15 @@ def shard(
     """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group, computing in
     `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`).
     On a 2-D mesh FSDP2 shards over "dp_shard" and replicates over "dp_replicate" (HSDP): gradients are
-    reduce-scattered within a replica group, then all-reduced across the groups."""
+    reduce-scattered within a replica group, then all-reduced across the groups. With "tp", each tensor-parallel
+    rank's FSDP2 group is the ranks of its "tp" index (`Dist.dp_mesh`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mesh = world.dp_mesh
     for layer in layers:
-        fully_shard(layer, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=world.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     prefetch_layers(layers)
 
 
@@ -150,3 +194,93 @@ def prefetch_layers(layers: list[nn.Module]) -> None:
     for previous, current in zip(layers, layers[1:]):
         previous.set_modules_to_forward_prefetch([current])
         current.set_modules_to_backward_prefetch([previous])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: gradients, their norm, checkpoints
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_split_dim(name: str) -> int | None:
+    """The dimension along which tensor parallelism splits model parameter `name` (`TENSOR_PARALLEL_SPLITS`), or
+    None for a parameter every rank holds whole."""
+    _, in_layers, rest = name.partition(".layers.")
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def reduce_sequence_parallel_gradients(model: nn.Module, world: Dist) -> None:
+    """With `--tp`: sum over the "tp" ranks the gradients of the whole layer parameters (LayerNorms, output
+    biases), which each rank computed from its own tokens only (one all-reduce of their shards)."""
+    if world.tp_size == 1:
+        return
+    grads = [
+        _local(p.grad)
+        for name, p in model.named_parameters()
+        if p.grad is not None and ".layers." in name and tensor_parallel_split_dim(name) is None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=world.mesh.get_group("tp"))
+    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
+def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tensor:
+    """The global gradient norm over all shards as a device tensor, after scaling the gradients to at most
+    `max_norm` (no clipping when 0). With `--tp`, the split parameters' squares are summed over the "tp" ranks and
+    the whole ones counted once."""
+    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    parameters = [p for _, p in named]
+    if world.tp_size == 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    squares = []
+    for split in (True, False):
+        grads = [p.grad for name, p in named if (tensor_parallel_split_dim(name) is not None) == split]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=world.device)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
+    dist.all_reduce(squares[0], group=world.mesh.get_group("tp"))
+    total = (squares[0] + squares[1]).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([_local(p.grad) for p in parameters], scale.float())
+    return total.float()
+
+
+def checkpoint_view(state: dict, world: Dist) -> dict:
+    """`state` (the model or optimizer state dict of `get_state_dict`) as checkpoints hold it: with `--tp`, each
+    tensor of a split parameter becomes a DTensor of the whole parameter's shape on `Dist.checkpoint_mesh`
+    (split over "tp" first, then FSDP2's rows within each part), sharing this rank's storage, so that loading
+    into the view loads the model and the checkpoint does not depend on the layout. Unchanged without `--tp`."""
+    if world.tp_size == 1:
+        return state
+    from torch.distributed.tensor import DTensor, Shard
+
+    def whole(value: Any, dim: int) -> Any:
+        if not isinstance(value, DTensor) or value.dim() == 0:  # e.g. the optimizer's step count
+            return value
+        shape = list(value.shape)
+        shape[dim] *= world.tp_size
+        stride = torch.empty(shape, device="meta").stride()
+        placements = (Shard(dim), *value.placements)
+        return DTensor.from_local(
+            value.to_local(), world.checkpoint_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    def view(value: Any, name: str | None) -> Any:
+        if isinstance(value, dict):  # a new dict only where something in it changed (the rest loads in place)
+            items = {
+                key: view(item, key if name is None and isinstance(key, str) else name) for key, item in value.items()
+            }
+            return items if any(items[key] is not value[key] for key in value) else value
+        dim = None if name is None else tensor_parallel_split_dim(name)
+        return value if dim is None else whole(value, dim)
+
+    if "state" in state and "param_groups" in state:  # optimizer: {"state": {name: {"exp_avg": ...}}, ...}
+        return {**state, "state": view(state["state"], None)}
+    return view(state, None)

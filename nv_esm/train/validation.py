@@ -33,8 +33,9 @@ VALIDATION_SEED = 0  # masks and crops of the validation proteins, whatever --se
 
 
 def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> MLMStream | ClassificationStream | None:
-    """This rank's part of the validation set (records `rank`, `rank + world_size`, ... of `--val-data` or of the
-    records `--val-fraction` set aside; possibly none when there are more ranks than records), or None without
+    """This rank's part of the validation set (records `i`, `i + n`, ... of `--val-data` or of the records
+    `--val-fraction` set aside, for data-parallel index i of n: the ranks of a `--tp` group share it; possibly
+    none when there are more ranks than records), or None without
     validation. A classification set uses the training set's label names. Raises ValueError (on every rank) for
     an empty set."""
     settings, data, task = config.validation, config.data, config.model.task
@@ -42,8 +43,8 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
         return None
     files = settings.files or data.files
     common = dict(
-        stream_index=world.rank,
-        num_streams=world.world_size,
+        stream_index=world.dp_rank,
+        num_streams=world.dp_size,
         token_budget=data.token_budget,
         max_length=data.max_length,
         seed=VALIDATION_SEED,
@@ -99,8 +100,9 @@ def evaluate(
     if task == "mlm":
         sums = torch.stack(scored).sum(0) if scored else torch.zeros(3, device=world.device, dtype=torch.float64)
         dist.all_reduce(sums)
-        return mlm_metrics(*sums.tolist())
-    local = [torch.cat(parts).cpu() for parts in zip(*scored)] if scored else None
+        return mlm_metrics(*(sums / world.tp_size).tolist())  # the ranks of a --tp group scored the same tokens
+    own_part = scored and world.tp_rank == 0  # the ranks of a --tp group scored the same proteins
+    local = [torch.cat(parts).cpu() for parts in zip(*scored)] if own_part else None
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, local)
     outputs, labels = (torch.cat(parts) for parts in zip(*(part for part in gathered if part is not None)))

@@ -1,0 +1,119 @@
+"""Transformer Engine's tensor parallelism (`set_parallel_mode`, sequence parallelism) in NVEsm, 2 processes: each
+rank's outputs against transformers and the unsplit TE model, and its gradients, put back together, against the
+unsplit model's (tests/test_tensor_parallel.py checks the PyTorch twin the same way on CPU).
+
+With two GPUs the ranks talk over NCCL, one GPU each. With one GPU both ranks share it over gloo (NCCL refuses two
+ranks on one device): slower, the same numbers.
+
+Tolerances (fp32 parameters; TE's GEMMs may use TF32): logits within `TE_FP32_ATOL` of transformers fp32, and
+within half of it of the unsplit TE model; gradients within 1e-3 relative (L2) of the unsplit model's. FP8 (bf16,
+delayed scaling, amaxes reduced over the tensor-parallel group): the MLM loss within 2% of the unsplit FP8 model's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_tensor_parallel import RANKS, free_port, whole_gradient
+
+from conftest import (
+    GPU_MARKS,
+    TE_FP32_ATOL,
+    make_hf_model,
+    make_nv_model,
+    pack_batch,
+    pad_batch,
+    random_proteins,
+    relative_error,
+)
+
+pytestmark = GPU_MARKS
+
+LENGTHS = [1, 300, 37, 2, 1026, 129, 64, 5]  # length 1 and the maximum length; 1564 tokens
+GRAD_RTOL = 1e-3
+FP8_LOSS_RTOL = 0.02
+
+
+def check_rank(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    backend = "nccl" if torch.cuda.device_count() >= RANKS else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=RANKS)
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (before cuDNN loads)
+
+        hf = make_hf_model("esm2_8M", seed=100)
+        with torch.no_grad():
+            proteins = random_proteins(LENGTHS, seed=130, mask_fraction=0.15)
+            packed = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+            padded_hf = hf.to(device)
+            input_ids, attention_mask = (tensor.to(device) for tensor in pad_batch(proteins))
+            expected = padded_hf(input_ids=input_ids, attention_mask=attention_mask).logits[attention_mask.bool()]
+            hf.cpu()
+        models = {}
+        for name in ("whole", "split"):
+            model = make_nv_model(hf, backend="te", attn_input_format="thd", cuda_graphs=False).to(device)
+            if name == "split":
+                model.enable_tensor_parallel(dist.group.WORLD)
+            models[name] = model
+        errors = {}
+        with torch.no_grad():
+            logits = {name: model(**packed).logits[0] for name, model in models.items()}
+        errors["whole_vs_transformers"] = (logits["whole"] - expected).abs().max().item()
+        errors["split_vs_transformers"] = (logits["split"] - expected).abs().max().item()
+        errors["split_vs_whole"] = (logits["split"] - logits["whole"]).abs().max().item()
+        labels = packed["input_ids"]
+        for model in models.values():
+            model.train()
+            model(**packed, labels=labels).loss.backward()
+        reference = dict(models["whole"].named_parameters())
+        worst = 0.0
+        for name, parameter in models["split"].named_parameters():
+            if parameter.grad is None:
+                assert reference[name].grad is None, name
+                continue
+            worst = max(worst, relative_error(whole_gradient(name, parameter.grad), reference[name].grad))
+        errors["gradient_relative"] = worst
+
+        fp8_losses = []
+        for split in (False, True):
+            model = make_nv_model(
+                hf,
+                backend="te",
+                attn_input_format="thd",
+                cuda_graphs=False,
+                layer_precision=["fp8"] * hf.config.num_hidden_layers,
+            ).to(device, torch.bfloat16)
+            if split:
+                model.enable_tensor_parallel(dist.group.WORLD)
+            model.train()
+            loss = model(**packed, labels=labels).loss
+            loss.backward()
+            fp8_losses.append(loss.item())
+        errors["fp8_loss_relative"] = abs(fp8_losses[1] - fp8_losses[0]) / fp8_losses[0]
+        results[rank] = {**errors, "backend": backend}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_te_tensor_parallel_layers_give_transformers_outputs_and_the_unsplit_gradients() -> None:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(check_rank, args=(free_port(), results), nprocs=RANKS)
+        results = dict(results)
+    print(f"\n[TE tensor parallelism, {RANKS} ranks] {results}")
+    for errors in results.values():
+        assert errors["whole_vs_transformers"] <= TE_FP32_ATOL
+        assert errors["split_vs_transformers"] <= TE_FP32_ATOL
+        assert errors["split_vs_whole"] <= TE_FP32_ATOL / 2
+        assert errors["gradient_relative"] <= GRAD_RTOL
+        assert errors["fp8_loss_relative"] <= FP8_LOSS_RTOL
+
+
+if __name__ == "__main__":  # a quick run outside pytest
+    pytest.main([__file__, "-s", "-q"])

@@ -1,0 +1,145 @@
+"""Tensor parallelism of the PyTorch twin on CPU (2 gloo processes, fp32): `enable_tensor_parallel` splits every
+layer's heads and MLP columns over the ranks, and the tokens between the products (sequence parallelism). Each
+rank's outputs must equal transformers' `EsmForMaskedLM` and the unsplit model, and its gradients, put back
+together (split parameters concatenated, the whole layer parameters summed over the ranks as the recipe does),
+the unsplit model's. Transformer Engine's tensor parallelism runs the same checks on GPUs (tests/test_gpu.py).
+
+Tolerances (fp32): the split products sum in another order, ~1e-7 relative per layer: logits within 2e-5 of
+transformers' and of the unsplit model's; gradients within 1e-5 relative (L2)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import (
+    make_hf_model,
+    make_nv_model,
+    max_abs_diff,
+    pack_batch,
+    pad_batch,
+    random_lengths,
+    random_proteins,
+    relative_error,
+)
+from modeling_nv_esm import TENSOR_PARALLEL_SPLITS, TensorParallel
+
+RANKS = 2
+LOGITS_ATOL = 2e-5
+GRAD_RTOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def split_dim(name: str) -> int | None:
+    _, in_layers, rest = name.partition(".layers.")
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+
+
+def whole_gradient(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """A rank's gradient of parameter `name` put back together: split ones concatenated over the ranks, the whole
+    layer parameters (which saw only this rank's tokens) summed; embeddings and heads as they are."""
+    dim = split_dim(name)
+    if dim is not None:
+        parts = [torch.empty_like(grad) for _ in range(RANKS)]
+        dist.all_gather(parts, grad.contiguous())
+        return torch.cat(parts, dim)
+    if ".layers." in name:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+    return grad
+
+
+def check_rank(rank: int, port: int, seed: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        hf = make_hf_model("tiny", seed=seed)
+        whole = make_nv_model(hf, attn_input_format="thd")
+        split = make_nv_model(hf, attn_input_format="thd")
+        split.enable_tensor_parallel(dist.group.WORLD)
+        layer = split.esm.encoder.layers[0]
+        assert layer.self_attention.num_heads == hf.config.num_attention_heads // RANKS
+        assert layer.layernorm_mlp.fc1_weight.shape[0] == hf.config.intermediate_size // RANKS
+
+        lengths = random_lengths(generator, 6, longest=120)
+        if seed == 0:
+            lengths.append(hf.config.max_position_embeddings)  # a maximum-length protein
+        if sum(lengths) % RANKS == 0:
+            lengths.append(2)  # an odd token count: the model pads it to split the tokens
+        proteins = random_proteins(lengths, seed=seed, mask_fraction=0.15)
+        packed = pack_batch(proteins)
+        input_ids, attention_mask = pad_batch(proteins)
+        with torch.no_grad():
+            expected = hf(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = split(**packed, output_hidden_states=True)
+            unsplit = whole(**packed, output_hidden_states=True)
+            padded = split(input_ids=input_ids, attention_mask=attention_mask).logits
+        cu_seq_lens = packed["cu_seq_lens_q"].tolist()
+        for i, length in enumerate(lengths):
+            own = logits.logits[0, cu_seq_lens[i] : cu_seq_lens[i + 1]]
+            assert max_abs_diff(own, expected[i, :length]) <= LOGITS_ATOL, (i, length)
+            assert max_abs_diff(padded[i, :length], expected[i, :length]) <= LOGITS_ATOL, (i, length)
+        assert max_abs_diff(logits.logits, unsplit.logits) <= LOGITS_ATOL
+        assert len(logits.hidden_states) == len(unsplit.hidden_states) == hf.config.num_hidden_layers + 1
+        for ours, theirs in zip(logits.hidden_states, unsplit.hidden_states):
+            assert ours.shape == theirs.shape and max_abs_diff(ours, theirs) <= LOGITS_ATOL
+
+        labels = torch.where(packed["input_ids"] == 32, torch.randint(4, 24, packed["input_ids"].shape), -100)
+        labels[0, torch.randint(0, labels.shape[1], (8,), generator=generator)] = 5
+        losses = []
+        for model in (whole, split):
+            model.train()
+            output = model(**packed, labels=labels)
+            output.loss.backward()
+            losses.append(output.loss.detach())
+        assert abs(losses[0].item() - losses[1].item()) <= 1e-6 * abs(losses[0].item())
+        reference = dict(whole.named_parameters())
+        for name, parameter in split.named_parameters():
+            if parameter.grad is None:
+                assert reference[name].grad is None, name
+                continue
+            assert relative_error(whole_gradient(name, parameter.grad), reference[name].grad) <= GRAD_RTOL, name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_split_layers_give_transformers_outputs_and_the_unsplit_gradients(seed: int) -> None:
+    """Random lengths with a length-1 protein (seed 0 also a maximum-length one) and an odd token count; packed
+    and padded inputs; eval outputs (logits, every layer's states) and a training step's loss and gradients."""
+    mp.spawn(check_rank, args=(free_port(), seed), nprocs=RANKS)
+
+
+def test_what_tensor_parallelism_does_not_support_is_refused() -> None:
+    hf = make_hf_model("tiny", seed=1)
+    group_of = {size: TensorParallel(group=None, size=size, rank=0) for size in (1, 3)}
+    cases = {
+        "heads do not split over 3 ranks": (make_nv_model(hf, attn_input_format="thd"), group_of[3]),
+        "needs packed layers": (make_nv_model(hf, attn_input_format="bshd"), group_of[1]),
+        "dropout is not supported": (make_nv_model(hf, attn_input_format="thd", hidden_dropout_prob=0.1), group_of[1]),
+        "activation offloading is not supported": (
+            make_nv_model(hf, attn_input_format="thd", offload_activations=True),
+            group_of[1],
+        ),
+    }
+    for message, (model, tensor_parallel) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            model.esm.encoder.enable_tensor_parallel(tensor_parallel)
+    model = make_nv_model(hf, attn_input_format="thd")
+    model.esm.encoder.enable_tensor_parallel(group_of[1])
+    with pytest.raises(ValueError, match="it was enabled already"):
+        model.esm.encoder.enable_tensor_parallel(group_of[1])
+    with pytest.raises(ValueError, match="split over tensor-parallel ranks"):
+        model.save_pretrained("unused")

@@ -309,18 +309,33 @@ class EncoderInputs:
         key_mask: BSHD only: `[B, S]` bool, True for tokens; None when nothing is padded.
         packed: THD only: the packing of the hidden states `[T, hidden]`.
         static_shape: THD only: the batch was padded to a bucket (`static_shape`) to run as a CUDA graph.
+        context_parallel: THD with context parallelism only: which tokens this rank's layers run (`packed` is then
+            the whole batch's packing).
     """
 
     rotary_angles: torch.Tensor
     key_mask: torch.Tensor | None = None
     packed: PackedSequences | None = None
     static_shape: bool = False
+    context_parallel: ContextParallelLayout | None = None
 
     @functools.cached_property
     def te_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward` (built once per batch)."""
         kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
-        if self.packed is not None:
+        layout = self.context_parallel
+        if layout is not None:  # real and padded lengths of the whole batch; TE finds this rank's part
+            kwargs.update(
+                self_attn_mask_type="padding",
+                cu_seqlens_q=layout.cu_seq_lens,
+                cu_seqlens_kv=layout.cu_seq_lens,
+                cu_seqlens_q_padded=layout.cu_seq_lens_padded,
+                cu_seqlens_kv_padded=layout.cu_seq_lens_padded,
+                max_seqlen_q=layout.max_length,
+                max_seqlen_kv=layout.max_length,
+                pad_between_seqs=True,
+            )
+        elif self.packed is not None:
             cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
             kwargs.update(
                 self_attn_mask_type="padding",
@@ -429,6 +444,118 @@ def gather_tokens(x: torch.Tensor, tp: TensorParallel, replicated: bool = False)
 def scatter_tokens(x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.Tensor:
     """`_ScatterTokens`: `[T, ...] -> [T / size, ...]`."""
     return _ScatterTokens.apply(x, tp, summed)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Context parallelism (Transformer Engine's context-parallel attention on packed layers, and the twin's copy)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParallel(TensorParallel):
+    """A context-parallel group: each of its `size` ranks runs the layers on part of every protein's tokens
+    (`ContextParallelLayout`) and exchanges keys and values with the others in attention. `ranks`: the group's
+    global ranks (Transformer Engine's ring needs them)."""
+
+    ranks: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, group: Any) -> ContextParallel:
+        distributed = torch.distributed
+        ranks = tuple(distributed.get_process_group_ranks(group))
+        return cls(group, len(ranks), distributed.get_rank(group), ranks)
+
+
+@dataclass
+class ContextParallelLayout:
+    """Where each token of a packed batch runs under context parallelism, Transformer Engine's THD layout: every
+    protein is padded to a multiple of `2 * size` tokens and cut into `2 * size` chunks; rank r runs chunks r and
+    `2 * size - 1 - r` of each (the early and late chunks of a protein attend to few and many keys: one of each
+    balances the work), protein after protein. Every rank runs `num_tokens_padded / size` tokens.
+
+    Attributes:
+        cp: the group.
+        num_tokens: T, the real tokens of the batch.
+        cu_seq_lens: `[N + 1]` int32, the real lengths (with a dummy protein when the token count was rounded up).
+        cu_seq_lens_padded: `[N + 1]` int32, the padded lengths (each a multiple of `2 * size`).
+        max_length: the longest padded protein (an upper bound).
+        to_padded: `[T]` each real token's place in the padded batch.
+        rank_order: `[T_padded]` the padded batch's tokens in rank order (rank 0's, then rank 1's, ...), as places
+            in the padded batch; `from_rank_order` is its inverse.
+        local_positions: `[T_padded / size]` their positions in their protein.
+        local: the packing of this rank's tokens (each protein's two chunks side by side).
+        padded: the packing of the padded batch.
+        key_mask: `[N, max_length]` True for the real tokens of each padded protein.
+    """
+
+    cp: ContextParallel
+    num_tokens: int
+    cu_seq_lens: torch.Tensor
+    cu_seq_lens_padded: torch.Tensor
+    max_length: int
+    to_padded: torch.Tensor
+    rank_order: torch.Tensor
+    from_rank_order: torch.Tensor
+    local_positions: torch.Tensor
+    local: PackedSequences
+    padded: PackedSequences
+    key_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, packed: PackedSequences, cp: ContextParallel, token_multiple: int = 1) -> ContextParallelLayout:
+        """The layout of `packed` (real proteins); the padded token count is also rounded up to a multiple of
+        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count)."""
+        unit, device = 2 * cp.size, packed.cu_seq_lens.device
+        lengths = packed.cu_seq_lens.diff().long()
+        padded_lengths = (lengths + unit - 1) // unit * unit
+        num_padded = int(padded_lengths.sum())
+        multiple = math.lcm(unit, token_multiple * cp.size)
+        max_length = -(-packed.max_length // unit) * unit
+        if num_padded % multiple:
+            extra = torch.tensor([-num_padded % multiple], device=device)
+            lengths, padded_lengths = torch.cat([lengths, extra]), torch.cat([padded_lengths, extra])
+            max_length = max(max_length, int(extra))
+            num_padded += int(extra)
+        cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        cu_seq_lens_padded = F.pad(padded_lengths.cumsum(0), (1, 0)).to(torch.int32)
+        sequences = torch.arange(len(lengths), device=device)
+        protein = torch.repeat_interleave(sequences, padded_lengths, output_size=num_padded)
+        position = torch.arange(num_padded, device=device) - cu_seq_lens_padded[protein]
+        chunk = position // (padded_lengths[protein] // unit)
+        owner = torch.where(chunk < cp.size, chunk, unit - 1 - chunk)
+        rank_order = torch.argsort(owner * num_padded + torch.arange(num_padded, device=device))
+        from_rank_order = torch.empty_like(rank_order)
+        from_rank_order[rank_order] = torch.arange(num_padded, device=device)
+        num_local = num_padded // cp.size
+        own = rank_order[cp.rank * num_local : (cp.rank + 1) * num_local]
+        num_real = packed.cu_seq_lens.numel() - 1
+        real = torch.repeat_interleave(sequences[:num_real], lengths[:num_real], output_size=packed.num_tokens)
+        to_padded = cu_seq_lens_padded[real] + torch.arange(packed.num_tokens, device=device) - packed.cu_seq_lens[real]
+        return cls(
+            cp=cp,
+            num_tokens=packed.num_tokens,
+            cu_seq_lens=cu_seq_lens,
+            cu_seq_lens_padded=cu_seq_lens_padded,
+            max_length=max_length,
+            to_padded=to_padded,
+            rank_order=rank_order,
+            from_rank_order=from_rank_order,
+            local_positions=position[own],
+            local=PackedSequences.right_padded(cu_seq_lens_padded // cp.size, max_length // cp.size, num_local),
+            padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
+            key_mask=torch.arange(max_length, device=device) < lengths[:, None],
+        )
+
+    def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """`[T, ...]` (every rank holds them all) -> this rank's `[T_padded / size, ...]` (zeros at padding).
+        Backward gathers every rank's part, so what computed `states` gets its whole gradient on each rank."""
+        padded = states.new_zeros((self.padded.num_tokens, *states.shape[1:])).index_copy(0, self.to_padded, states)
+        return scatter_tokens(padded[self.rank_order], self.cp, summed=False)
+
+    def all_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """This rank's `[T_padded / size, ...]` -> every real token `[T, ...]` (the same on every rank)."""
+        gathered = gather_tokens(states, self.cp, replicated=True)
+        return gathered[self.from_rank_order][self.to_padded]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -727,6 +854,8 @@ class NVEsmSelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
         """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
         qkv = self.layernorm_qkv(hidden_states)
+        if inputs.context_parallel is not None:
+            return self.proj(self.attend_across_ranks(qkv, inputs))
         key_mask = inputs.key_mask
         if inputs.packed is not None:  # attention runs on the padded view, the rest stays packed
             qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
@@ -747,6 +876,22 @@ class NVEsmSelfAttention(nn.Module):
         if inputs.packed is not None:
             context = inputs.packed.pack(context)
         return self.proj(context)
+
+    def attend_across_ranks(self, qkv: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """Context parallelism: this rank's queries `[T_local, 3 * hidden] -> [T_local, hidden]` attend to the
+        keys and values of every rank (all-gathered: simpler than Transformer Engine's ring, the same result)."""
+        layout = inputs.context_parallel
+        qkv = qkv.view(qkv.shape[0], self.num_heads, 3, self.head_dim)
+        keys_values = gather_tokens(qkv[:, :, 1:].contiguous(), layout.cp)[layout.from_rank_order]
+        key, value = layout.padded.unpack(keys_values).permute(0, 2, 1, 3, 4).unbind(3)  # [N, heads, L, d]
+        query = layout.local.unpack(qkv[:, :, 0]).transpose(1, 2)  # [N, heads, L / size, d]
+        query_angles = layout.local.unpack(inputs.rotary_angles[layout.local_positions])[:, None]
+        query = apply_rotary(query * self.head_dim**-0.5, query_angles)
+        key = apply_rotary(key, inputs.rotary_angles[: key.shape[2]])
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=layout.key_mask[:, None, None, :], scale=1.0
+        )
+        return layout.local.pack(context.transpose(1, 2).flatten(2))
 
 
 class NVEsmTorchLayer(nn.Module):
@@ -1039,6 +1184,7 @@ class NVEsmEncoder(nn.Module):
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
         self.tensor_parallel: TensorParallel | None = None  # set by `enable_tensor_parallel`
+        self.context_parallel: ContextParallel | None = None  # set by `enable_context_parallel`
         self.graphs = StaticShapeGraphs()
         self._offload = ActivationOffload()
         self.register_state_dict_post_hook(_drop_te_extra_state)
@@ -1060,16 +1206,26 @@ class NVEsmEncoder(nn.Module):
                 return states, None
         all_hidden_states = [hidden_states] if output_hidden_states else None
         tp = self.tensor_parallel
+        layout = inputs.context_parallel
+        if (tp is not None or layout is not None) and attention_sink is not None:
+            raise ValueError("output_attentions is not supported with tensor or context parallelism.")
         if tp is not None:  # each rank runs its share of the tokens between the layers' products
-            if attention_sink is not None:
-                raise ValueError("output_attentions is not supported with tensor parallelism.")
             hidden_states = scatter_tokens(hidden_states, tp, summed=False)
+        elif layout is not None:  # each rank runs its chunks of every protein
+            if self.backend == "te" and _runs_in_fp32(hidden_states):
+                raise ValueError(
+                    "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention "
+                    "kernels take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under "
+                    "torch.autocast."
+                )
+            hidden_states = layout.own_tokens(hidden_states)
         with self.fp8_region():
             hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states, attention_sink)
-        if tp is not None:
-            hidden_states = gather_tokens(hidden_states, tp, replicated=True)
+        if tp is not None or layout is not None:
+            whole = (lambda h: gather_tokens(h, tp, replicated=True)) if tp is not None else layout.all_tokens
+            hidden_states = whole(hidden_states)
             if all_hidden_states is not None:
-                all_hidden_states[1:] = [gather_tokens(h, tp, replicated=True) for h in all_hidden_states[1:]]
+                all_hidden_states[1:] = [whole(h) for h in all_hidden_states[1:]]
         hidden_states = self.emb_layer_norm_after(hidden_states)
         if all_hidden_states is None:
             return hidden_states, None
@@ -1114,6 +1270,7 @@ class NVEsmEncoder(nn.Module):
         config, size = self.config, tensor_parallel.size
         refusals = {
             "it was enabled already": self.tensor_parallel is not None,
+            "it does not combine with context parallelism yet": self.context_parallel is not None,
             "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
             "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
                 config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
@@ -1122,9 +1279,7 @@ class NVEsmEncoder(nn.Module):
             f"intermediate_size {config.intermediate_size} does not split over {size} ranks": (
                 config.intermediate_size % size
             ),
-            "LoRA adapters are not supported": any(
-                type(module).__name__ == "LoraLayer" or hasattr(module, "lora_A") for module in self.modules()
-            ),
+            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
             "activation offloading is not supported": config.offload_activations,
         }
         for reason, refused in refusals.items():
@@ -1150,6 +1305,36 @@ class NVEsmEncoder(nn.Module):
                         parameter.copy_(value)
         layers.train(self.training)
         self.layers, self.tensor_parallel = layers, tensor_parallel
+        self.graphs.clear()
+
+    def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
+        """Run each batch's layers across the ranks of `context_parallel`: each rank runs its chunks of every
+        protein (`ContextParallelLayout`) and attention exchanges keys and values (Transformer Engine's ring of
+        point-to-point transfers on the TE backend, an all-gather in the twin), so a protein too long for one GPU
+        runs on several. Every rank keeps whole weights and gets the whole batch's outputs. Packed (THD) layers
+        only. Raises ValueError for what it does not support: padded layers, dropout, tensor parallelism, LoRA
+        adapters, activation offloading, a second call."""
+        config = self.config
+        refusals = {
+            "it was enabled already": self.context_parallel is not None,
+            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
+            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
+                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
+            ),
+            "it does not combine with tensor parallelism yet": self.tensor_parallel is not None,
+            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
+            "activation offloading is not supported": config.offload_activations,
+        }
+        for reason, refused in refusals.items():
+            if refused:
+                raise ValueError(f"context parallelism: {reason}.")
+        if self.backend == "te":
+            stream = torch.cuda.Stream()
+            for layer in self.layers:
+                layer.set_context_parallel_group(
+                    context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
+                )
+        self.context_parallel = context_parallel
         self.graphs.clear()
 
     def activation_offload(self, hidden_states: torch.Tensor) -> ActivationOffload | None:
@@ -1200,7 +1385,7 @@ class NVEsmEncoder(nn.Module):
         eager call in between gave NaN gradients.)"""
         if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
             return False
-        if self.tensor_parallel is not None:  # eager: the layers' collectives are not captured
+        if self.tensor_parallel is not None or self.context_parallel is not None:  # eager: collectives not captured
             return False
         if self.graphs.awaiting_backward():
             raise RuntimeError(
@@ -1581,6 +1766,14 @@ def _has_module_hooks(module: nn.Module) -> bool:
     return any(getattr(m, kind, None) for m in module.modules() for kind in kinds)
 
 
+def _runs_in_fp32(hidden_states: torch.Tensor) -> bool:
+    """Whether layers given `hidden_states` compute in fp32: fp32 states (the weights' dtype, also under FSDP2's
+    mixed precision) and no autocast to a 16-bit dtype."""
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return torch.get_autocast_dtype(hidden_states.device.type) == torch.float32
+    return hidden_states.dtype == torch.float32
+
+
 def _several_ranks() -> bool:
     """Whether this process is one of several ranks of a `torch.distributed` process group."""
     return (
@@ -1705,6 +1898,12 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         (`NVEsmEncoder.enable_tensor_parallel`). Every rank of the group calls it, then runs the same batches and
         gets the same outputs. `save_pretrained` is refused afterwards: each rank holds part of each layer."""
         self.base_model.encoder.enable_tensor_parallel(TensorParallel.of(tp_group))
+
+    def enable_context_parallel(self, cp_group: Any) -> None:
+        """Run the encoder layers across the ranks of the `torch.distributed` process group `cp_group`
+        (`NVEsmEncoder.enable_context_parallel`). Every rank of the group calls it, then runs the same batches and
+        gets the same outputs."""
+        self.base_model.encoder.enable_context_parallel(ContextParallel.of(cp_group))
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         if self.base_model.encoder.tensor_parallel is not None:
@@ -2032,6 +2231,10 @@ class NVEsmModel(NVEsmPreTrainedModel):
         graphed = self.encoder.uses_cuda_graphs(eager)
         shape = self.encoder.graphs.shape_for(self.encoder, hidden_states, run) if graphed else None
         multiple = FP8_TOKEN_MULTIPLE if self.encoder.fp8_recipe is not None else 1
+        if self.encoder.context_parallel is not None:
+            layout = ContextParallelLayout.of(run, self.encoder.context_parallel, multiple)
+            inputs = EncoderInputs(self.rotary_embeddings(layout.max_length), packed=run, context_parallel=layout)
+            return hidden_states, inputs, lambda states: to_input(states)
         if self.encoder.tensor_parallel is not None:
             multiple *= self.encoder.tensor_parallel.size
         if shape is not None:

@@ -64,32 +64,37 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
 
 
-def test_tensor_parallelism_matches_the_runs_of_its_data_parallel_size_and_resumes(
-    tiny_config: Path, tmp_path: Path
+@pytest.mark.parametrize("option", ["tp", "cp"])
+def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_size_and_resume(
+    tiny_config: Path, tmp_path: Path, option: str
 ) -> None:
-    """`--tp 2`: the two ranks of a pair train on the same micro-batches, so a run equals the run with as many
-    data-parallel ranks: 1 rank vs `--tp 2` on 2 ranks (dp_shard=1 x tp=2); 2 ranks vs `--tp 2` on 4 ranks
-    (dp_shard=2 x tp=2) and with `--dp-replicate 2` (dp_replicate=2 x dp_shard=1 x tp=2). Same losses (fp32, the
-    split products sum in another order), and the exported weights of the split run equal the 1-rank run's, so
-    checkpoints hold whole parameters. A 4-rank `--tp 2` run stopped at step 3 resumes with the unbroken run's
-    losses; resuming it with another `--tp` is refused (its data positions belong to 2 data-parallel ranks)."""
-    steps = 6
+    """`--tp 2` / `--cp 2`: the two ranks of a pair train on the same micro-batches, so a run equals the run with
+    as many data-parallel ranks: 1 rank vs 2 ranks in one pair (dp_shard=1 x tp=2); 2 ranks vs 4 ranks in two pairs
+    (dp_shard=2 x tp=2), also with `--dp-replicate 2` (dp_replicate=2 x dp_shard=1 x tp=2). Same losses (fp32: the
+    split products and attention sum in another order), and the exported weights of the 2-rank run equal the 1-rank
+    run's, so checkpoints hold whole parameters. A 4-rank run stopped at step 3 resumes with the unbroken run's
+    losses; resuming it without the option is refused (its data positions belong to 2 data-parallel ranks)."""
+    steps, flag = 6, f"--{option}"
     runs = {
         "one": (1, (), "1 ranks: dp_shard=1"),
-        "split_one": (2, ("--tp", "2"), "2 ranks: dp_shard=1 x tp=2"),
+        "split_one": (2, (flag, "2"), f"2 ranks: dp_shard=1 x {option}=2"),
         "two": (2, (), "2 ranks: dp_shard=2"),
-        "split_two": (4, ("--tp", "2"), "4 ranks: dp_shard=2 x tp=2"),
-        "replicated_split": (4, ("--tp", "2", "--dp-replicate", "2"), "4 ranks: dp_replicate=2 x dp_shard=1 x tp=2"),
+        "split_two": (4, (flag, "2"), f"4 ranks: dp_shard=2 x {option}=2"),
+        "replicated_split": (
+            4,
+            (flag, "2", "--dp-replicate", "2"),
+            f"4 ranks: dp_replicate=2 x dp_shard=1 x {option}=2",
+        ),
     }
     for name, (ranks, extra, mesh) in runs.items():
         export = () if name in ("one", "split_one") else ("--no-export",)
         result = run_recipe(tmp_path / name, *mlm_args(tiny_config, steps, *export, *extra), ranks=ranks)
         assert f"{mesh}\n" in result.stdout, name
     stopped = tmp_path / "stopped"
-    run_recipe(stopped, *mlm_args(tiny_config, steps, "--tp", "2", "--stop-at-step", "3", "--no-export"), ranks=4)
+    run_recipe(stopped, *mlm_args(tiny_config, steps, flag, "2", "--stop-at-step", "3", "--no-export"), ranks=4)
     refused = run_recipe(stopped, *mlm_args(tiny_config, steps, "--resume", "--no-export"), ranks=4, check=False)
-    assert refused.returncode != 0 and "was written with --tp 2" in refused.stderr
-    run_recipe(stopped, *mlm_args(tiny_config, steps, "--tp", "2", "--resume", "--no-export"), ranks=4)
+    assert refused.returncode != 0 and f"was written with {flag} 2" in refused.stderr
+    run_recipe(stopped, *mlm_args(tiny_config, steps, flag, "2", "--resume", "--no-export"), ranks=4)
 
     for split, reference in (
         ("split_one", "one"),
@@ -111,7 +116,7 @@ def test_tensor_parallelism_matches_the_runs_of_its_data_parallel_size_and_resum
         torch.testing.assert_close(weights["split_one"][key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_what_tensor_parallelism_does_not_support_is_refused(tiny_config: Path, tmp_path: Path) -> None:
+def test_what_tensor_and_context_parallelism_do_not_support_is_refused(tiny_config: Path, tmp_path: Path) -> None:
     refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "3"), ranks=2, check=False)
     assert refused.returncode != 0 and "--tp 3 must divide the number of ranks (2)" in refused.stderr
     refused = run_recipe(
@@ -121,10 +126,16 @@ def test_what_tensor_parallelism_does_not_support_is_refused(tiny_config: Path, 
         refused.returncode != 0
         and "--dp-replicate 2 must divide the number of ranks (2 / --tp 2 = 1)" in refused.stderr
     )
-    for option in ("--lora-rank 4", "--offload-activations", "--compile"):
-        config = parse_config([*mlm_args(tiny_config, 2, "--tp", "2", *option.split()), "--out", str(tmp_path / "x")])
-        with pytest.raises(ValueError, match=f"--tp 2 with {option.split()[0]} is not supported"):
-            config.validate()
+    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--cp", "3"), ranks=2, check=False)
+    assert refused.returncode != 0 and "--cp 3 must divide the number of ranks (2)" in refused.stderr
+    for parallel in ("--tp", "--cp"):
+        for option in ("--lora-rank 4", "--offload-activations", "--compile"):
+            argv = [*mlm_args(tiny_config, 2, parallel, "2", *option.split()), "--out", str(tmp_path / "x")]
+            with pytest.raises(ValueError, match=f"{parallel} 2 with {option.split()[0]} is not supported"):
+                parse_config(argv).validate()
+    argv = [*mlm_args(tiny_config, 2, "--cp", "2", "--tp", "2"), "--out", str(tmp_path / "x")]
+    with pytest.raises(ValueError, match="--cp 2 with --tp is not supported"):
+        parse_config(argv).validate()
 
 
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: Path, tmp_path: Path) -> None:

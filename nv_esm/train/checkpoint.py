@@ -115,7 +115,14 @@ def save_checkpoint(
         torch.save(scaling, partial / f"fp8_rank{world.rank}.pt")
     dist.barrier()
     if world.is_main:
-        state = {"step": step, "world_size": world.world_size, "tp": world.tp_size, "data": streams, "run": run_info}
+        state = {
+            "step": step,
+            "world_size": world.world_size,
+            "tp": world.tp_size,
+            "cp": world.cp_size,
+            "data": streams,
+            "run": run_info,
+        }
         (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
         partial.rename(final)
         for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
@@ -129,7 +136,7 @@ def load_checkpoint(
 ) -> int:
     """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
     returns the step it was taken after. The weights load under any layout (DCP reshards them); the data
-    positions need the same number of ranks and of data-parallel ranks (the same `--tp`)."""
+    positions need the same number of ranks and of data-parallel ranks (the same `--tp` and `--cp`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -139,13 +146,13 @@ def load_checkpoint(
             f"{folder} was written by {state['world_size']} ranks; resume it with the same number of ranks "
             f"(got {world.world_size})."
         )
-    written_tp = state.get("tp", 1)
-    if written_tp != world.tp_size:
-        raise ValueError(
-            f"{folder} was written with --tp {written_tp}: its data positions belong to "
-            f"{state['world_size'] // written_tp} data-parallel ranks. Resume it with --tp {written_tp} "
-            f"(got --tp {world.tp_size})."
-        )
+    for option, size in (("tp", world.tp_size), ("cp", world.cp_size)):
+        written = state.get(option, 1)
+        if written != size:
+            raise ValueError(
+                f"{folder} was written with --{option} {written}: its data positions belong to its data-parallel "
+                f"ranks. Resume it with --{option} {written} (got --{option} {size})."
+            )
     saved = {**_SETTINGS_BEFORE, **state["run"]["settings"]}
     changed = {k: (saved.get(k), v) for k, v in run_info["settings"].items() if saved.get(k) != v}
     if changed:

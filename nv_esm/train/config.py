@@ -124,6 +124,7 @@ class ParallelConfig:
     precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
     dp_replicate: int = 1  # HSDP: shard within groups of world_size / dp_replicate ranks, replicate across groups
     tp: int = 1  # tensor parallelism (with sequence parallelism) over groups of this many consecutive ranks
+    cp: int = 1  # context parallelism: each batch's layers run across groups of this many ranks
     activation_checkpointing: bool = False
     offload_activations: bool = False  # the model's `offload_activations` (GPU, Transformer Engine)
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
@@ -177,6 +178,7 @@ class TrainConfig:
             "log_every": self.logging.log_every,
             "dp_replicate": self.parallel.dp_replicate,
             "tp": self.parallel.tp,
+            "cp": self.parallel.cp,
         }
         for name, value in at_least_one.items():
             if value < 1:
@@ -206,15 +208,16 @@ class TrainConfig:
                 "--offload-activations with --activation-checkpointing offloads nothing (Transformer Engine's "
                 "offloading does not reach the checkpointed layer inputs): use one of them."
             )
-        if self.parallel.tp > 1:
+        for option, size in (("--tp", self.parallel.tp), ("--cp", self.parallel.cp)):
             unsupported = {
                 "--lora-rank": self.model.lora_rank,
                 "--offload-activations": self.parallel.offload_activations,
                 "--compile": self.parallel.compile,
+                "--tp": option == "--cp" and self.parallel.tp > 1,
             }
-            for option, value in unsupported.items():
-                if value:
-                    raise ValueError(f"--tp {self.parallel.tp} with {option} is not supported; use one of them.")
+            for other, value in unsupported.items():
+                if size > 1 and value:
+                    raise ValueError(f"{option} {size} with {other} is not supported; use one of them.")
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
@@ -264,6 +267,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         default=ParallelConfig.tp,
         help="tensor parallelism: split every layer (heads, MLP columns, and the tokens between them) over T "
         "consecutive ranks, e.g. the GPUs of a node; FSDP2 shards over the world size / T groups",
+    )
+    model.add_argument(
+        "--cp",
+        type=int,
+        default=ParallelConfig.cp,
+        help="context parallelism: run each micro-batch's layers across C ranks, each holding its chunks of every "
+        "protein (for proteins too long for one GPU; --max-length sets the crop)",
     )
     model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
     model.add_argument(
@@ -397,6 +407,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             precision=args.precision,
             dp_replicate=args.dp_replicate,
             tp=args.tp,
+            cp=args.cp,
             activation_checkpointing=args.activation_checkpointing,
             offload_activations=args.offload_activations,
             keep_gathered=args.keep_gathered,

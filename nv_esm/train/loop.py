@@ -34,9 +34,9 @@ from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import (
     Dist,
     clip_gradients,
+    complete_gradients,
     forward_context,
     init_distributed,
-    reduce_sequence_parallel_gradients,
 )
 from nv_esm.train.validation import evaluate, validation_stream
 
@@ -71,8 +71,9 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch of the step, then clip and step. The loss is the global mean over the
     step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
-    scaled by the world size because FSDP averages gradients over ranks. (With `--tp`, the T ranks of a group count
-    the same micro-batches and FSDP averages over world size / T ranks: the scale is the same.) Nothing here waits
+    scaled by the world size because FSDP averages gradients over ranks. (With `--tp T`, the T ranks of a group count
+    the same micro-batches and FSDP averages over world size / T ranks: the scale is the same. With `--cp`, FSDP
+    averages over the world and `complete_gradients` makes up for the context-parallel ranks.) Nothing here waits
     for the GPU."""
     counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
     counts = to_device(torch.tensor(counts, dtype=torch.float64), world.device)
@@ -86,15 +87,15 @@ def train_step(
             loss = summed_loss(model, batch.to(world.device), config.model.task)
         (loss * scale).backward()
         loss_sum += loss.detach()
-    reduce_sequence_parallel_gradients(model, world)
+    complete_gradients(model, world)
     grad_norm = clip_gradients(model, config.optimizer.clip_grad, world)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)
     lengths = [b.cu_seq_lens.diff().tolist() for b in micro_batches]  # CPU tensors: no sync
     shape = (nv_config.hidden_size, nv_config.num_hidden_layers, nv_config.intermediate_size)
-    step_flops = sum(model_flops(*shape, ls, training=True) for ls in lengths) / world.tp_size
-    totals = torch.cat([loss_sum, counts]) / world.tp_size  # each micro-batch was counted by its T ranks
+    step_flops = sum(model_flops(*shape, ls, training=True) for ls in lengths) / world.ranks_per_batch
+    totals = torch.cat([loss_sum, counts]) / world.ranks_per_batch  # each micro-batch was counted by its ranks
     return StepResult(totals, grad_norm, optimizer.param_groups[0]["lr"], step_flops)
 
 

@@ -1,6 +1,6 @@
 """How the model runs on many ranks: the process group and device mesh, FSDP2 sharding (flat, or hybrid: sharded
-within groups of ranks, replicated across them) with explicit prefetch, tensor parallelism, mixed precision,
-activation checkpointing and offloading, and per-layer compilation.
+within groups of ranks, replicated across them) with explicit prefetch, tensor and context parallelism, mixed
+precision, activation checkpointing and offloading, and per-layer compilation.
 
 `parallelize` is the one entry point the trainer calls on the meta-device model (before its weights exist), and
 `forward_context` the context its forwards run in; new scale-out options belong here. A world of one is not sharded
@@ -27,25 +27,41 @@ from nv_esm.train.config import ParallelConfig
 @dataclass
 class Dist:
     """This process's place in the run: its rank of `world_size`, its device and the device mesh: `("dp_shard",)`;
-    with `--dp-replicate R`, `("dp_replicate", "dp_shard")` of shape `(R, world_size // R)`; with `--tp T`, a last
-    dimension `"tp"` of size T (consecutive ranks). The ranks of a "tp" group share their micro-batches; the
-    others are data-parallel ranks with their own. `checkpoint_mesh` (with `--tp` only) holds the same ranks with
-    "tp" first, the layout in which checkpoints see the split weights (`checkpoint_view`)."""
+    with `--dp-replicate R`, `("dp_replicate", "dp_shard")` of shape `(R, world_size // R)`; with `--cp C` and
+    `--tp T`, last dimensions `"cp"` and `"tp"` (consecutive ranks). The ranks of a "cp" or "tp" group share their
+    micro-batches; the groups are the data-parallel ranks, each with its own. `fsdp_mesh`: the dimensions FSDP2
+    shards and replicates over (without "tp"; "dp_shard" and "cp" flattened into "dp_shard_cp", as context-parallel
+    ranks hold whole weights). `checkpoint_mesh` (with `--tp` only) holds the ranks with "tp" first, the layout in
+    which checkpoints see the split weights (`checkpoint_view`)."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+    fsdp_mesh: Any = None
     checkpoint_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def size(self, dimension: str) -> int:
+        """The size of mesh dimension `dimension` ("tp", "cp", ...), 1 when the mesh has none."""
+        names = () if self.mesh is None else self.mesh.mesh_dim_names
+        return self.mesh.size(names.index(dimension)) if dimension in names else 1
+
     @property
     def tp_size(self) -> int:
-        names = self.mesh.mesh_dim_names
-        return self.mesh.size(names.index("tp")) if "tp" in names else 1
+        return self.size("tp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.size("cp")
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """How many ranks run each micro-batch together (`--cp` x `--tp`)."""
+        return self.tp_size * self.cp_size
 
     @property
     def tp_rank(self) -> int:
@@ -53,19 +69,13 @@ class Dist:
 
     @property
     def dp_size(self) -> int:
-        """The number of data-parallel ranks (groups of `tp_size` ranks that share micro-batches)."""
-        return self.world_size // self.tp_size
+        """The number of data-parallel ranks (groups of `ranks_per_batch` ranks that share micro-batches)."""
+        return self.world_size // self.ranks_per_batch
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: which micro-batches it trains on."""
-        return self.rank // self.tp_size
-
-    @property
-    def dp_mesh(self) -> Any:
-        """The mesh FSDP2 shards (and replicates) over: `mesh` without its "tp" dimension."""
-        names = self.mesh.mesh_dim_names
-        return self.mesh if "tp" not in names else self.mesh[tuple(name for name in names if name != "tp")]
+        return self.rank // self.ranks_per_batch
 
     def describe(self) -> str:
         """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2"."""
@@ -76,23 +86,26 @@ class Dist:
     def shard_position(self) -> tuple[int, int]:
         """(this rank's index along the dimension FSDP2 shards over, that dimension's size): the rows of each
         parameter this rank holds are the index-th of that many chunks."""
-        return self.mesh.get_local_rank("dp_shard"), self.mesh.size(self.mesh.mesh_dim_names.index("dp_shard"))
+        name = self.fsdp_mesh.mesh_dim_names[-1]
+        return self.fsdp_mesh.get_local_rank(name), self.fsdp_mesh.size(self.fsdp_mesh.ndim - 1)
 
 
 def init_distributed(settings: ParallelConfig) -> Dist:
     """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one. Raises
-    ValueError (before joining the process group) when `--tp` does not divide the world size, or `--dp-replicate`
-    the world size / `--tp`."""
+    ValueError (before joining the process group) when `--tp` x `--cp` does not divide the world size, or
+    `--dp-replicate` the world size / (`--tp` x `--cp`)."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    world_size, replicas, tp = int(os.environ["WORLD_SIZE"]), settings.dp_replicate, settings.tp
-    if world_size % tp:
-        raise ValueError(f"--tp {tp} must divide the number of ranks ({world_size}).")
-    if (world_size // tp) % replicas:
-        ranks = f"{world_size}" if tp == 1 else f"{world_size} / --tp {tp} = {world_size // tp}"
+    world_size, replicas, tp, cp = int(os.environ["WORLD_SIZE"]), settings.dp_replicate, settings.tp, settings.cp
+    for option, size in (("--tp", tp), ("--cp", cp), ("--tp x --cp", tp * cp)):
+        if world_size % size:
+            raise ValueError(f"{option} {size} must divide the number of ranks ({world_size}).")
+    if (world_size // (tp * cp)) % replicas:
+        together = " x ".join(f"{option} {size}" for option, size in (("--cp", cp), ("--tp", tp)) if size > 1)
+        ranks = f"{world_size}" if tp * cp == 1 else f"{world_size} / {together} = {world_size // (tp * cp)}"
         raise ValueError(
             f"--dp-replicate {replicas} must divide the number of ranks ({ranks}): each replica group shards "
             "the model over the same number of ranks."
@@ -105,18 +118,24 @@ def init_distributed(settings: ParallelConfig) -> Dist:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    names, shape = ["dp_shard"], [world_size // (replicas * tp)]
+    names, shape = ["dp_shard"], [world_size // (replicas * tp * cp)]
     if replicas > 1:
         names, shape = ["dp_replicate", *names], [replicas, *shape]
-    if tp > 1:
-        names, shape = [*names, "tp"], [*shape, tp]
+    for name, size in (("cp", cp), ("tp", tp)):
+        if size > 1:
+            names, shape = [*names, name], [*shape, size]
     mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
+    fsdp_mesh = mesh if tp == 1 else mesh[tuple(name for name in names if name != "tp")]
+    if cp > 1:  # FSDP2 shards over "dp_shard" x "cp" (a context-parallel rank holds whole weights)
+        ranks = fsdp_mesh.mesh.reshape(*fsdp_mesh.mesh.shape[:-2], -1)
+        fsdp_names = (*fsdp_mesh.mesh_dim_names[:-2], "dp_shard_cp")
+        fsdp_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=fsdp_names)
     checkpoint_mesh = None
     if tp > 1:
         order = [len(names) - 1, *range(len(names) - 1)]
         ranks = mesh.mesh.permute(order)
         checkpoint_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=tuple(names[i] for i in order))
-    return Dist(dist.get_rank(), world_size, device, mesh, checkpoint_mesh)
+    return Dist(dist.get_rank(), world_size, device, mesh, fsdp_mesh, checkpoint_mesh)
 
 
 def compute_dtype(settings: ParallelConfig, device: torch.device) -> torch.dtype:
@@ -136,7 +155,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     and offloading, `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the
     weights are materialised after).
     `backend` is the model config's layer backend (`te` or `torch`). With `--tp`, the layers are split over the
-    "tp" ranks first (`NVEsmPreTrainedModel.enable_tensor_parallel`) and FSDP2 shards each rank's part."""
+    "tp" ranks first (`NVEsmPreTrainedModel.enable_tensor_parallel`) and FSDP2 shards each rank's part; with
+    `--cp`, the layers run each batch across the "cp" ranks (`enable_context_parallel`)."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.offload_activations:
@@ -145,6 +165,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
         model.config.offload_activations = True
     if world.tp_size > 1:
         model.enable_tensor_parallel(world.mesh.get_group("tp"))
+    if world.cp_size > 1:
+        model.enable_context_parallel(world.mesh.get_group("cp"))
     layers = find_layers(model)
     if settings.compile:
         if backend == "te":
@@ -177,11 +199,11 @@ def shard(
     `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`).
     On a 2-D mesh FSDP2 shards over "dp_shard" and replicates over "dp_replicate" (HSDP): gradients are
     reduce-scattered within a replica group, then all-reduced across the groups. With "tp", each tensor-parallel
-    rank's FSDP2 group is the ranks of its "tp" index (`Dist.dp_mesh`)."""
+    rank's FSDP2 group is the ranks of its "tp" index; context-parallel ranks shard too (`Dist.fsdp_mesh`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    mesh = world.dp_mesh
+    mesh = world.fsdp_mesh
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -212,9 +234,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def reduce_sequence_parallel_gradients(model: nn.Module, world: Dist) -> None:
-    """With `--tp`: sum over the "tp" ranks the gradients of the whole layer parameters (LayerNorms, output
-    biases), which each rank computed from its own tokens only (one all-reduce of their shards)."""
+def complete_gradients(model: nn.Module, world: Dist) -> None:
+    """After the step's backwards, the gradients of the layer parameters that each rank computed from its own
+    tokens only. With `--cp`, all layer parameters: FSDP2 averaged them over the "cp" ranks, where their sum is
+    the gradient, so they are multiplied by C (embeddings and heads ran on every token on every rank). With
+    `--tp`, the whole layer parameters (LayerNorms, output biases): summed over the "tp" ranks (one all-reduce of
+    their shards)."""
+    if world.cp_size > 1:
+        grads = [_local(p.grad) for name, p in model.named_parameters() if p.grad is not None and ".layers." in name]
+        torch._foreach_mul_(grads, float(world.cp_size))
     if world.tp_size == 1:
         return
     grads = [

@@ -34,7 +34,7 @@ VALIDATION_SEED = 0  # masks and crops of the validation proteins, whatever --se
 
 def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> MLMStream | ClassificationStream | None:
     """This rank's part of the validation set (records `i`, `i + n`, ... of `--val-data` or of the records
-    `--val-fraction` set aside, for data-parallel index i of n: the ranks of a `--tp` group share it; possibly
+    `--val-fraction` set aside, for data-parallel index i of n: the ranks of a `--tp`/`--cp` group share it; possibly
     none when there are more ranks than records), or None without
     validation. A classification set uses the training set's label names. Raises ValueError (on every rank) for
     an empty set."""
@@ -100,8 +100,8 @@ def evaluate(
     if task == "mlm":
         sums = torch.stack(scored).sum(0) if scored else torch.zeros(3, device=world.device, dtype=torch.float64)
         dist.all_reduce(sums)
-        return mlm_metrics(*(sums / world.tp_size).tolist())  # the ranks of a --tp group scored the same tokens
-    own_part = scored and world.tp_rank == 0  # the ranks of a --tp group scored the same proteins
+        return mlm_metrics(*(sums / world.ranks_per_batch).tolist())  # a --tp/--cp group scored the same tokens
+    own_part = scored and world.rank % world.ranks_per_batch == 0  # a --tp/--cp group scored the same proteins
     local = [torch.cat(parts).cpu() for parts in zip(*scored)] if own_part else None
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, local)

@@ -7,6 +7,8 @@
     python bench/recipe_checks.py fit --shape 15B --activation-checkpointing --out $OUT/recipe   # a big model, 2 GPUs
     python bench/recipe_checks.py graphs --out $OUT/recipe    # 1 GPU: eager vs CUDA graphs vs graphs + FP8
     python bench/recipe_checks.py offload --shape 3B --gpus 1 --out $OUT/recipe   # activation offloading vs not
+    python bench/recipe_checks.py layouts --shape 650M --out $OUT/recipe   # 2 GPUs: HSDP, TP, CP, offloading
+    python bench/recipe_checks.py long --shape 650M --out $OUT/recipe      # 2 GPUs: CP on 8k- and 32k-token proteins
 
 Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
 their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
@@ -41,12 +43,31 @@ def write_config(out: Path, shape: str) -> Path:
     return path
 
 
-def launch(run: Path, gpus: int, config: Path, *extra: str, wait: bool = True, env: dict | None = None):
+def write_long_proteins(out: Path, tokens: int, count: int) -> Path:
+    """A FASTA of `count` random proteins of `tokens` tokens each (with <cls> and <eos>), seeded."""
+    import random
+
+    rng = random.Random(tokens)
+    residues = "ACDEFGHIKLMNPQRSTVWY"
+    path = out / f"long_{tokens}.fasta"
+    path.write_text("".join(f">p{i}\n{''.join(rng.choices(residues, k=tokens - 2))}\n" for i in range(count)))
+    return path
+
+
+def launch(
+    run: Path,
+    gpus: int,
+    config: Path,
+    *extra: str,
+    wait: bool = True,
+    env: dict | None = None,
+    data: Path = DATA,
+):
     """torchrun the recipe into `run` (its log in run.log); returns the process, finished when `wait`."""
     run.parent.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", str(29500 + gpus),
-        str(ROOT / "recipes" / "train.py"), "--config", str(config), "--data", str(DATA), "--out", str(run),
+        str(ROOT / "recipes" / "train.py"), "--config", str(config), "--data", str(data), "--out", str(run),
         "--no-export", *extra,
     ]  # fmt: skip
     log = open(run.with_suffix(".log"), "w")  # noqa: SIM115
@@ -274,9 +295,80 @@ def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> 
     )
 
 
+def compare_runs(out: Path, tag: str, config: Path, runs: dict, common: list[str], data: Path = DATA) -> dict:
+    """Launch `runs` (name -> (GPUs, options, name of the run whose losses it must equal, or None)); a failed run
+    (e.g. out of memory) is listed under "failed". Per run: tokens/s (per GPU), MFU, peak memory per rank, and the
+    largest relative loss difference to its reference run."""
+    allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    records, failed = {}, []
+    for name, (gpus, extra, _) in runs.items():
+        run = out / f"{tag}_{name}"
+        try:
+            launch(run, gpus, config, *common, *extra, env=allocator, data=data)
+        except RuntimeError:
+            failed.append(name)
+            continue
+        records[name] = metrics(run)
+    result: dict = {"failed": failed}
+    for name, (gpus, extra, reference) in runs.items():
+        if name not in records:
+            continue
+        rows = records[name]
+        entry = dict(gpus=gpus, options=list(extra), **throughput(rows))
+        entry["memory_gb_per_rank"] = max((r["memory_gb_per_rank"] for r in rows), key=max)
+        if reference in records:
+            pairs = zip(records[reference], rows)
+            entry["reference"] = reference
+            entry["max_relative_loss_difference"] = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in pairs)
+        result[name] = entry
+        result[f"losses_{name}"] = [r["loss"] for r in rows]
+    return result
+
+
+def check_layouts(out: Path, shape: str, steps: int, budget: int) -> dict:
+    """Each scale-out option at 2-way on 2 GPUs against the run it must equal (same init and data): hybrid sharding
+    and activation offloading against the flat 2-GPU run; tensor and context parallelism (the two ranks share
+    micro-batches) against the 1-GPU run, which sees the same data. `budget` tokens per micro-batch."""
+    common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "5", "--lr", "2e-4"]
+    common += ["--log-every", "1", "--no-checkpoint"]
+    runs = {
+        "one_gpu": (1, ["--no-cuda-graphs"], None),
+        "flat": (2, [], None),
+        "hsdp": (2, ["--dp-replicate", "2"], "flat"),
+        "offload": (2, ["--offload-activations"], "flat"),
+        "checkpointing": (2, ["--activation-checkpointing"], "flat"),
+        "tp": (2, ["--tp", "2"], "one_gpu"),
+        "cp": (2, ["--cp", "2"], "one_gpu"),
+    }
+    compared = compare_runs(out, f"layouts_{shape}", write_config(out, shape), runs, common)
+    return dict(shape=shape, steps=steps, token_budget=budget, **compared)
+
+
+def check_long(out: Path, shape: str, steps: int, lengths: list[int]) -> dict:
+    """Context parallelism on long proteins: per length, one protein per step of `length` tokens on 1 GPU and
+    with `--cp 2` on 2 GPUs (the same protein each step: losses must agree), and the 2-GPU run with activation
+    checkpointing for when the 1-GPU run does not fit."""
+    results = {}
+    for length in lengths:
+        data = write_long_proteins(out, length, count=steps + 2)
+        common = ["--steps", str(steps), "--token-budget", str(length), "--max-length", str(length)]
+        common += ["--warmup-steps", "2", "--lr", "1e-4", "--log-every", "1", "--no-checkpoint"]
+        runs = {
+            "one_gpu": (1, ["--no-cuda-graphs"], None),
+            "cp": (2, ["--cp", "2"], "one_gpu"),
+            "cp_checkpointing": (2, ["--cp", "2", "--activation-checkpointing"], "one_gpu"),
+        }
+        config = write_config(out, shape)
+        results[str(length)] = compare_runs(out, f"long_{shape}_{length}", config, runs, common, data=data)
+    return dict(shape=shape, steps=steps, lengths=results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload"))
+    parser.add_argument(
+        "check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload", "layouts", "long")
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="long: protein lengths")
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
     parser.add_argument("--fp8", action="store_true", help="resume: train with --fp8 all (delayed scaling)")
@@ -306,6 +398,10 @@ def main() -> None:
         result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, args.gpus)
     elif args.check == "profile":
         result = check_profile(args.out, args.shape or "650M", args.budget)
+    elif args.check == "layouts":
+        result = check_layouts(args.out, args.shape or "650M", args.steps or 24, args.budget)
+    elif args.check == "long":
+        result = check_long(args.out, args.shape or "650M", args.steps or 20, args.lengths)
     else:
         result = check_fp8(args.out, args.shape or "150M", args.steps or 200, args.gpus)
     name = args.check + ("_fp8" if args.fp8 else "") + (f"_{args.gpus}gpu" if args.check in ("fp8", "offload") else "")
@@ -313,6 +409,8 @@ def main() -> None:
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":
         name = f"fit_{result['shape']}_{args.budget}"
+    if args.check in ("layouts", "long"):
+        name = f"{args.check}_{result['shape']}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("losses")}, indent=1))
 

@@ -371,17 +371,17 @@ TENSOR_PARALLEL_SPLITS = {
 
 
 @dataclass(frozen=True)
-class TensorParallel:
-    """A tensor-parallel group: each of its `size` ranks holds `1/size` of every layer's heads and MLP columns and,
-    between the layers' matrix products, `1/size` of the tokens (sequence parallelism); `rank` is this process's
-    place in it."""
+class RankGroup:
+    """The ranks that share a batch under tensor or context parallelism: the process `group`, its `size` and this
+    process's `rank` in it. Tensor parallelism: each rank holds `1/size` of every layer's heads and MLP columns
+    and, between the layers' matrix products, `1/size` of the tokens (sequence parallelism)."""
 
     group: Any  # torch.distributed.ProcessGroup
     size: int
     rank: int
 
     @classmethod
-    def of(cls, group: Any) -> TensorParallel:
+    def of(cls, group: Any) -> RankGroup:
         distributed = torch.distributed
         return cls(group, distributed.get_world_size(group), distributed.get_rank(group))
 
@@ -391,17 +391,17 @@ def _collective(name: str, older_name: str) -> Callable:
     return getattr(distributed, name, None) or getattr(distributed, older_name)
 
 
-def _all_gather_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def _all_gather_tokens(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
     """`[t, ...]` on each rank -> `[size * t, ...]`, the ranks' tokens in rank order."""
-    gathered = x.new_empty((tp.size * x.shape[0], *x.shape[1:]))
-    _collective("all_gather_single", "all_gather_into_tensor")(gathered, x.contiguous(), group=tp.group)
+    gathered = x.new_empty((ranks.size * x.shape[0], *x.shape[1:]))
+    _collective("all_gather_single", "all_gather_into_tensor")(gathered, x.contiguous(), group=ranks.group)
     return gathered
 
 
-def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def _reduce_scatter_tokens(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
     """`[T, ...]` partial sums on each rank -> this rank's `[T / size, ...]` of their sum."""
-    part = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
-    _collective("reduce_scatter_single", "reduce_scatter_tensor")(part, x.contiguous(), group=tp.group)
+    part = x.new_empty((x.shape[0] // ranks.size, *x.shape[1:]))
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(part, x.contiguous(), group=ranks.group)
     return part
 
 
@@ -411,15 +411,15 @@ class _GatherTokens(torch.autograd.Function):
     rank computes the same from them (`replicated`), each keeps its own part of its (whole) gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, replicated: bool) -> torch.Tensor:
-        ctx.tp, ctx.replicated = tp, replicated
-        return _all_gather_tokens(x, tp)
+    def forward(ctx: Any, x: torch.Tensor, ranks: RankGroup, replicated: bool) -> torch.Tensor:
+        ctx.ranks, ctx.replicated = ranks, replicated
+        return _all_gather_tokens(x, ranks)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if ctx.replicated:
-            return grad.chunk(ctx.tp.size)[ctx.tp.rank].contiguous(), None, None
-        return _reduce_scatter_tokens(grad, ctx.tp), None, None
+            return grad.chunk(ctx.ranks.size)[ctx.ranks.rank].contiguous(), None, None
+        return _reduce_scatter_tokens(grad, ctx.ranks), None, None
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -427,23 +427,23 @@ class _ScatterTokens(torch.autograd.Function):
     row-parallel weight, reduce-scattered) or of a tensor every rank holds whole. Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.Tensor:
-        ctx.tp = tp
-        return _reduce_scatter_tokens(x, tp) if summed else x.chunk(tp.size)[tp.rank].contiguous()
+    def forward(ctx: Any, x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Tensor:
+        ctx.ranks = ranks
+        return _reduce_scatter_tokens(x, ranks) if summed else x.chunk(ranks.size)[ranks.rank].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_tokens(grad, ctx.tp), None, None
+        return _all_gather_tokens(grad, ctx.ranks), None, None
 
 
-def gather_tokens(x: torch.Tensor, tp: TensorParallel, replicated: bool = False) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, ranks: RankGroup, replicated: bool = False) -> torch.Tensor:
     """`_GatherTokens`: `[T / size, ...] -> [T, ...]`."""
-    return _GatherTokens.apply(x, tp, replicated)
+    return _GatherTokens.apply(x, ranks, replicated)
 
 
-def scatter_tokens(x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.Tensor:
+def scatter_tokens(x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Tensor:
     """`_ScatterTokens`: `[T, ...] -> [T / size, ...]`."""
-    return _ScatterTokens.apply(x, tp, summed)
+    return _ScatterTokens.apply(x, ranks, summed)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -452,7 +452,7 @@ def scatter_tokens(x: torch.Tensor, tp: TensorParallel, summed: bool) -> torch.T
 
 
 @dataclass(frozen=True)
-class ContextParallel(TensorParallel):
+class ContextParallel(RankGroup):
     """A context-parallel group: each of its `size` ranks runs the layers on part of every protein's tokens
     (`ContextParallelLayout`) and exchanges keys and values with the others in attention. `ranks`: the group's
     global ranks (Transformer Engine's ring needs them)."""
@@ -512,10 +512,10 @@ class ContextParallelLayout:
         multiple = math.lcm(unit, token_multiple * cp.size)
         max_length = -(-packed.max_length // unit) * unit
         if num_padded % multiple:
-            extra = torch.tensor([-num_padded % multiple], device=device)
-            lengths, padded_lengths = torch.cat([lengths, extra]), torch.cat([padded_lengths, extra])
-            max_length = max(max_length, int(extra))
-            num_padded += int(extra)
+            extra = -num_padded % multiple
+            dummy = torch.tensor([extra], device=device)
+            lengths, padded_lengths = torch.cat([lengths, dummy]), torch.cat([padded_lengths, dummy])
+            max_length, num_padded = max(max_length, extra), num_padded + extra
         cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         cu_seq_lens_padded = F.pad(padded_lengths.cumsum(0), (1, 0)).to(torch.int32)
         sequences = torch.arange(len(lengths), device=device)
@@ -766,7 +766,7 @@ class NVEsmLayerNormLinear(nn.Module):
     ranks are gathered before the product, `[T / size, in] -> [T, out]`."""
 
     def __init__(
-        self, in_features: int, out_features: int, eps: float, tensor_parallel: TensorParallel | None = None
+        self, in_features: int, out_features: int, eps: float, tensor_parallel: RankGroup | None = None
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -790,7 +790,7 @@ class NVEsmLinear(nn.Module):
     With `tensor_parallel` (row-parallel): `in_features` is this rank's columns; the ranks' partial products are
     summed and scattered by tokens before the bias is added, `[T, in] -> [T / size, out]`."""
 
-    def __init__(self, in_features: int, out_features: int, tensor_parallel: TensorParallel | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, tensor_parallel: RankGroup | None = None) -> None:
         super().__init__()
         self.tensor_parallel = tensor_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -810,7 +810,7 @@ class NVEsmLayerNormMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, eps: float, tensor_parallel: TensorParallel | None = None
+        self, hidden_size: int, intermediate_size: int, eps: float, tensor_parallel: RankGroup | None = None
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -841,7 +841,7 @@ class NVEsmSelfAttention(nn.Module):
     With `tensor_parallel`, this rank's `num_heads / size` heads attend over all tokens.
     """
 
-    def __init__(self, config: NVEsmConfig, tensor_parallel: TensorParallel | None = None) -> None:
+    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
         super().__init__()
         size = 1 if tensor_parallel is None else tensor_parallel.size
         self.num_heads = config.num_attention_heads // size
@@ -898,7 +898,7 @@ class NVEsmTorchLayer(nn.Module):
     """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it (with
     `tensor_parallel`: as `set_parallel_mode=True, sequence_parallel=True` configures it)."""
 
-    def __init__(self, config: NVEsmConfig, tensor_parallel: TensorParallel | None = None) -> None:
+    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
         super().__init__()
         self.self_attention = NVEsmSelfAttention(config, tensor_parallel)
         size = 1 if tensor_parallel is None else tensor_parallel.size
@@ -974,7 +974,7 @@ def te_layer_class() -> type[nn.Module]:
     return NVEsmTELayer
 
 
-def make_te_layer(config: NVEsmConfig, layer_number: int, tensor_parallel: TensorParallel | None = None) -> nn.Module:
+def make_te_layer(config: NVEsmConfig, layer_number: int, tensor_parallel: RankGroup | None = None) -> nn.Module:
     """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based);
     with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism)."""
     init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
@@ -1183,7 +1183,7 @@ class NVEsmEncoder(nn.Module):
                 logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
-        self.tensor_parallel: TensorParallel | None = None  # set by `enable_tensor_parallel`
+        self.tensor_parallel: RankGroup | None = None  # set by `enable_tensor_parallel`
         self.context_parallel: ContextParallel | None = None  # set by `enable_context_parallel`
         self.graphs = StaticShapeGraphs()
         self._offload = ActivationOffload()
@@ -1208,7 +1208,10 @@ class NVEsmEncoder(nn.Module):
         tp = self.tensor_parallel
         layout = inputs.context_parallel
         if (tp is not None or layout is not None) and attention_sink is not None:
-            raise ValueError("output_attentions is not supported with tensor or context parallelism.")
+            raise ValueError(
+                "attention maps (output_attentions, predict_contacts) are not supported with tensor or context "
+                "parallelism."
+            )
         if tp is not None:  # each rank runs its share of the tokens between the layers' products
             hidden_states = scatter_tokens(hidden_states, tp, summed=False)
         elif layout is not None:  # each rank runs its chunks of every protein
@@ -1260,7 +1263,7 @@ class NVEsmEncoder(nn.Module):
             offload.forward_done(hidden_states)
         return hidden_states
 
-    def enable_tensor_parallel(self, tensor_parallel: TensorParallel) -> None:
+    def enable_tensor_parallel(self, tensor_parallel: RankGroup) -> None:
         """Split every layer across the ranks of `tensor_parallel` (Megatron-style tensor parallelism with
         sequence parallelism, `TENSOR_PARALLEL_SPLITS`): the layers are rebuilt as this rank's part, holding the
         matching slices of the current weights (none on the meta device). Packed (THD) layers only; the model's
@@ -1336,6 +1339,31 @@ class NVEsmEncoder(nn.Module):
                 )
         self.context_parallel = context_parallel
         self.graphs.clear()
+
+    def partial_gradients(self) -> tuple[RankGroup | None, list[torch.Tensor]]:
+        """The tensor- or context-parallel group and the gradients (local shards under FSDP2) that each of its ranks
+        computed from its own tokens only, so that their sum over the group is the gradient: with tensor
+        parallelism the whole layer parameters (LayerNorms, output biases), with context parallelism every layer
+        parameter. (None, []) without either."""
+        ranks = self.tensor_parallel or self.context_parallel
+        if ranks is None:
+            return None, []
+        grads = []
+        for name, parameter in self.layers.named_parameters():
+            split = self.tensor_parallel is not None and name.split(".", 1)[1] in TENSOR_PARALLEL_SPLITS
+            if parameter.grad is not None and not split:
+                grads.append(parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad)
+        return ranks, grads
+
+    def reduce_partial_gradients(self) -> None:
+        """Sum the `partial_gradients` over their group (one all-reduce)."""
+        ranks, grads = self.partial_gradients()
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        torch.distributed.all_reduce(flat, group=ranks.group)
+        for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(summed.view_as(grad))
 
     def activation_offload(self, hidden_states: torch.Tensor) -> ActivationOffload | None:
         """With `config.offload_activations`, in train mode with gradients: the built `ActivationOffload` whose
@@ -1420,7 +1448,8 @@ class NVEsmEncoder(nn.Module):
         region exits, so per-layer regions would repeat that work for every layer."""
         if self.fp8_recipe is None:
             return contextlib.nullcontext()
-        group = None if self.tensor_parallel is None else self.tensor_parallel.group
+        ranks = self.tensor_parallel or self.context_parallel  # one set of scales for the weights they share
+        group = None if ranks is None else ranks.group
         return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe, amax_reduction_group=group)
 
     def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
@@ -1896,13 +1925,23 @@ class NVEsmPreTrainedModel(PreTrainedModel):
     def enable_tensor_parallel(self, tp_group: Any) -> None:
         """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`
         (`NVEsmEncoder.enable_tensor_parallel`). Every rank of the group calls it, then runs the same batches and
-        gets the same outputs. `save_pretrained` is refused afterwards: each rank holds part of each layer."""
-        self.base_model.encoder.enable_tensor_parallel(TensorParallel.of(tp_group))
+        gets the same outputs. After each backward, call `reduce_partial_gradients` before the optimizer step: the
+        LayerNorm and output-bias gradients of the layers hold each rank's share. `save_pretrained` is refused
+        afterwards: each rank holds part of each layer."""
+        self.base_model.encoder.enable_tensor_parallel(RankGroup.of(tp_group))
+
+    def reduce_partial_gradients(self) -> None:
+        """Under tensor or context parallelism, after backward: sum over the group the layer gradients that each
+        rank computed from its own tokens only (`NVEsmEncoder.partial_gradients`), so every rank holds the whole
+        gradient. Not needed when a wrapper already reduces them over the group, but FSDP2 or DDP over the
+        context-parallel ranks average them: multiply by the group size instead (the recipe does)."""
+        self.base_model.encoder.reduce_partial_gradients()
 
     def enable_context_parallel(self, cp_group: Any) -> None:
         """Run the encoder layers across the ranks of the `torch.distributed` process group `cp_group`
         (`NVEsmEncoder.enable_context_parallel`). Every rank of the group calls it, then runs the same batches and
-        gets the same outputs."""
+        gets the same outputs. After each backward, call `reduce_partial_gradients` before the optimizer step:
+        every layer gradient holds each rank's share."""
         self.base_model.encoder.enable_context_parallel(ContextParallel.of(cp_group))
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
@@ -2209,7 +2248,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
         sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
         `FP8_TOKEN_MULTIPLE`, tensor-parallel runs to a multiple of the group size (times that with FP8), which
-        splits the tokens; CUDA-graph runs pad the packed batch to its static shape (`static_shape`) unless the
+        splits the tokens; context-parallel runs pad each protein (`ContextParallelLayout`); CUDA-graph runs pad
+        the packed batch to its static shape (`static_shape`) unless the
         call needs the layers run `eager` (per-layer outputs or attention maps).
 
         Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the

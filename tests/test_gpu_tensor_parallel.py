@@ -77,6 +77,7 @@ def check_rank(rank: int, port: int, kind: str, results: dict) -> None:
         for model in models.values():
             model.train()
             model(**packed, labels=labels).loss.backward()
+        models["split"].reduce_partial_gradients()
         reference = dict(models["whole"].named_parameters())
         worst = 0.0
         for name, parameter in models["split"].named_parameters():

@@ -9,6 +9,7 @@ over 4 ranks, or over 2 and then an all-reduce over 2): within 1e-5 relative."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,11 @@ from nv_esm.train.config import parse_config
 
 RANKS = 4
 LOSS_RTOL = 1e-5
+
+
+def grad_norms(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["grad_norm"] for record in records if "grad_norm" in record}
 
 
 def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
@@ -106,6 +112,9 @@ def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_si
         assert sorted(actual) == sorted(expected) == list(range(1, steps + 1)), split
         for step in expected:
             assert actual[step] == pytest.approx(expected[step], rel=LOSS_RTOL), (split, step)
+        expected, actual = grad_norms(tmp_path / reference), grad_norms(tmp_path / split)
+        for step in expected:  # the gradient norm counts split parameters once per part and whole ones once
+            assert actual[step] == pytest.approx(expected[step], rel=1e-4), (split, step)
     assert losses(tmp_path / "two") != losses(tmp_path / "one")  # other data: the comparisons above can fail
     # Adam's steps amplify the summation-order differences of near-zero gradients: up to ~2e-6 in 6 steps; weights
     # put in the wrong place would be off by their own size (~2e-2).

@@ -71,10 +71,10 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch of the step, then clip and step. The loss is the global mean over the
     step's labels: each micro-batch's summed loss is divided by the label count of all ranks' micro-batches, and
-    scaled by the world size because FSDP averages gradients over ranks. (With `--tp T`, the T ranks of a group count
-    the same micro-batches and FSDP averages over world size / T ranks: the scale is the same. With `--cp`, FSDP
-    averages over the world and `complete_gradients` makes up for the context-parallel ranks.) Nothing here waits
-    for the GPU."""
+    scaled by the world size because FSDP averages gradients over ranks. (With `--tp T` or `--cp C`, the ranks of a
+    group count the same micro-batches, so the count is R = T x C times too large, and FSDP averages over world
+    size / T ranks, the "cp" ones included: with `complete_gradients`, the gradients are again those of one big
+    batch.) Nothing here waits for the GPU."""
     counts = [sum(b.num_labels for b in micro_batches), sum(b.num_tokens for b in micro_batches)]
     counts = to_device(torch.tensor(counts, dtype=torch.float64), world.device)
     dist.all_reduce(counts)

@@ -27,7 +27,7 @@ from nv_esm.train.config import ParallelConfig
 @dataclass
 class Dist:
     """This process's place in the run: its rank of `world_size`, its device and the device mesh: `("dp_shard",)`;
-    with `--dp-replicate R`, `("dp_replicate", "dp_shard")` of shape `(R, world_size // R)`; with `--cp C` and
+    with `--dp-replicate R`, `("dp_replicate", "dp_shard")` of shape `(R, world_size // (R * C * T))`; with `--cp C` and
     `--tp T`, last dimensions `"cp"` and `"tp"` (consecutive ranks). The ranks of a "cp" or "tp" group share their
     micro-batches; the groups are the data-parallel ranks, each with its own. `fsdp_mesh`: the dimensions FSDP2
     shards and replicates over (without "tp"; "dp_shard" and "cp" flattened into "dp_shard_cp", as context-parallel
@@ -235,27 +235,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def complete_gradients(model: nn.Module, world: Dist) -> None:
-    """After the step's backwards, the gradients of the layer parameters that each rank computed from its own
-    tokens only. With `--cp`, all layer parameters: FSDP2 averaged them over the "cp" ranks, where their sum is
-    the gradient, so they are multiplied by C (embeddings and heads ran on every token on every rank). With
-    `--tp`, the whole layer parameters (LayerNorms, output biases): summed over the "tp" ranks (one all-reduce of
-    their shards)."""
-    if world.cp_size > 1:
-        grads = [_local(p.grad) for name, p in model.named_parameters() if p.grad is not None and ".layers." in name]
-        torch._foreach_mul_(grads, float(world.cp_size))
-    if world.tp_size == 1:
+    """Complete, after the step's backwards, the layer gradients that each rank computed from its own tokens only
+    (`NVEsmEncoder.partial_gradients`). With `--cp`, FSDP2 averaged them over the "cp" ranks, where their sum is
+    the gradient: they are multiplied by C. With `--tp` ("tp" is not in FSDP2's mesh), they are summed over the
+    group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already."""
+    if world.ranks_per_batch == 1:
         return
-    grads = [
-        _local(p.grad)
-        for name, p in model.named_parameters()
-        if p.grad is not None and ".layers." in name and tensor_parallel_split_dim(name) is None
-    ]
-    if not grads:
-        return
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, group=world.mesh.get_group("tp"))
-    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
-        grad.copy_(summed.view_as(grad))
+    for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):
+        if world.cp_size > 1:
+            _, grads = encoder.partial_gradients()
+            if grads:
+                torch._foreach_mul_(grads, float(world.cp_size))
+        else:
+            encoder.reduce_partial_gradients()
 
 
 def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tensor:

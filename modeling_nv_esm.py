@@ -370,6 +370,14 @@ TENSOR_PARALLEL_SPLITS = {
 }
 
 
+def tensor_parallel_split_dim(name: str) -> int | None:
+    """The dimension along which tensor parallelism splits the parameter `name` (a model's, an encoder's or a layer
+    list's: `....layers.<i>.<name in the layer>`; `TENSOR_PARALLEL_SPLITS`), or None for one every rank holds
+    whole."""
+    _, in_layers, rest = f".{name}".partition(".layers.")
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+
+
 @dataclass(frozen=True)
 class RankGroup:
     """The ranks that share a batch under tensor or context parallelism: the process `group`, its `size` and this
@@ -475,7 +483,6 @@ class ContextParallelLayout:
 
     Attributes:
         cp: the group.
-        num_tokens: T, the real tokens of the batch.
         cu_seq_lens: `[N + 1]` int32, the real lengths (with a dummy protein when the token count was rounded up).
         cu_seq_lens_padded: `[N + 1]` int32, the padded lengths (each a multiple of `2 * size`).
         max_length: the longest padded protein (an upper bound).
@@ -489,7 +496,6 @@ class ContextParallelLayout:
     """
 
     cp: ContextParallel
-    num_tokens: int
     cu_seq_lens: torch.Tensor
     cu_seq_lens_padded: torch.Tensor
     max_length: int
@@ -533,7 +539,6 @@ class ContextParallelLayout:
         to_padded = cu_seq_lens_padded[real] + torch.arange(packed.num_tokens, device=device) - packed.cu_seq_lens[real]
         return cls(
             cp=cp,
-            num_tokens=packed.num_tokens,
             cu_seq_lens=cu_seq_lens,
             cu_seq_lens_padded=cu_seq_lens_padded,
             max_length=max_length,
@@ -1271,23 +1276,19 @@ class NVEsmEncoder(nn.Module):
         layers, dropout, head or MLP sizes the group size does not divide, LoRA adapters, activation offloading,
         a second call."""
         config, size = self.config, tensor_parallel.size
-        refusals = {
-            "it was enabled already": self.tensor_parallel is not None,
-            "it does not combine with context parallelism yet": self.context_parallel is not None,
-            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
-            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
-                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
-            ),
-            f"{config.num_attention_heads} heads do not split over {size} ranks": config.num_attention_heads % size,
-            f"intermediate_size {config.intermediate_size} does not split over {size} ranks": (
-                config.intermediate_size % size
-            ),
-            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
-            "activation offloading is not supported": config.offload_activations,
-        }
-        for reason, refused in refusals.items():
-            if refused:
-                raise ValueError(f"tensor parallelism: {reason}.")
+        self._refuse_parallelism(
+            "tensor parallelism",
+            {
+                "it was enabled already": self.tensor_parallel is not None,
+                "it does not combine with context parallelism yet": self.context_parallel is not None,
+                f"{config.num_attention_heads} heads do not split over {size} ranks": (
+                    config.num_attention_heads % size
+                ),
+                f"intermediate_size {config.intermediate_size} does not split over {size} ranks": (
+                    config.intermediate_size % size
+                ),
+            },
+        )
         old = self.layers
         device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
         with torch.device("meta"):
@@ -1317,20 +1318,13 @@ class NVEsmEncoder(nn.Module):
         runs on several. Every rank keeps whole weights and gets the whole batch's outputs. Packed (THD) layers
         only. Raises ValueError for what it does not support: padded layers, dropout, tensor parallelism, LoRA
         adapters, activation offloading, a second call."""
-        config = self.config
-        refusals = {
-            "it was enabled already": self.context_parallel is not None,
-            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
-            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
-                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
-            ),
-            "it does not combine with tensor parallelism yet": self.tensor_parallel is not None,
-            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
-            "activation offloading is not supported": config.offload_activations,
-        }
-        for reason, refused in refusals.items():
-            if refused:
-                raise ValueError(f"context parallelism: {reason}.")
+        self._refuse_parallelism(
+            "context parallelism",
+            {
+                "it was enabled already": self.context_parallel is not None,
+                "it does not combine with tensor parallelism yet": self.tensor_parallel is not None,
+            },
+        )
         if self.backend == "te":
             stream = torch.cuda.Stream()
             for layer in self.layers:
@@ -1340,17 +1334,38 @@ class NVEsmEncoder(nn.Module):
         self.context_parallel = context_parallel
         self.graphs.clear()
 
+    def _refuse_parallelism(self, kind: str, refusals: dict[str, Any]) -> None:
+        """ValueError naming the first true reason among `refusals` and the ones tensor and context parallelism
+        share: padded layers, dropout, LoRA adapters, activation offloading."""
+        config = self.config
+        shared = {
+            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
+            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
+                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
+            ),
+            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
+            "activation offloading is not supported": config.offload_activations,
+        }
+        for reason, refused in {**refusals, **shared}.items():
+            if refused:
+                raise ValueError(f"{kind}: {reason}.")
+
+    @property
+    def parallel_ranks(self) -> RankGroup | None:
+        """The tensor- or context-parallel group the layers run across (they share each batch), or None."""
+        return self.tensor_parallel or self.context_parallel
+
     def partial_gradients(self) -> tuple[RankGroup | None, list[torch.Tensor]]:
         """The tensor- or context-parallel group and the gradients (local shards under FSDP2) that each of its ranks
         computed from its own tokens only, so that their sum over the group is the gradient: with tensor
         parallelism the whole layer parameters (LayerNorms, output biases), with context parallelism every layer
         parameter. (None, []) without either."""
-        ranks = self.tensor_parallel or self.context_parallel
+        ranks = self.parallel_ranks
         if ranks is None:
             return None, []
         grads = []
-        for name, parameter in self.layers.named_parameters():
-            split = self.tensor_parallel is not None and name.split(".", 1)[1] in TENSOR_PARALLEL_SPLITS
+        for name, parameter in self.layers.named_parameters(prefix="layers"):
+            split = self.tensor_parallel is not None and tensor_parallel_split_dim(name) is not None
             if parameter.grad is not None and not split:
                 grads.append(parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad)
         return ranks, grads
@@ -1413,7 +1428,7 @@ class NVEsmEncoder(nn.Module):
         eager call in between gave NaN gradients.)"""
         if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
             return False
-        if self.tensor_parallel is not None or self.context_parallel is not None:  # eager: collectives not captured
+        if self.parallel_ranks is not None:  # eager: the layers' collectives are not captured
             return False
         if self.graphs.awaiting_backward():
             raise RuntimeError(
@@ -1448,7 +1463,7 @@ class NVEsmEncoder(nn.Module):
         region exits, so per-layer regions would repeat that work for every layer."""
         if self.fp8_recipe is None:
             return contextlib.nullcontext()
-        ranks = self.tensor_parallel or self.context_parallel  # one set of scales for the weights they share
+        ranks = self.parallel_ranks  # one set of scales for the weights they share
         group = None if ranks is None else ranks.group
         return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe, amax_reduction_group=group)
 
@@ -2249,8 +2264,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
         `FP8_TOKEN_MULTIPLE`, tensor-parallel runs to a multiple of the group size (times that with FP8), which
         splits the tokens; context-parallel runs pad each protein (`ContextParallelLayout`); CUDA-graph runs pad
-        the packed batch to its static shape (`static_shape`) unless the
-        call needs the layers run `eager` (per-layer outputs or attention maps).
+        the packed batch to its static shape (`static_shape`) unless the call needs the layers run `eager`
+        (per-layer outputs or attention maps).
 
         Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
         input layout: `[B, S, ...]` with zeros at padding for padded inputs, `[1, T, ...]` for packed ones.

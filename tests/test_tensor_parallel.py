@@ -31,11 +31,11 @@ from conftest import (
     relative_error,
 )
 from modeling_nv_esm import (
-    TENSOR_PARALLEL_SPLITS,
     ContextParallel,
     ContextParallelLayout,
     PackedSequences,
     RankGroup,
+    tensor_parallel_split_dim,
 )
 
 RANKS = 2
@@ -49,15 +49,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def split_dim(name: str) -> int | None:
-    _, in_layers, rest = name.partition(".layers.")
-    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
-
-
 def whole_gradient(name: str, grad: torch.Tensor, kind: str = "tensor") -> torch.Tensor:
     """A rank's gradient of parameter `name`, after `reduce_partial_gradients`, as the unsplit model's: tensor
     parallelism's split parameters concatenated over the ranks, the others as they are."""
-    dim = split_dim(name) if kind == "tensor" else None
+    dim = tensor_parallel_split_dim(name) if kind == "tensor" else None
     if dim is None:
         return grad
     parts = [torch.empty_like(grad) for _ in range(RANKS)]

@@ -23,11 +23,12 @@ from modeling_nv_esm import (
     NVEsmForTokenClassification,
     NVEsmRotaryEmbedding,
     resolve_backend,
+    tensor_parallel_split_dim,
 )
 from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, parallelize, sharded, tensor_parallel_split_dim
+from nv_esm.train.parallel import Dist, parallelize, sharded
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,

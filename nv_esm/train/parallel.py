@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modeling_nv_esm import TENSOR_PARALLEL_SPLITS
+from modeling_nv_esm import tensor_parallel_split_dim
 from nv_esm.train.config import ParallelConfig
 
 
@@ -221,13 +221,6 @@ def prefetch_layers(layers: list[nn.Module]) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Tensor parallelism: gradients, their norm, checkpoints
 # --------------------------------------------------------------------------------------------------------------
-
-
-def tensor_parallel_split_dim(name: str) -> int | None:
-    """The dimension along which tensor parallelism splits model parameter `name` (`TENSOR_PARALLEL_SPLITS`), or
-    None for a parameter every rank holds whole."""
-    _, in_layers, rest = name.partition(".layers.")
-    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import json
 import math
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -61,7 +62,6 @@ from nv_esm.model_card import ConvertedCheckpoint, model_card
 from nv_esm.state_dict_mapping import (
     HEADS,
     RULES,
-    SHARED_CONFIG_FIELDS,
     CheckpointMismatch,
     ConfigMismatch,
     Rule,
@@ -86,6 +86,7 @@ from nv_esm.verification import (
     ModelLoader,
     VerificationFailed,
     VerifyReport,
+    compare_files,
     load_nv,
     load_transformers,
     verifiable_dtype,
@@ -384,7 +385,9 @@ def convert(
         report = None
         if options.verify:
             reference = reference_model(opened)
-            report = verify(reference, staging, direction.to_nv, options.verify_atol, device=options.verify_device)
+            report = verify(
+                reference, staging, direction.to_nv, staging, options.verify_atol, device=options.verify_device
+            )
         if report is not None and not report.passed:
             raise VerificationFailed(report)
         if direction.to_nv:
@@ -489,31 +492,40 @@ def convert_nv_to_hf(source: Path | str, out: Path, *, options: ConvertOptions |
 
 @dataclass
 class FolderCheck:
-    """OUT compared with SRC: config fields and tensors (bit for bit), then the logit table."""
+    """OUT compared with SRC: its files (as the converter writes them), its tensors (bit for bit), the logit table."""
 
     direction: Direction
     dtype: str
+    files: int
+    file_mismatches: list[str]
     compared: int
     mismatches: list[str]
     report: VerifyReport
 
     @property
     def passed(self) -> bool:
-        return not self.mismatches and self.report.passed
+        return not self.file_mismatches and not self.mismatches and self.report.passed
 
     @property
     def differences(self) -> str:
-        count = len(self.mismatches)
-        return f"{count} difference{'s' * (count != 1)}" if count else "all identical"
+        return _differences(len(self.file_mismatches) + len(self.mismatches))
 
     def text(self) -> str:
-        """What `verify` prints: the tensor check (a line per difference), then the logit table."""
+        """What `verify` prints: the file check and the tensor check (a line per difference), then the logit table."""
         lines = [
+            f"files: every file of OUT against what the converter writes from SRC ({self.files} byte for byte or, "
+            f"config.json, field by field; weights below; a model card not compared): "
+            f"{_differences(len(self.file_mismatches))}",
+            *(f"  DIFFERS {mismatch}" for mismatch in self.file_mismatches),
             f"tensors: {self.compared} of SRC mapped through the rules ({self.direction.name}, {self.dtype}) and "
-            f"compared with OUT bit for bit: {self.differences}",
+            f"compared with OUT bit for bit: {_differences(len(self.mismatches))}",
             *(f"  DIFFERS {mismatch}" for mismatch in self.mismatches),
         ]
         return "\n".join([*lines, "", self.report.table()])
+
+
+def _differences(count: int) -> str:
+    return f"{count} difference{'s' * (count != 1)}" if count else "all identical"
 
 
 def verify_folder(
@@ -523,8 +535,10 @@ def verify_folder(
     atol: float | None = None,
     device: str = "auto",
 ) -> FolderCheck:
-    """Check OUT, a folder converted from SRC (either direction, told by what the two are): see `compare_tensors`,
-    then the logit table of `verify`."""
+    """Check OUT, a folder converted from SRC (either direction, told by what the two are): its files against those
+    the converter writes (`nv_esm.verification.compare_files`), its tensors (`compare_tensors`), then the logit
+    table of `verify`. OUT is read as data: its code is compared, never run, and the proteins are tokenized with
+    the tokenizer made from SRC."""
     out = Path(out)
     if not out.is_dir():
         raise ValueError(f"{out}: no such folder.")
@@ -542,30 +556,38 @@ def verify_folder(
     verifiable_head(source.head)
     verifiable_dtype(out_dtype)
     verify_device(device)
-    compared, mismatches = compare_tensors(source, converted, direction)
-    report = verify(reference_model(source), out, direction.to_nv, atol, device=device)
-    return FolderCheck(direction, out_dtype, compared, mismatches, report)
+    config, steps = expected_conversion(source, converted, direction)
+    compared, mismatches = compare_tensors(source, converted, direction, config, steps)
+    with tempfile.TemporaryDirectory() as folder:
+        expected = Path(folder)
+        write_companions(expected, source, config, direction, steps)
+        files, file_mismatches = compare_files(out, expected, weight_files(out), direction.to_nv)
+        report = verify(reference_model(source), out, direction.to_nv, expected, atol, device=device)
+    return FolderCheck(direction, out_dtype, files, file_mismatches, compared, mismatches, report)
 
 
-def compare_tensors(source: Source, out: Source, direction: Direction) -> tuple[int, list[str]]:
-    """Map each tensor of `source` through `RULES`, cast as the converter casts to the dtype of `out`'s weights, and
-    compare it bit for bit with `out`'s, one rule at a time (memory for one rule's tensors). Also compares the
-    config fields the two formats share. Returns how many tensors were compared and a line per difference."""
+def expected_conversion(source: Source, out: Source, direction: Direction) -> tuple[NVEsmConfig, list[Step]]:
+    """The config and steps of converting `source` as `out` was converted: to `out`'s dtype and, into NVEsm, its
+    padded vocabulary size (whose padding rows `compare_tensors` checks)."""
     other_way = TE_TO_HF if direction.to_nv else HF_TO_TE
     out_config = source_config(out, other_way, {})
     overrides = {"padded_vocab_size": out_config.padded_vocab_size} if direction.to_nv else {}
     config = source_config(source, direction, overrides)
-    mismatches = [
-        f"config.json {name}: {getattr(out_config, name)!r}, from SRC {getattr(config, name)!r}"
-        for name in SHARED_CONFIG_FIELDS
-        if getattr(out_config, name) != getattr(config, name)
-    ]
     stored = canonical_keys(out.store.info, out.canonical)
     embedding = direction.targets(RULES[0])[0]
     dtype = out.store.info[stored[embedding]].dtype if embedding in stored else None
-    steps = plan_steps(source, config, direction, dtype)
+    return config, plan_steps(source, config, direction, dtype)
+
+
+def compare_tensors(
+    source: Source, out: Source, direction: Direction, config: NVEsmConfig, steps: list[Step]
+) -> tuple[int, list[str]]:
+    """Map each tensor of `source` through `RULES` (`steps`, from `expected_conversion`), cast as the converter
+    casts to the dtype of `out`'s weights, and compare it bit for bit with `out`'s, one rule at a time (memory for
+    one rule's tensors). Returns how many tensors were compared and a line per difference."""
+    stored = canonical_keys(out.store.info, out.canonical)
     expected = {name for step in steps for name, _ in step.outputs}
-    mismatches += [f"{name}: missing in OUT" for name in sorted(expected - stored.keys())]
+    mismatches = [f"{name}: missing in OUT" for name in sorted(expected - stored.keys())]
     mismatches += [f"{stored[name]}: in OUT, not made from SRC" for name in sorted(stored.keys() - expected)]
     for step in steps:
         for (name, info), tensor in zip(step.outputs, run_step(step, source, config, direction)):

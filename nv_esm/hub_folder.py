@@ -40,6 +40,7 @@ TOKENIZER_SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 # What the output's tokenizer takes from a source folder's tokenizer files; nothing else of them is written
 # (an `auto_map` there would make AutoTokenizer(..., trust_remote_code=True) run code from another repository).
 SPECIAL_TOKENS = ("cls_token", "pad_token", "eos_token", "unk_token", "mask_token")
+ESM_SPECIAL_TOKENS = dict(zip(SPECIAL_TOKENS, ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>")))
 MIT_LICENSE = """MIT License
 
 Copyright (c) Meta Platforms, Inc. and affiliates (ESM-2 model weights).{code_copyright}
@@ -81,7 +82,8 @@ def nv_config_dict(config: NVEsmConfig, architecture: str = "NVEsmForMaskedLM") 
 def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int) -> None:
     """An `EsmTokenizer` with the vocabulary and settings of the checkpoint in `source_folder`, checked; ESM-2's
     when there is no source folder or it has no vocab.txt (fair-esm checkpoints carry no tokenizer). The source's
-    tokenizer files are read, never copied: only `SPECIAL_TOKENS` and `model_max_length` are taken from them."""
+    tokenizer files are read, never copied: their `SPECIAL_TOKENS` must be ESM-2's, and only `model_max_length` is
+    taken from them."""
     if source_folder is None or not (source_folder / "vocab.txt").exists():
         write_esm_tokenizer(out)
         return
@@ -95,22 +97,32 @@ def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int) -> N
                 value = value.get("content")
             if value is None:
                 continue
-            special = key in SPECIAL_TOKENS
-            if (value not in vocab) if special else (type(value) is not int or value < 1):
-                raise ValueError(f"{path}: {key} {value!r} is not {'a token of vocab.txt' if special else 'a count'}.")
+            if key in SPECIAL_TOKENS and value != ESM_SPECIAL_TOKENS[key]:
+                raise ValueError(f"{path}: {key} {value!r} is not ESM-2's {ESM_SPECIAL_TOKENS[key]!r}.")
+            if key == "model_max_length" and (type(value) is not int or value < 1):
+                raise ValueError(f"{path}: {key} {value!r} is not a count.")
             settings[key] = value
     write_esm_tokenizer(out, vocab, **settings)
 
 
 def read_vocab(path: Path, vocab_size: int) -> list[str]:
     """The tokens of a vocab.txt, one a line, as `EsmTokenizer` reads them; ValueError unless they are distinct
-    words without spaces whose ids fit the model's `vocab_size`."""
+    words without spaces whose ids fit the model's `vocab_size` and the first of them are ESM-2's alphabet in its
+    order (`ESM_VOCAB`: the ids the weights were trained with; tokens added after it are kept)."""
     tokens = [line.strip() for line in path.read_text().splitlines()]
     bad = [token for token in tokens if not token or len(token.split()) != 1]
     if bad or len(set(tokens)) != len(tokens) or not 0 < len(tokens) <= vocab_size:
         raise ValueError(
             f"{path} is not a vocabulary of this model: {len(tokens)} lines ({len(set(tokens))} distinct, "
             f"{len(bad)} empty or with spaces) for vocab_size {vocab_size}."
+        )
+    moved = [(index, token) for index, token in enumerate(ESM_VOCAB) if index >= len(tokens) or tokens[index] != token]
+    if moved:
+        index, token = moved[0]
+        found = repr(tokens[index]) if index < len(tokens) else "nothing"
+        raise ValueError(
+            f"{path} is not ESM-2's vocabulary: line {index + 1} holds {found} where ESM-2 has {token!r} "
+            f"({len(moved)} of its {len(ESM_VOCAB)} tokens out of place); its ids would not match the weights."
         )
     return tokens
 
@@ -235,16 +247,16 @@ def hub_id_of(folder: Path) -> str | None:
 
 def resolve_source(source: str, revision: str | None = None) -> Path:
     """A local folder, or a Hub id downloaded with `huggingface_hub.snapshot_download` (token and cache from the
-    usual `HF_TOKEN`/`HF_HOME` settings)."""
+    usual `HF_TOKEN`/`HF_HOME` settings); either way checked by `check_contained`."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return path
+        return check_contained(path)
     if path.exists():
         raise ValueError(f"{source} is a file; pass the folder that holds config.json and the weights.")
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise ValueError(f"{source}: no such folder.")
     try:
-        return Path(
+        folder = Path(
             huggingface_hub.snapshot_download(
                 source, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.txt"]
             )
@@ -255,6 +267,28 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
             f"(revision {revision or 'main'}): {type(error).__name__}: {error}\n"
             "Check the id and the network; private or gated repositories need HF_TOKEN or `hf auth login`."
         ) from error
+    return check_contained(folder)
+
+
+def check_contained(folder: Path) -> Path:
+    """`folder`, after checking that nothing in it is a link leading out of it: a file read from a checkpoint
+    folder must be that folder's own, or a link to a file elsewhere (`vocab.txt -> ~/.ssh/id_rsa`) would be read,
+    copied into the output and uploaded with it. The one exception is the Hugging Face cache, whose snapshot
+    folders (`models--org--name/snapshots/<commit>`) link to the files of `models--org--name/blobs`."""
+    root = folder.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parents[1].name.startswith("models--"):
+        allowed.append(root.parents[1] / "blobs")
+    for directory, folders, files in os.walk(folder):
+        for name in [*folders, *files]:
+            path = Path(directory, name)
+            target = path.resolve()
+            if not any(target == place or place in target.parents for place in allowed):
+                raise ValueError(
+                    f"{path} leads out of {folder} (to {target}); a checkpoint folder's files must lie in it: copy "
+                    "the file in instead of linking it."
+                )
+    return folder
 
 
 def file_listing(folder: Path) -> tuple[str, list[str]]:

@@ -11,11 +11,7 @@ import contextlib
 import gc
 import importlib
 import math
-import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,7 @@ from typing import Any
 import torch
 
 from nv_esm.alphabet import read_fasta
-from nv_esm.checkpoint_io import DTYPES, read_json
+from nv_esm.checkpoint_io import DTYPES, WEIGHTS_INDEX_NAME, read_json
 
 PROTEINS_FASTA = Path(__file__).resolve().parent / "proteins.fasta"  # package data: installed with nv_esm
 # Largest |logit difference| allowed, by the dtype of the converted weights; the reference always runs in
@@ -148,6 +144,7 @@ def verify(
     reference: ModelLoader,
     out: Path,
     out_is_nv: bool,
+    tokenizer: Path,
     atol: float | None = None,
     proteins: Path = PROTEINS_FASTA,
     device: str = "auto",
@@ -156,10 +153,12 @@ def verify(
     compare their logits.
 
     `reference` loads the source model in float32 (e.g. `partial(load_transformers, folder, torch.float32)`).
-    `out` is an NVEsm folder, loaded with `AutoModelForMaskedLM` + remote code (`out_is_nv`), or a transformers
-    one, loaded with plain transformers. `device` (see `VERIFY_DEVICES`) "auto" runs on the GPU when there is one
-    (Transformer Engine if it is installed), else on the CPU; on the CPU the NVEsm model uses the PyTorch backend.
-    The models are loaded one after the other. `atol` None: `default_atol` of `out`'s dtype.
+    `out` is an NVEsm folder (`out_is_nv`), loaded into the installed package's model class, or a transformers one,
+    loaded with plain transformers: never with the folder's own code. The proteins are tokenized by the tokenizer in
+    folder `tokenizer` (the one the converter writes from the source, not `out`'s, which may have been changed).
+    `device` (see `VERIFY_DEVICES`) "auto" runs on the GPU when there is one (Transformer Engine if it is
+    installed), else on the CPU; on the CPU the NVEsm model uses the PyTorch backend. The models are loaded one
+    after the other. `atol` None: `default_atol` of `out`'s dtype.
     """
     from transformers import EsmTokenizer
 
@@ -171,8 +170,8 @@ def verify(
     out_dtype = read_json(out / "config.json").get("dtype", "float32")
     dtype = verifiable_dtype(out_dtype)
     records = read_fasta(proteins)
-    tokenizer = EsmTokenizer.from_pretrained(out)
-    inputs = [tokenizer(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
+    tokenize = EsmTokenizer.from_pretrained(tokenizer)
+    inputs = [tokenize(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
     load_converted = load_nv if out_is_nv else load_transformers
     reference_logits, reference_name, reference_te = _run(lambda: reference(device), inputs, device)
     converted_logits, converted_name, converted_te = _run(lambda: load_converted(out, dtype, device), inputs, device)
@@ -211,17 +210,18 @@ def _run(load: Callable[[], tuple[Any, str]], inputs: list[torch.Tensor], device
 
 
 def load_nv(folder: Path, dtype: torch.dtype, device: str, label: str = "OUT") -> tuple[Any, str]:
-    """The NVEsm folder through `AutoModelForMaskedLM` and its remote code (see `remote_code_folder`), on `device`.
+    """The NVEsm folder's weights and config in the installed package's `NVEsmForMaskedLM`, on `device`: the folder
+    is read as data (config.json, safetensors), never as code, so a tampered `modeling_nv_esm.py` in it runs no
+    code here.
 
     On the CPU the model gets `backend="torch"`, even where a GPU is visible; on the GPU `"auto"`, which the model
     resolves (`modeling_nv_esm.resolve_backend`): Transformer Engine when it is installed.
     """
-    from transformers import AutoModelForMaskedLM
+    from modeling_nv_esm import NVEsmForMaskedLM
 
     backend = "auto" if device == "cuda" else "torch"
-    with remote_code_folder(folder) as alias:
-        model = AutoModelForMaskedLM.from_pretrained(alias, trust_remote_code=True, dtype=dtype, backend=backend)
-    name = f"NVEsm AutoModelForMaskedLM {str(dtype).removeprefix('torch.')} backend {model.esm.backend} ({label})"
+    model = NVEsmForMaskedLM.from_pretrained(folder, dtype=dtype, backend=backend, use_safetensors=True)
+    name = f"NVEsm NVEsmForMaskedLM {str(dtype).removeprefix('torch.')} backend {model.esm.backend} ({label})"
     return model.to(device).eval(), name
 
 
@@ -229,40 +229,55 @@ def load_transformers(folder: Path, dtype: torch.dtype, device: str, label: str 
     """A transformers ESM-2 folder as plain transformers' `EsmForMaskedLM` (no remote code), on `device`."""
     from transformers import EsmForMaskedLM
 
-    model = EsmForMaskedLM.from_pretrained(folder, dtype=dtype)
+    model = EsmForMaskedLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
     return model.to(device).eval(), f"transformers {type(model).__name__} {str(dtype).removeprefix('torch.')} ({label})"
 
 
-@contextlib.contextmanager
-def remote_code_folder(folder: Path) -> Iterator[Path]:
-    """`folder` under a new name (a symlink), for loading with `trust_remote_code=True`; afterwards the copy of its
-    code that transformers puts in its modules cache (HF_MODULES_CACHE) under that name is deleted, and with it
-    the cache folders that loading created, so that verifying leaves nothing behind."""
-    from transformers import dynamic_module_utils
+# --------------------------------------------------------------------------------------------------------------
+# Comparing a folder's files with those the converter writes
+# --------------------------------------------------------------------------------------------------------------
 
-    cache = Path(dynamic_module_utils.HF_MODULES_CACHE)
-    package = cache / dynamic_module_utils.TRANSFORMERS_DYNAMIC_MODULE_NAME
-    created = [path for path in (cache, package) if not path.exists()]
-    in_sys_path = str(cache) in sys.path
-    name = f"nvesm_verify_{os.getpid()}_{os.urandom(4).hex()}"  # a valid module name, new in the cache
-    with tempfile.TemporaryDirectory() as links:
-        alias = Path(links) / name
-        alias.symlink_to(folder.resolve(), target_is_directory=True)
-        try:
-            yield alias
-        finally:
-            shutil.rmtree(package / name, ignore_errors=True)
-            for path in reversed(created):  # unless another process has put modules there meanwhile
-                with contextlib.suppress(OSError):
-                    if {entry.name for entry in path.iterdir()} <= {"__init__.py", "__pycache__"}:
-                        shutil.rmtree(path)
-            if not in_sys_path and not cache.exists() and str(cache) in sys.path:
-                sys.path.remove(str(cache))
-            ours = f"{package.name}.{name}"
-            for module in [module for module in sys.modules if module == ours or module.startswith(ours + ".")]:
-                del sys.modules[module]
-            if package in created and not package.exists():
-                sys.modules.pop(package.name, None)
+# config.json fields that say which transformers wrote the file, not what the model is.
+UNCOMPARED_CONFIG_FIELDS = ("transformers_version",)
+# Files a conversion writes whose text is not determined by the checkpoint (the model card holds the --verify table
+# and the Hub id of the upload); they are data, never loaded as code.
+UNCOMPARED_FILES = ("README.md",)
+
+
+def compare_files(out: Path, expected: Path, weight_files: list[Path], model_card: bool) -> tuple[int, list[str]]:
+    """Every entry of folder `out` against what the converter writes: the files in `expected` (config.json, the
+    tokenizer, the remote code, LICENSE), `config.json` field by field and the others byte for byte; `weight_files`
+    (the safetensors files of `out`, compared tensor by tensor elsewhere) and their index; with `model_card`,
+    `UNCOMPARED_FILES`. Any other entry, a sub-folder or a link, is a difference. Returns how many files were
+    compared and a line per difference."""
+    found = {path.name: path for path in out.iterdir()}
+    wanted = {path.name: path for path in expected.iterdir()}
+    allowed = set(wanted) | {path.name for path in weight_files} | (set(UNCOMPARED_FILES) if model_card else set())
+    if len(weight_files) > 1:
+        allowed.add(WEIGHTS_INDEX_NAME)
+    mismatches = [f"{name}: missing in OUT" for name in sorted(wanted.keys() - found.keys())]
+    for name, path in sorted(found.items()):
+        if path.is_symlink() or not path.is_file():
+            kind = "link" if path.is_symlink() else "folder"
+            mismatches.append(f"{name}: a {kind} in OUT, where the converter writes only files")
+        elif name not in allowed:
+            mismatches.append(f"{name}: in OUT, not written by the converter")
+        elif name == "config.json":
+            mismatches += _compare_config(read_json(path), read_json(wanted[name]))
+        elif name in wanted and path.read_bytes() != wanted[name].read_bytes():
+            mismatches.append(f"{name}: its bytes differ from the file the converter writes")
+    return len(wanted), mismatches
+
+
+def _compare_config(found: dict, expected: dict) -> list[str]:
+    """A line per config.json field that differs from the converter's (`UNCOMPARED_CONFIG_FIELDS` aside)."""
+    names = sorted((found.keys() | expected.keys()) - set(UNCOMPARED_CONFIG_FIELDS))
+    missing = object()
+    return [
+        f"config.json {name}: {found.get(name, 'absent')!r}, from SRC {expected.get(name, 'absent')!r}"
+        for name in names
+        if found.get(name, missing) != expected.get(name, missing)
+    ]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""A folder or a checkpoint is data, never code: hostile inputs are refused or reported, and no code in them runs.
+
+Each test hands a command a folder or checkpoint that someone else could have prepared (a Hub download, a shared
+training run) with a payload that, if run, writes a marker file; the marker must not appear. Everything the tests
+write stays in their temporary folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from convert_helpers import run
+
+# --------------------------------------------------------------------------------------------------------------
+# Payloads
+# --------------------------------------------------------------------------------------------------------------
+
+
+def python_payload(marker: Path) -> str:
+    """Python source that leaves `marker` behind when it runs."""
+    return f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+
+
+class Payload:
+    """Unpickling this writes the marker file (pickle calls `__reduce__`'s function with its arguments)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# verify SRC OUT: OUT is read as data and every file of it is compared
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_source) -> Path:
+    """tiny_source converted to NVEsm, untouched (tests change copies of it)."""
+    out = tmp_path_factory.mktemp("converted") / "te"
+    assert run_quiet("hf-to-te", tiny_source, out) == 0
+    return out
+
+
+def run_quiet(*argv: object) -> int:
+    from convert_checkpoint import main
+
+    return main([str(arg) for arg in argv])
+
+
+def differences(text: str) -> list[str]:
+    return [line.split("DIFFERS ", 1)[1] for line in text.splitlines() if "DIFFERS" in line]
+
+
+def append_code(out: Path, marker: Path) -> None:
+    with open(out / "modeling_nv_esm.py", "a") as file:
+        file.write(python_payload(marker))
+
+
+def point_auto_config_elsewhere(out: Path, marker: Path) -> None:
+    (out / "evil_mod.py").write_text(python_payload(marker) + "\nfrom configuration_nv_esm import NVEsmConfig\n")
+    config = json.loads((out / "config.json").read_text())
+    config["auto_map"]["AutoConfig"] = "evil_mod.NVEsmConfig"
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def swap_two_vocabulary_lines(out: Path, marker: Path) -> None:
+    lines = (out / "vocab.txt").read_text().splitlines()
+    lines[4], lines[5] = lines[5], lines[4]  # L and A
+    (out / "vocab.txt").write_text("\n".join(lines) + "\n")
+
+
+def add_a_link_and_a_folder(out: Path, marker: Path) -> None:
+    """(A link out of OUT is refused outright, as for a source folder: see the tests of source folders.)"""
+    (out / "notes").mkdir()
+    (out / "LICENSE").rename(out / "LICENSE.orig")
+    (out / "LICENSE").symlink_to("LICENSE.orig")
+
+
+@pytest.mark.parametrize(
+    "tamper,expected",
+    [
+        (append_code, ["modeling_nv_esm.py: its bytes differ"]),
+        (point_auto_config_elsewhere, ["config.json auto_map:", "evil_mod.py: in OUT, not written by the converter"]),
+        (swap_two_vocabulary_lines, ["vocab.txt: its bytes differ"]),
+        (add_a_link_and_a_folder, ["LICENSE: a link in OUT", "LICENSE.orig: in OUT, not", "notes: a folder in OUT"]),
+    ],
+    ids=["code-appended", "auto-map-to-new-module", "vocabulary-swapped", "link-and-folder"],
+)
+def test_verify_reports_every_tampered_file_and_runs_none_of_its_code(
+    tmp_path, capsys, tiny_source, converted, tamper, expected
+):
+    out = shutil.copytree(converted, tmp_path / "te")
+    marker = tmp_path / "marker"
+    tamper(out, marker)
+    status, text, err = run(capsys, "verify", tiny_source, out, "--verify-device", "cpu")
+    assert status == 3 and "verify failed" in err, text + err
+    found = differences(text)
+    assert len(found) == len(expected) and all(any(e in line for line in found) for e in expected), found
+    assert "PASSED" in text  # the weights are untouched: the logits, from SRC's tokenizer, agree
+    assert not marker.exists()
+
+
+def test_verify_tokenizes_with_the_source_tokenizer(tmp_path, monkeypatch, tiny_source, converted):
+    """A changed vocab.txt in OUT would change the token ids of both models alike; the reference ids come from the
+    tokenizer made from SRC, so OUT's tokenizer files are never what the check runs on."""
+    from transformers import EsmTokenizer
+
+    out = shutil.copytree(converted, tmp_path / "te")
+    swap_two_vocabulary_lines(out, tmp_path / "marker")
+    folders = []
+    real = EsmTokenizer.from_pretrained.__func__
+
+    def recording(cls, folder, *args, **kwargs):
+        folders.append(Path(folder))
+        return real(cls, folder, *args, **kwargs)
+
+    monkeypatch.setattr(EsmTokenizer, "from_pretrained", classmethod(recording))
+    from convert_checkpoint import verify_folder
+
+    check = verify_folder(tiny_source, out, device="cpu")
+    assert folders and out.resolve() not in {folder.resolve() for folder in folders}
+    assert check.file_mismatches == ["vocab.txt: its bytes differ from the file the converter writes"]
+
+
+def test_te_to_hf_output_may_hold_no_code(tmp_path, capsys, converted):
+    back = tmp_path / "back"
+    assert run(capsys, "te-to-hf", converted, back)[0] == 0
+    (back / "modeling_esm.py").write_text(python_payload(tmp_path / "marker"))
+    (back / "README.md").write_text("not written by te-to-hf")
+    status, text, _ = run(capsys, "verify", converted, back, "--verify-device", "cpu")
+    assert status == 3 and not (tmp_path / "marker").exists()
+    assert sorted(differences(text)) == [
+        "README.md: in OUT, not written by the converter",
+        "modeling_esm.py: in OUT, not written by the converter",
+    ]
+
+
+def test_te_to_hf_verify_loads_the_nv_source_as_data(tmp_path, capsys, converted):
+    """te-to-hf --verify runs the NVEsm source as the reference: in the installed model class, not its own code."""
+    source = shutil.copytree(converted, tmp_path / "te")
+    append_code(source, tmp_path / "marker")
+    status, _, err = run(capsys, "te-to-hf", source, tmp_path / "back", "--verify", "--verify-device", "cpu")
+    assert status == 0, err
+    assert not (tmp_path / "marker").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Source folders: no file from outside, an ESM-2 vocabulary
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_link_out_of_the_source_folder_is_refused(tmp_path, capsys, tiny_source):
+    source = shutil.copytree(tiny_source, tmp_path / "src")
+    (source / "tokenizer_config.json").unlink()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password123\n")
+    (source / "vocab.txt").unlink()
+    (source / "vocab.txt").symlink_to(secret)
+    status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te")
+    assert status == 1 and err.count("\n") == 1 and "leads out of" in err and "vocab.txt" in err, err
+    assert not (tmp_path / "te").exists()
+
+
+def test_links_inside_the_folder_and_into_the_hub_cache_are_read(tmp_path, capsys, tiny_source):
+    """Links that stay in the folder are fine, and so is the Hugging Face cache's layout: a snapshot folder's
+    files link to the repository's blobs."""
+    repo = tmp_path / "hub" / "models--facebook--esm2_random_tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for path in tiny_source.iterdir():
+        shutil.copy(path, blobs / f"blob_{path.name}")
+        (snapshot / path.name).symlink_to(os.path.relpath(blobs / f"blob_{path.name}", snapshot))
+    assert run(capsys, "hf-to-te", snapshot, tmp_path / "te")[0] == 0
+    local = shutil.copytree(tiny_source, tmp_path / "local")
+    (local / "vocab.txt").rename(local / "alphabet.txt")
+    (local / "vocab.txt").symlink_to("alphabet.txt")
+    assert run(capsys, "hf-to-te", local, tmp_path / "te2")[0] == 0
+    assert (tmp_path / "te2" / "vocab.txt").read_text() == (tmp_path / "te" / "vocab.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "vocabulary,needle",
+    [
+        (lambda v: [v[0], v[2], v[1], *v[3:]], "line 2 holds '<eos>' where ESM-2 has '<pad>'"),
+        (lambda v: ["password123"], "line 1 holds 'password123' where ESM-2 has '<cls>'"),
+        (lambda v: v[:-1] + ["<MASK>"], "line 33 holds '<MASK>' where ESM-2 has '<mask>'"),
+    ],
+    ids=["two-swapped", "one-line", "renamed-token"],
+)
+def test_a_vocabulary_other_than_esm2s_is_refused(tmp_path, capsys, tiny_source, vocabulary, needle):
+    from nv_esm.alphabet import ESM_VOCAB
+
+    source = shutil.copytree(tiny_source, tmp_path / "src")
+    (source / "vocab.txt").write_text("\n".join(vocabulary(list(ESM_VOCAB))) + "\n")
+    status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te")
+    assert status == 1 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "te").exists()

@@ -592,6 +592,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     )
     parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the checkpoint's own model code where it differs from this package's (it runs as you: only for "
+        "folders you trust; default: the installed code runs the checkpoint's weights)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.shard_size < 1 or args.tokens_per_batch < 1:
@@ -607,16 +613,20 @@ def resolved_backend(backend: str, device: torch.device) -> str:
 
 
 def load_config(checkpoint: str) -> Any:
-    """The NVEsm config of `checkpoint`; a transformers ESM-2 checkpoint is refused with the conversion command."""
-    from transformers import AutoConfig
+    """The NVEsm config of `checkpoint`, read as data (config.json); a transformers ESM-2 checkpoint is refused with
+    the conversion command."""
+    from transformers import PretrainedConfig
 
-    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
-    if config.model_type != "nv_esm":
+    from configuration_nv_esm import NVEsmConfig
+
+    config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
+    model_type = config_dict.get("model_type")
+    if model_type != NVEsmConfig.model_type:
         raise ValueError(
-            f"{checkpoint} is a {config.model_type!r} checkpoint, not NVEsm; convert it first: "
+            f"{checkpoint} is a {model_type!r} checkpoint, not NVEsm; convert it first: "
             f"nv-esm convert hf-to-te {checkpoint} OUT"
         )
-    return config
+    return NVEsmConfig.from_pretrained(checkpoint)
 
 
 def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
@@ -671,24 +681,44 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
 
 
 def load_model(
-    checkpoint: str, config: Any, backend: str, fp8: str, cuda_graphs: bool, device: torch.device
+    checkpoint: str,
+    config: Any,
+    backend: str,
+    fp8: str,
+    cuda_graphs: bool,
+    device: torch.device,
+    trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
     on CUDA, fp32 on the CPU. `backend` as `resolved_backend` gives it. Without the data-dependent input checks,
-    which wait for the device: `ShardEmbedder` packs the inputs itself from checked records."""
+    which wait for the device: `ShardEmbedder` packs the inputs itself from checked records. The installed package's
+    model code runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it
+    differs (`remote_code_differences`)."""
     from transformers import AutoModel
 
+    from nv_esm.hub_folder import remote_code_differences
     from nv_esm.train.materialize import fp8_layers
 
     options = {
         "layer_precision": fp8_layers(fp8, config.num_hidden_layers),
         "cuda_graphs": cuda_graphs,
         "check_inputs": False,
+        "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "backend": backend,
+        "add_pooling_layer": False,
     }
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModel.from_pretrained(
-        checkpoint, trust_remote_code=True, dtype=dtype, backend=backend, add_pooling_layer=False, **options
-    )
+    differing = remote_code_differences(checkpoint)
+    if differing and trust_remote_code:
+        print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
+        model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, **options)
+    else:
+        if differing:
+            print(
+                f"note: {checkpoint}'s {', '.join(differing)} differ from this nv-esm's; its weights run in the "
+                "installed model code (--trust-remote-code runs its own, for folders you trust)",
+                file=sys.stderr,
+            )
+        model = modeling_nv_esm.NVEsmModel.from_pretrained(checkpoint, use_safetensors=True, **options)
     return model.to(device).eval()
 
 
@@ -707,7 +737,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
         config = load_config(args.checkpoint)
         settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
-        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device)
+        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device, args.trust_remote_code)
         run(args, model, settings, records, rank, world_size)
         return 0
     except (ValueError, OSError, RuntimeError) as error:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
+from huggingface_hub.errors import EntryNotFoundError
 
 from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.checkpoint_io import format_bytes, read_json
@@ -148,6 +149,26 @@ def copy_remote_code(out: Path) -> None:
         if not (REMOTE_CODE_FOLDER / name).is_file():
             raise FileNotFoundError(f"{REMOTE_CODE_FOLDER / name} is missing; reinstall nv-esm (pip install .).")
         shutil.copy2(REMOTE_CODE_FOLDER / name, out / name)
+
+
+def remote_code_differences(checkpoint: str | Path) -> list[str]:
+    """The remote-code files (`REMOTE_CODE_FILES`) of a checkpoint folder or Hub id that differ from the installed
+    package's own; a file the checkpoint lacks counts as the same (the installed one runs either way). Only reads."""
+    folder = Path(checkpoint).expanduser()
+    differing = []
+    for name in REMOTE_CODE_FILES:
+        if folder.is_dir():
+            path = folder / name
+            if not path.is_file():
+                continue
+        else:
+            try:
+                path = Path(huggingface_hub.hf_hub_download(str(checkpoint), name))
+            except EntryNotFoundError:
+                continue
+        if path.read_bytes() != (REMOTE_CODE_FOLDER / name).read_bytes():
+            differing.append(name)
+    return differing
 
 
 def write_license(out: Path, with_code: bool) -> None:

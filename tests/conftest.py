@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,19 @@ def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
     convert_hf_to_nv(TINY_CHECKPOINT, out)
     return out
+
+
+@pytest.fixture
+def modules_cache(tmp_path, monkeypatch) -> Path:
+    """transformers' modules cache (where trust_remote_code copies a folder's code) in a fresh folder."""
+    from transformers import dynamic_module_utils
+
+    cache, usual = tmp_path / "hf_modules", dynamic_module_utils.HF_MODULES_CACHE
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != usual])
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    return cache
 
 
 @pytest.fixture

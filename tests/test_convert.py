@@ -293,19 +293,6 @@ def test_verify_command_reports_missing_and_extra_tensors_and_config_changes(
     assert status == 1 and "transformers and" in err
 
 
-@pytest.fixture
-def modules_cache(tmp_path, monkeypatch) -> Path:
-    """transformers' modules cache (where trust_remote_code copies a folder's code) in a fresh folder."""
-    from transformers import dynamic_module_utils
-
-    cache, usual = tmp_path / "hf_modules", dynamic_module_utils.HF_MODULES_CACHE
-    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
-    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != usual])
-    for name in [name for name in sys.modules if name.split(".")[0] == "transformers_modules"]:
-        monkeypatch.delitem(sys.modules, name)
-    return cache
-
-
 def test_verifying_leaves_nothing_in_the_modules_cache(tmp_path, capsys, tiny_source, modules_cache):
     te, back = tmp_path / "work" / "te", tmp_path / "work" / "back"
     assert run(capsys, "hf-to-te", tiny_source, te, *VERIFY_CPU)[0] == 0

@@ -204,3 +204,30 @@ def test_a_vocabulary_other_than_esm2s_is_refused(tmp_path, capsys, tiny_source,
     status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te")
     assert status == 1 and err.count("\n") == 1 and needle in err, err
     assert not (tmp_path / "te").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# nv-esm embed: the installed model code runs a folder's weights; its own code only when asked
+# --------------------------------------------------------------------------------------------------------------
+
+
+def embed_once(checkpoint: Path, tmp_path: Path, name: str, *extra: str) -> int:
+    from nv_esm import embed
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKTAYIAK\n>b\nMKV\n")
+    return embed.main([str(checkpoint), str(fasta), str(tmp_path / name), "--device", "cpu", "--no-progress", *extra])
+
+
+def test_embed_runs_the_installed_code_on_a_folder_with_changed_code(tmp_path, capsys, converted, modules_cache):
+    folder = shutil.copytree(converted, tmp_path / "te")
+    marker = tmp_path / "marker"
+    append_code(folder, marker)
+    assert embed_once(folder, tmp_path, "out") == 0
+    err = capsys.readouterr().err
+    assert not marker.exists() and "modeling_nv_esm.py differ from this nv-esm's" in err, err
+    assert embed_once(folder, tmp_path, "own", "--trust-remote-code") == 0  # asked for: the folder's code runs
+    assert marker.exists() and "own model code (modeling_nv_esm.py: --trust-remote-code)" in capsys.readouterr().err
+    marker.unlink()
+    assert embed_once(converted, tmp_path, "same", "--trust-remote-code") == 0  # nothing differs: installed code
+    assert not marker.exists() and "own model code" not in capsys.readouterr().err

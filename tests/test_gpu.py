@@ -325,10 +325,10 @@ def test_activation_offloading_moves_saved_tensors_to_the_host_and_changes_no_gr
         offloaded(**packed, labels=packed["input_ids"])
 
 
-def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
-    """recipes/train.py saves TE's delayed-scaling state per rank: a restored model quantises like the original,
-    a model without it (fresh amax history) does not."""
-    from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
+def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32, tmp_path):
+    """recipes/train.py saves TE's delayed-scaling state per rank as plain data (safetensors + JSON): a model
+    restored from that file quantises like the original, a model without it (fresh amax history) does not."""
+    from nv_esm.train.checkpoint import fp8_scaling_state, load_fp8_scaling, save_fp8_scaling
 
     layers = hf_fp32.config.num_hidden_layers
     fp8 = dict(attn_input_format="thd", layer_precision=["fp8"] * layers, fp8_recipe="delayed")
@@ -337,10 +337,10 @@ def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32):
     trained = te_model(hf_fp32, **fp8)
     for batch in batches[:3]:
         trained(**batch, labels=batch["input_ids"]).loss.backward()
-    state = fp8_scaling_state(trained)
-    assert len(state) >= 2 * layers  # attention and MLP modules of every layer
+    assert len(fp8_scaling_state(trained)) >= 2 * layers  # attention and MLP modules of every layer
+    save_fp8_scaling(tmp_path / "fp8_rank0.safetensors", trained)
     restored, fresh = te_model(hf_fp32, **fp8), te_model(hf_fp32, **fp8)
-    set_fp8_scaling_state(restored, state)
+    load_fp8_scaling(tmp_path / "fp8_rank0.safetensors", restored)
     with torch.no_grad():
         loss = {
             name: model(**batches[3], labels=batches[3]["input_ids"]).loss.item()

@@ -231,3 +231,124 @@ def test_embed_runs_the_installed_code_on_a_folder_with_changed_code(tmp_path, c
     marker.unlink()
     assert embed_once(converted, tmp_path, "same", "--trust-remote-code") == 0  # nothing differs: installed code
     assert not marker.exists() and "own model code" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# nv-esm train: --resume and export read a checkpoint as data
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, tiny_config) -> Path:
+    """A 2-rank run stopped after step 1 of 2: OUT/checkpoints/step_0000001, resumable."""
+    from test_recipe_train import mlm_args, run_recipe
+
+    out = tmp_path_factory.mktemp("run") / "run"
+    run_recipe(out, *mlm_args(tiny_config, 2, "--stop-at-step", "1", "--no-export"))
+    return out
+
+
+def resume(run: Path, tiny_config: Path):
+    from test_recipe_train import mlm_args, run_recipe
+
+    return run_recipe(run, *mlm_args(tiny_config, 2, "--resume", "--no-export"), check=False)
+
+
+def export(checkpoint: Path, out: Path):
+    from test_recipe_train import export_command
+
+    return export_command(str(checkpoint), str(out))
+
+
+def write_pickle(path: Path, payload: object) -> None:
+    import pickle
+
+    path.write_bytes(pickle.dumps(payload))
+
+
+def test_the_rng_state_is_plain_data_and_an_earlier_releases_pickle_is_read_weights_only(
+    tmp_path, tiny_config, stopped_run
+):
+    import torch
+
+    run = shutil.copytree(stopped_run, tmp_path / "run")
+    step = run / "checkpoints" / "step_0000001"
+    assert sorted(p.name for p in step.glob("rng_rank*")) == ["rng_rank0.safetensors", "rng_rank1.safetensors"]
+    marker = tmp_path / "marker"
+    (step / "rng_rank0.safetensors").unlink()  # an earlier release's layout, with a payload
+    torch.save({"python": Payload(marker)}, step / "rng_rank0.pt")
+    done = resume(run, tiny_config)
+    assert done.returncode != 0 and not marker.exists()
+    assert "rng_rank0.pt holds objects other than RNG states (not read)" in done.stderr, done.stderr[-3000:]
+
+
+def test_an_earlier_releases_rng_files_still_resume(tmp_path, tiny_config, stopped_run):
+    """Plain RNG states in `rng_rank{r}.pt` (read with weights_only=True) resume as before."""
+    import torch
+    from safetensors import safe_open
+
+    run = shutil.copytree(stopped_run, tmp_path / "run")
+    step = run / "checkpoints" / "step_0000001"
+    for rank in (0, 1):
+        with safe_open(step / f"rng_rank{rank}.safetensors", "pt") as file:
+            state = {key: file.get_tensor(key) for key in file.keys()}
+            metadata = file.metadata()
+        python = (int(metadata["python_version"]), tuple(state.pop("python").tolist()))
+        python += (json.loads(metadata["python_gauss_next"]),)
+        torch.save({**state, "python": python}, step / f"rng_rank{rank}.pt")
+        (step / f"rng_rank{rank}.safetensors").unlink()
+    done = resume(run, tiny_config)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", ["resume", "export"])
+def test_a_payload_in_the_dcp_metadata_is_refused_not_run(tmp_path, tiny_config, stopped_run, command):
+    run = shutil.copytree(stopped_run, tmp_path / "run")
+    step = run / "checkpoints" / "step_0000001"
+    marker = tmp_path / "marker"
+    write_pickle(step / ".metadata", Payload(marker))
+    done = resume(run, tiny_config) if command == "resume" else export(step, tmp_path / "hub")
+    assert done.returncode != 0 and not marker.exists()
+    assert "is not a checkpoint's metadata (not read" in done.stderr and "write_text" in done.stderr, done.stderr
+    if command == "export":
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "hub").exists()
+
+
+def test_a_payload_among_the_checkpoints_plain_entries_is_refused_not_run(tmp_path):
+    """DCP stores non-tensor entries (the optimizer's settings) with torch.save and loads them with
+    weights_only=False; the recipe's planner loads them with weights_only=True."""
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    from nv_esm.train.checkpoint import CheckpointLoadPlanner
+
+    marker = tmp_path / "marker"
+    buffer = io.BytesIO()
+    torch.save({"lr": 1e-3, "hook": Payload(marker)}, buffer)
+    buffer.seek(0)
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.lr"))
+    with pytest.raises(ValueError, match="optim.param_groups.lr is not plain data"):
+        CheckpointLoadPlanner().load_bytes(item, buffer)
+    assert not marker.exists()
+
+
+def test_an_fp8_scaling_file_is_plain_data(tmp_path):
+    """`fp8_rank{r}.safetensors` holds tensors and JSON; a file that is not that is refused with its name. (The
+    round trip through Transformer Engine is tests/test_gpu.py's.)"""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from nv_esm.train.checkpoint import load_fp8_scaling
+
+    path = tmp_path / "fp8_rank0.safetensors"
+    write_pickle(path, Payload(tmp_path / "marker"))
+    with pytest.raises(ValueError, match="fp8_rank0.safetensors is not this model's FP8 scaling state"):
+        load_fp8_scaling(path, nn.Linear(2, 2))
+    import torch
+
+    save_file({"other.scale_fwd": torch.ones(1)}, path, metadata={"extra_fp8_variables": '{"other": {}}'})
+    with pytest.raises(ValueError, match="its modules are not this model's"):
+        load_fp8_scaling(path, nn.Linear(2, 2))
+    assert not (tmp_path / "marker").exists()

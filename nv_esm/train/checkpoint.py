@@ -6,14 +6,23 @@ A checkpoint is OUT/checkpoints/step_NNNNNNN (written as `step_NNNNNNN.partial` 
 - the DCP files of `{"model": ..., "optim": ...}` (each rank writes its own shards);
 - `train_state.json`: the step, the world size, every rank's data position and `run` (the NVEsm config, the LoRA
   alpha, the starting point and the `resume_settings`, which a resume may not change);
-- `rng_rank{r}.pt`: rank r's Python, torch and CUDA RNG states;
-- `fp8_rank{r}.pt`: rank r's Transformer Engine FP8 scaling state, when there is one.
+- `rng_rank{r}.safetensors`: rank r's Python, torch and CUDA RNG states;
+- `fp8_rank{r}.safetensors`: rank r's Transformer Engine FP8 scaling state, when there is one.
+
+A checkpoint is read as data, never as code, so a shared or downloaded one cannot run code when it is resumed or
+exported: JSON and safetensors are plain data; DCP's `.metadata` is a pickle, read by `CheckpointReader` with an
+allow-list of the classes DCP writes there (anything else raises), and its non-tensor entries (optimizer settings)
+with `torch.load(weights_only=True)` (`CheckpointLoadPlanner`). Checkpoints of earlier releases (`rng_rank{r}.pt`,
+`fp8_rank{r}.pt`) resume: their RNG states are read with `weights_only=True`; their FP8 history, a pickle inside a
+tensor, is not restored.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -22,7 +31,11 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist, checkpoint_view
@@ -34,6 +47,10 @@ if TYPE_CHECKING:
 CHECKPOINT_PREFIX = "step_"
 TRAIN_STATE = "train_state.json"
 TE_PICKLE_OPT_IN = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+RNG_FILE = "rng_rank{rank}.safetensors"
+FP8_FILE = "fp8_rank{rank}.safetensors"
+# Transformer Engine's delayed-scaling tensors in a module's extra state.
+FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
@@ -109,10 +126,8 @@ def save_checkpoint(
     )
     streams: list[Any] = [None] * world.world_size
     dist.all_gather_object(streams, feed.state_dict())
-    torch.save(rng_state(), partial / f"rng_rank{world.rank}.pt")
-    scaling = fp8_scaling_state(model)
-    if scaling:
-        torch.save(scaling, partial / f"fp8_rank{world.rank}.pt")
+    save_rng_state(partial / RNG_FILE.format(rank=world.rank))
+    save_fp8_scaling(partial / FP8_FILE.format(rank=world.rank), model)
     dist.barrier()
     if world.is_main:
         state = {
@@ -162,23 +177,132 @@ def load_checkpoint(
     # Loaded in place: the views share the state dicts' tensors.
     dcp.load(
         {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
-        checkpoint_id=folder,
+        storage_reader=CheckpointReader(folder),
+        planner=CheckpointLoadPlanner(),
     )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     batches.load_state_dict(state["data"][world.rank])
-    scaling = folder / f"fp8_rank{world.rank}.pt"
-    if scaling.exists():
-        fp8_settings = ("layer_precision", "fp8_recipe")
-        if all(state["run"]["config"].get(k) == run_info["config"].get(k) for k in fp8_settings):
-            set_fp8_scaling_state(model, torch.load(scaling, weights_only=True))
-        elif world.is_main:
-            print(f"FP8 settings changed since {folder.name}: its FP8 scaling history is not restored.", flush=True)
+    scaling = folder / FP8_FILE.format(rank=world.rank)
+    fp8_settings = ("layer_precision", "fp8_recipe")
+    if scaling.exists() and all(state["run"]["config"].get(k) == run_info["config"].get(k) for k in fp8_settings):
+        load_fp8_scaling(scaling, model)
+    elif scaling.exists() and world.is_main:
+        print(f"FP8 settings changed since {folder.name}: its FP8 scaling history is not restored.", flush=True)
+    elif (folder / f"fp8_rank{world.rank}.pt").exists() and world.is_main:
+        print(f"{folder.name} holds FP8 scaling history in an earlier release's pickled format: not restored.")
     return state["step"]
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Reading DCP files as data
+# --------------------------------------------------------------------------------------------------------------
+
+# What DCP pickles into `.metadata` (torch 2.4-2.13): its metadata dataclasses, tensor sizes, dtypes and layouts.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: a global outside `_METADATA_GLOBALS` (and torch's dtypes) raises,
+    so a payload (`__reduce__` naming `os.system`, ...) cannot run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class CheckpointReader(FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled through an allow-list (`_MetadataUnpickler`); its tensors are
+    read with `weights_only=True` as DCP does."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
+            raise ValueError(f"{path} is not a checkpoint's metadata (not read: {error}).") from None
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path} is not a checkpoint's metadata (it holds a {type(metadata).__name__}).")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class CheckpointLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with the checkpoint's non-tensor entries read by `torch.load(weights_only=True)` (plain
+    values and tensors; anything else raises) instead of DCP's `weights_only=False`."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            fqn = read_item.dest_index.fqn
+            raise ValueError(f"checkpoint entry {fqn} is not plain data (not read): {error}") from None
+        plain = io.BytesIO()  # what DCP's own load_bytes reads, now holding only what weights_only let through
+        torch.save(loaded, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RNG and FP8 state, in safetensors
+# --------------------------------------------------------------------------------------------------------------
+
+
+def save_rng_state(path: Path) -> None:
+    """This process's RNG states (`rng_state`) as safetensors: torch's and CUDA's byte tensors, Python's 625 words
+    as int64 and its version and cached Gaussian in the metadata."""
+    state = rng_state()
+    version, words, gauss_next = state.pop("python")
+    tensors = {**state, "python": torch.tensor(words, dtype=torch.int64)}
+    save_file(tensors, path, metadata={"python_version": str(version), "python_gauss_next": json.dumps(gauss_next)})
+
+
 def load_rng_state(folder: Path, world: Dist) -> None:
-    """Restore this rank's RNG state from checkpoint `folder`."""
-    set_rng_state(torch.load(folder / f"rng_rank{world.rank}.pt", weights_only=False))
+    """Restore this rank's RNG state from checkpoint `folder` (`save_rng_state`'s file, or an earlier release's
+    `.pt`, read with `weights_only=True`)."""
+    path = folder / RNG_FILE.format(rank=world.rank)
+    legacy = folder / f"rng_rank{world.rank}.pt"
+    if not path.exists() and legacy.exists():
+        try:
+            state = torch.load(legacy, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{legacy} holds objects other than RNG states (not read): {error}") from None
+        set_rng_state(state)
+        return
+    try:
+        with safe_open(path, "pt") as file:
+            metadata = file.metadata() or {}
+            state = {key: file.get_tensor(key) for key in file.keys()}
+        words = tuple(int(word) for word in state.pop("python").tolist())
+        gauss_next = json.loads(metadata["python_gauss_next"])
+        state["python"] = (int(metadata["python_version"]), words, None if gauss_next is None else float(gauss_next))
+        set_rng_state(state)
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise ValueError(f"{path} is not this rank's RNG state: {type(error).__name__}: {error}") from None
 
 
 def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -194,12 +318,57 @@ def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def set_fp8_scaling_state(model: nn.Module, states: dict[str, torch.Tensor]) -> None:
-    """Restore `fp8_scaling_state`. TE unpickles it only with its opt-in for trusted checkpoints, which a run's
-    own checkpoint is (resuming already trusts the folder: DCP's metadata is a pickle too)."""
+    """Restore `fp8_scaling_state` taken from this process's model (validation does). TE serialises it with pickle
+    and unpickles it only with its opt-in for trusted bytes, which these are: never pass bytes read from a file
+    (`load_fp8_scaling` rebuilds them from plain data)."""
     modules = dict(model.named_modules())
     with mock.patch.dict(os.environ, {TE_PICKLE_OPT_IN: "1"}):
         for name, state in states.items():
             modules[name].set_extra_state(state)
+
+
+def save_fp8_scaling(path: Path, model: nn.Module) -> None:
+    """`fp8_scaling_state` as plain data in safetensors (nothing is written without FP8 state): per module its
+    delayed-scaling tensors (`FP8_TENSORS`, named `module.tensor`) and, in the metadata as JSON, the plain values
+    TE keeps beside them (`extra_fp8_variables`; values of other types are left out)."""
+    tensors, extras = {}, {}
+    for name, blob in fp8_scaling_state(model).items():
+        state = pickle.loads(blob.numpy().tobytes())  # TE's serialisation of this process's own live state
+        tensors.update({f"{name}.{key}": state[key].contiguous() for key in FP8_TENSORS if key in state})
+        extras[name] = {key: value for key, value in state.get("extra_fp8_variables", {}).items() if _plain(value)}
+    if extras:
+        save_file(tensors, path, metadata={"extra_fp8_variables": json.dumps(extras)})
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def load_fp8_scaling(path: Path, model: nn.Module) -> None:
+    """Restore `save_fp8_scaling`'s file: TE's extra state is rebuilt here from the file's tensors and JSON and the
+    model's own FP8 recipe, so the only bytes TE unpickles are made in this process."""
+    modules = dict(model.named_modules())
+    recipe = next((m.fp8_recipe for m in modules.values() if getattr(m, "fp8_recipe", None) is not None), None)
+    try:
+        with safe_open(path, "pt") as file:
+            extras = json.loads((file.metadata() or {})["extra_fp8_variables"])
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+        if (
+            not isinstance(extras, dict)
+            or set(extras) - set(modules)
+            or not all(isinstance(v, dict) for v in extras.values())
+        ):
+            raise ValueError("its modules are not this model's")
+    except (SafetensorError, OSError, KeyError, ValueError) as error:
+        raise ValueError(f"{path} is not this model's FP8 scaling state: {error}") from None
+    states = {}
+    for name, extra in extras.items():
+        state = {"recipe": recipe, "extra_fp8_variables": extra}
+        state.update({key: tensors[f"{name}.{key}"] for key in FP8_TENSORS if f"{name}.{key}" in tensors})
+        states[name] = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    set_fp8_scaling_state(model, states)
 
 
 def rng_state() -> dict:

@@ -29,7 +29,7 @@ from nv_esm.hub_folder import (
     write_license,
 )
 from nv_esm.model_card import training_card
-from nv_esm.train.checkpoint import TRAIN_STATE
+from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointLoadPlanner, CheckpointReader
 from nv_esm.train.lora import lora_settings, merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
@@ -38,7 +38,6 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
     """Write `out` in the converter's NVEsm layout (config, safetensors, tokenizer, remote code, LICENSE, card)
     from the model part of a DCP checkpoint. Runs in one process; needs CPU memory for the fp32 weights."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     if not (checkpoint / TRAIN_STATE).is_file():
         raise ValueError(f"{checkpoint} is not a training checkpoint (no {TRAIN_STATE}); give OUT/checkpoints/step_N.")
@@ -46,11 +45,7 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
     config, task = NVEsmConfig.from_dict(run["config"]), run["settings"]["task"]
     check_out(out, force)
     with staging_folder(out, force) as staging:
-        consolidated = staging / "consolidated.pt"
-        dcp_to_torch_save(checkpoint, consolidated)
-        model_state = torch.load(consolidated, weights_only=False)["model"]
-        consolidated.unlink()
-        weights = export_weights(model_state, config, task, run.get("lora"))
+        weights = export_weights(read_model_state(checkpoint), config, task, run.get("lora"))
         save_file(weights, staging / WEIGHTS_NAME, metadata={"format": "pt"})
         # No load-time options (backend, FP8 layers, input checks): training-time ones are in train_state.json.
         config_dict = nv_config_dict(config, MODEL_CLASSES[task].__name__)
@@ -63,6 +58,27 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         for path in [staging, *staging.rglob("*")]:  # shared folders: readable by all, whatever the umask
             path.chmod(0o755 if path.is_dir() else 0o644)
     return out
+
+
+def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) model tensors of a DCP checkpoint, in one process and without the optimizer state; read
+    as data (`CheckpointReader`, `CheckpointLoadPlanner`: no pickle runs)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = CheckpointReader(checkpoint).read_metadata()
+    model_state = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    dcp.load(
+        {"model": model_state},
+        storage_reader=CheckpointReader(checkpoint),
+        planner=CheckpointLoadPlanner(),
+        no_dist=True,
+    )
+    return model_state
 
 
 def describe(folder: Path) -> str:

@@ -9,8 +9,9 @@ whole model.
 SRC is a local folder (single or sharded safetensors), a Hugging Face Hub id, or, for hf-to-te, an original
 fair-esm checkpoint (`esm2_t33_650M_UR50D.pt`; its `-contact-regression.pt` is read when it lies beside it).
 OUT is written in a temporary folder next to it and moved into place only when everything succeeded.
-`verify SRC OUT` checks an existing conversion: every tensor of SRC mapped through `RULES` must equal OUT's bit for
-bit, and both models' logits must agree on real proteins.
+`verify SRC OUT` checks an existing conversion, reading OUT as data (none of its code runs): every file of OUT must be
+what the converter writes from SRC, every tensor of SRC mapped through `RULES` must equal OUT's bit for bit, and
+both models' logits must agree on real proteins.
 """
 
 from __future__ import annotations
@@ -642,9 +643,11 @@ EPILOG = f"""examples:
   python convert_checkpoint.py hf-to-te facebook/esm2_t6_8M_UR50D ./esm2_8M_te --push-to-hub me/esm2_8M_te --dry-run
 
 Hub downloads and uploads use the usual huggingface_hub settings (HF_TOKEN or `hf auth login`, HF_HOME,
-HF_HUB_OFFLINE). `verify SRC OUT` takes the direction from what SRC and OUT are; it maps every tensor of SRC
-through the table (cast to OUT's dtype, as converting does) and compares it with OUT's bit for bit, naming each
-one that differs, then prints the logit table. The logit table (--verify, verify) runs on the GPU when there is
+HF_HUB_OFFLINE). `verify SRC OUT` takes the direction from what SRC and OUT are and runs none of OUT's code: it
+compares every file of OUT with what the converter writes from SRC (code and tokenizer byte for byte, config.json
+field by field, nothing extra), maps every tensor of SRC through the table (cast to OUT's dtype, as converting does)
+and compares it with OUT's bit for bit, naming each file, field or tensor that differs, then prints the logit
+table. The logit table (--verify, verify) runs on the GPU when there is
 one (--verify-device auto; Transformer Engine if installed), else on the CPU with the PyTorch backend; default
 tolerances on max |logit difference| against the float32 source: float32 {DEFAULT_VERIFY_ATOL["float32"]:g} \
 ({TE_FP32_VERIFY_ATOL:g} when Transformer Engine runs: its GELU is the tanh approximation), bfloat16 \

@@ -100,6 +100,7 @@ def model_card(
     sections = [
         _card_intro(checkpoint, config, head),
         _card_usage(repo, config, head),
+        card_trust(repo, HEADS[head].nv_class, checkpoint.hub_id or f"PATH/TO/{checkpoint.name}"),
         _card_hardware(checkpoint.nbytes, checkpoint.dtype),
         _card_verification(report),
         "## License\n\nMIT, as ESM-2. The weights are Copyright (c) Meta Platforms, Inc. and affiliates; see LICENSE.",
@@ -140,7 +141,8 @@ def _card_usage(repo: str, config: NVEsmConfig, head: str) -> str:
         example = example.replace("<mask>", "E")
     return f"""## Usage
 
-The model code ships with the weights, so loading needs `trust_remote_code=True`. With Transformer Engine
+The model code ships with the weights, so loading with the Auto classes needs `trust_remote_code=True` (see
+"What `trust_remote_code=True` runs" below). With Transformer Engine
 installed and a CUDA GPU the layers run in Transformer Engine (`backend="auto"`, the default); anywhere else
 `"auto"` picks the PyTorch implementation (same weights, same results up to float rounding), and
 `backend="torch"` forces it, e.g. to run on the CPU of a machine that has a GPU.
@@ -198,6 +200,39 @@ model = {auto_class}.from_pretrained(
 FP8 changes the numerics; check the accuracy of your task before relying on it."""
 
 
+def card_trust(repo: str, nv_class: str, source: str | None) -> str:
+    """What `trust_remote_code=True` runs, and how to check the folder (with `nv-esm convert verify`, for a
+    conversion of `source`) or do without its code."""
+    check = ""
+    if source is not None:
+        check = f"""
+`nv-esm convert verify` checks a copy of this folder without running any of it: every file against what the
+converter writes from the source (the code byte for byte, config.json field by field, nothing extra), every tensor
+bit for bit, then the logits on 22 real proteins (exit status 0: identical to a fresh conversion):
+
+```bash
+hf download {repo} --local-dir ./to_check   # a Hub repository; a local folder is checked where it is
+nv-esm convert verify {source} ./to_check --verify-device cpu
+```
+"""
+    return f"""### What `trust_remote_code=True` runs
+
+`configuration_nv_esm.py` and `modeling_nv_esm.py` of this folder run as Python with your permissions, like any
+code you install; the weights (safetensors), config.json and the tokenizer files are data. Read the two files, or
+check them, before you trust them.
+{check}
+With nv-esm installed, its own code can run this folder's weights instead, with no code from the folder at all:
+
+```python
+from modeling_nv_esm import {nv_class}
+
+model = {nv_class}.from_pretrained("{repo}", use_safetensors=True)
+```
+
+Pin a reviewed revision (`revision="<commit>"` in `from_pretrained`) so that a later push cannot change the code
+you run."""
+
+
 def _card_hardware(nbytes: int, dtype_name: str) -> str:
     return f"""## Hardware
 
@@ -247,4 +282,5 @@ model = {auto_class}.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
 The weights are float32, in the nv-esm layout (`nv-esm convert te-to-hf` turns them into a transformers
 `{HEADS[head].hf_class}` folder). Evaluate before use: this card records how the model was trained, not how
 well it works."""
-    return _card(front_matter(pipeline_tag, TRAINED_TAGS), [body])
+    trust = card_trust("PATH_OR_REPO", HEADS[head].nv_class, None)
+    return _card(front_matter(pipeline_tag, TRAINED_TAGS), [body, trust])

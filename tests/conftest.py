@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,23 @@ SHAPES = {
     "wide_heads": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=2, intermediate_size=200),
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def files_stay_in_temporary_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the tests leave goes under pytest's temporary folder: transformers' modules cache (where
+    `trust_remote_code` copies a folder's code) and the temporary files of this process and of the processes it
+    starts (torchrun's `torchelastic_*` folders, multiprocessing's `pymp-*`)."""
+    from transformers import dynamic_module_utils
+
+    cache, scratch = tmp_path_factory.mktemp("hf_modules"), tmp_path_factory.mktemp("tmp")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
+    patch.setenv("HF_MODULES_CACHE", str(cache))
+    patch.setenv("TMPDIR", str(scratch))
+    patch.setattr(tempfile, "tempdir", str(scratch))
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="module")

@@ -352,3 +352,26 @@ def test_an_fp8_scaling_file_is_plain_data(tmp_path):
     with pytest.raises(ValueError, match="its modules are not this model's"):
         load_fp8_scaling(path, nn.Linear(2, 2))
     assert not (tmp_path / "marker").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The model card says what trust_remote_code runs, and its check and its code-free loading both work
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_the_model_cards_trust_section_runs_as_written(tmp_path, capsys, tiny_source, converted):
+    import re
+
+    import modeling_nv_esm
+
+    card = (converted / "README.md").read_text()
+    section = card[card.index("### What `trust_remote_code=True` runs") :]
+    assert "run as Python with your permissions" in section
+    verify_line = re.search(r"nv-esm convert verify (\S+) \./to_check (.*)", section)
+    assert verify_line and verify_line[1] == f"PATH/TO/{tiny_source.name}"  # a local source: the user's own path
+    status, text, _ = run(capsys, "verify", tiny_source, converted, *verify_line[2].split("#")[0].split())
+    assert status == 0 and "all identical" in text
+    code = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    namespace: dict = {}
+    exec(code, namespace)  # loads `converted` (the card names the folder it was written to)
+    assert type(namespace["model"]) is modeling_nv_esm.NVEsmForMaskedLM

@@ -173,11 +173,13 @@ def load_checkpoint(
     if changed:
         listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")
+    reader = CheckpointReader(folder)
+    reader.read_metadata()  # its error here: some torch versions swallow it inside dcp.load ("metadata is None")
     model_state, optim_state = get_state_dict(model, optimizer)
     # Loaded in place: the views share the state dicts' tensors.
     dcp.load(
         {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
-        storage_reader=CheckpointReader(folder),
+        storage_reader=reader,
         planner=CheckpointLoadPlanner(),
     )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

@@ -37,6 +37,10 @@ LOAD_TIME_OPTIONS = (
 )
 
 
+# An ESM-2 has at most 48 layers (15B); the bound stops a mistyped config from allocating without end.
+MAX_LAYERS = 1024
+
+
 class NVEsmConfig(PretrainedConfig):
     r"""Configuration of an ESM-2 model run by `NVEsmModel` and its heads.
 
@@ -126,7 +130,7 @@ class NVEsmConfig(PretrainedConfig):
         token_dropout: bool = True,
         mask_token_id: int = 32,
         pad_token_id: int = 1,
-        bos_token_id: int = 0,
+        bos_token_id: int | None = 0,
         eos_token_id: int = 2,
         backend: str = "auto",
         attn_input_format: str = "thd",
@@ -227,6 +231,8 @@ class NVEsmConfig(PretrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_hidden_layers > MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers must be at most {MAX_LAYERS}, got {self.num_hidden_layers}")
         if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % 16:
             raise ValueError(
                 f"padded_vocab_size must be >= vocab_size ({self.vocab_size}) and a multiple of 16, "
@@ -256,14 +262,18 @@ class NVEsmConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-        if not self.layer_norm_eps > 0 or not self.initializer_range > 0 or not self.rope_theta > 0:
-            raise ValueError("layer_norm_eps, initializer_range and rope_theta must be positive")
+        for name in ("layer_norm_eps", "initializer_range", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         for name in ("token_dropout", "check_inputs", "cuda_graphs", "offload_activations", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+            if name == "bos_token_id" and value is None:  # transformers' ESM configs write None: <cls> is not used
+                continue  # as a generation start token
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
         if self.layer_precision is not None:
             if len(self.layer_precision) != self.num_hidden_layers:

@@ -264,7 +264,12 @@ def _step(
 ) -> Step:
     inputs = tuple(stored[name] for name in direction.sources(rule))
     stored_dtype = source.store.info[inputs[0]].dtype
-    keep = dtype is None or rule.kind == "buffer" or not stored_dtype.is_floating_point
+    if rule.kind != "buffer" and not stored_dtype.is_floating_point:
+        raise ValueError(
+            f"{inputs[0]} is {dtype_name(stored_dtype)}: ESM-2 weights are floating point (a quantised checkpoint "
+            "is not converted; convert its float original)."
+        )
+    keep = dtype is None or rule.kind == "buffer"
     info = TensorInfo(direction.target_shape(rule, config), stored_dtype if keep else dtype)
     return Step(rule, inputs, tuple((name, info) for name in direction.targets(rule)))
 

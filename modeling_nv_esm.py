@@ -70,6 +70,40 @@ UNSUPPORTED_INPUTS = {  # accepted only at the value that asks for nothing (None
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Proteins: the one rule for what a protein may hold
+# --------------------------------------------------------------------------------------------------------------
+
+# ESM-2's residue letters (the 20 standard amino acids, then X B U Z O), in the order of its vocabulary. Every
+# reader of proteins in nv-esm applies `protein_residues`: `NVEsmModel.embed`, `nv-esm embed` and `nv-esm train`.
+RESIDUE_LETTERS = "LAGVSERTIDPKQNFYMHWCXBUZO"
+STOP_MARK = "*"
+_RESIDUE_CASES = {ord(letter): None for letter in RESIDUE_LETTERS + RESIDUE_LETTERS.lower()}
+_HINTS = {
+    STOP_MARK: " (a stop codon's mark: remove it, or strip it with strip_stop=True / --strip-stop)",
+    "-": " (an alignment gap)",
+    ".": " (an alignment gap)",
+}
+
+
+def protein_residues(sequence: object, name: str, strip_stop: bool = False) -> str:
+    """`sequence` as ESM-2 reads it: its residue letters (`RESIDUE_LETTERS`, either case) upper-cased, and with
+    `strip_stop` one trailing `*` removed. ValueError naming `name` for anything else: not a `str`, no residues, or
+    a character outside the letters (with its 1-based position), so that no protein silently becomes `<unk>`s."""
+    if not isinstance(sequence, str):
+        raise ValueError(f"{name} is a {type(sequence).__name__}, not a string of residue letters.")
+    if strip_stop and sequence.endswith(STOP_MARK):
+        sequence = sequence[:-1]
+    if not sequence:
+        raise ValueError(f"{name} has no residues.")
+    if sequence.translate(_RESIDUE_CASES):
+        position, char = next((i, c) for i, c in enumerate(sequence) if ord(c) not in _RESIDUE_CASES)
+        raise ValueError(
+            f"{name}: {char!r} at residue {position + 1} is not a letter of ESM-2's alphabet{_HINTS.get(char, '')}."
+        )
+    return sequence.upper()
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Transformer Engine, imported on demand
 # --------------------------------------------------------------------------------------------------------------
 
@@ -2159,6 +2193,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         pooling: str = "mean",
         max_tokens_per_batch: int = 16384,
         show_progress: bool = True,
+        strip_stop: bool = False,
     ) -> torch.Tensor:
         """Per-protein embeddings `[len(sequences), hidden]` (float32, on the CPU, in the input order).
 
@@ -2166,19 +2201,27 @@ class NVEsmModel(NVEsmPreTrainedModel):
         tokens (a longer protein runs alone); on CUDA the model runs under bf16 autocast.
 
         Args:
-            sequences: Amino-acid strings (one-letter codes), any lengths up to `max_protein_length - 2`.
+            sequences: A list of amino-acid strings (one-letter codes of ESM-2's alphabet, either case), any lengths
+                up to `max_protein_length - 2`; another character, or one string instead of a list, raises
+                ValueError (`protein_residues`: the rule of `nv-esm embed` and `nv-esm train` too).
             tokenizer: The ESM tokenizer of this checkpoint (`AutoTokenizer.from_pretrained(...)`).
             layer: Which hidden state: 0 is the embedding output, `num_hidden_layers` (or -1) the final one.
             pooling: `"mean"` over the residues (without `<cls>`/`<eos>`), or `"cls"` (the `<cls>` token).
             max_tokens_per_batch: Token budget of one packed batch.
             show_progress: Show a progress bar over proteins.
+            strip_stop: Remove one trailing `*` (a stop codon's mark in UniProt-style files) instead of refusing it.
         """
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         num_states = self.config.num_hidden_layers + 1
         if not -num_states <= layer < num_states:
             raise ValueError(f"layer must be in [{-num_states}, {num_states}), got {layer}")
-        token_lists = tokenizer(list(sequences), add_special_tokens=True)["input_ids"]
+        if isinstance(sequences, str):
+            raise ValueError("embed takes a list of proteins and got one string; pass [sequence] to embed one.")
+        proteins = [protein_residues(s, f"sequence {i}", strip_stop) for i, s in enumerate(sequences)]
+        if not proteins:
+            return torch.empty(0, self.config.hidden_size)
+        token_lists = tokenizer(proteins, add_special_tokens=True)["input_ids"]
         for index, tokens in enumerate(token_lists):
             if len(tokens) <= 2 or len(tokens) > self.config.max_protein_length:
                 raise ValueError(
@@ -2221,6 +2264,13 @@ class NVEsmModel(NVEsmPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         name, tokens = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
         _check_tensor(name, tokens, None)
+        if inputs_embeds is not None and (
+            inputs_embeds.dim() < 2 or inputs_embeds.shape[-1] != self.config.hidden_size
+        ):
+            raise ValueError(
+                f"inputs_embeds must be [..., hidden_size={self.config.hidden_size}], got shape "
+                f"{tuple(inputs_embeds.shape)}."
+            )
         device = tokens.device
         if self.backend == "te" and device.type != "cuda":
             raise ValueError(
@@ -2589,6 +2639,11 @@ class InputBatch:
         if max_length_q is not None and max_length_k is not None and max_length_q != max_length_k:
             raise ValueError(f"max_length_q ({max_length_q}) and max_length_k ({max_length_k}) must be equal.")
         max_length = max_length_q if max_length_q is not None else max_length_k
+        if max_length is not None and max_length > config.max_protein_length:
+            raise ValueError(
+                f"max_length_q ({max_length}) is longer than max_protein_length ({config.max_protein_length}): it "
+                "is the longest protein of the batch (a larger value only costs time and memory)."
+            )
         lengths = cu_seq_lens.diff()
         longest = lengths.max()
         checks.append((longest <= config.max_protein_length, _too_long_message(config)))
@@ -2615,8 +2670,8 @@ def _token_id_checks(
     """Token ids within the vocabulary, where `key_mask` (if given) keeps tokens: padding ids are never read."""
     if input_ids is None:
         return []
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be integer token ids (int64 or int32), got dtype {input_ids.dtype}.")
     in_vocab = (input_ids >= 0) & (input_ids < config.vocab_size)
     in_vocab = (in_vocab if key_mask is None else in_vocab | ~key_mask).all()
     return [(in_vocab, f"input_ids must be token ids in [0, {config.vocab_size}) (the ESM vocabulary).")]
@@ -2744,9 +2799,7 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
         r"""`labels` has the shape of `input_ids`; -100 is ignored. Other inputs as `NVEsmModel.forward`."""
         outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
         logits = self.lm_head(outputs.last_hidden_state)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.to(logits.device).reshape(-1))
+        loss = None if labels is None else token_loss(logits, labels, attention_mask, self.config.check_inputs)
         output = MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -2755,6 +2808,24 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
     def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **packing: Any):
         """Residue contact probabilities: `NVEsmModel.predict_contacts` (as transformers' `EsmForMaskedLM`)."""
         return self.esm.predict_contacts(input_ids, attention_mask, **packing)
+
+
+def token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, check: bool = True
+) -> torch.Tensor:
+    """Mean cross-entropy of per-token `logits [..., C]` against `labels` (the shape of the tokens; -100 ignored).
+    Padding (`attention_mask` 0) has no prediction here (its logits are zeros: the layers never run it), so a label
+    there other than -100 raises ValueError instead of silently differing from transformers, which scores the
+    padding token's logits (`check`: `config.check_inputs`, one device sync)."""
+    labels = labels.to(logits.device)
+    if attention_mask is not None and attention_mask.shape == labels.shape:
+        padded_labels = ((attention_mask.to(labels.device) != 0) | (labels == -100)).all()
+        message = (
+            "labels must be -100 at padding (attention_mask 0): padding has no prediction in this model (transformers' "
+            "data collators write -100 there)."
+        )
+        raise_on_failed_checks([(padded_labels, message)], check)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
 class NVEsmForTokenClassification(NVEsmPreTrainedModel):
@@ -2779,9 +2850,7 @@ class NVEsmForTokenClassification(NVEsmPreTrainedModel):
         r"""`labels` has the shape of `input_ids`; -100 is ignored. Logits `[..., num_labels]`."""
         outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, self.num_labels).float(), labels.to(logits.device).reshape(-1))
+        loss = None if labels is None else token_loss(logits, labels, attention_mask, self.config.check_inputs)
         output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

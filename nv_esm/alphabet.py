@@ -28,26 +28,27 @@ def read_fasta(path: Path) -> list[tuple[str, str]]:
         return [(header.split()[0], sequence) for header, sequence in iter_fasta(lines, path)]
 
 
-def iter_fasta(lines: Iterable[str], path: Path) -> Iterator[tuple[str, str]]:
+def iter_fasta(lines: Iterable[str], path: Path, empty_ok: bool = False) -> Iterator[tuple[str, str]]:
     """(header, sequence) of each FASTA record of `lines`, read from `path` (named in errors). Records may span
-    lines; `;` lines are comments. A sequence line before the first header or an empty record raises ValueError."""
+    lines; `;` lines are comments. A sequence line before the first header raises ValueError, and so does an empty
+    record unless `empty_ok` (then its sequence is "")."""
     header, parts = None, []
     for number, line in enumerate(lines, 1):
         if line.startswith(";"):
             continue
         if line.startswith(">"):
             if header is not None:
-                yield header, _fasta_sequence(header, parts, path)
+                yield header, _fasta_sequence(header, parts, path, empty_ok)
             header, parts = line[1:].strip(), []
         elif line.strip():
             if header is None:
                 raise ValueError(f"{path}, line {number}: sequence before the first '>' header.")
             parts.append("".join(line.split()))
     if header is not None:
-        yield header, _fasta_sequence(header, parts, path)
+        yield header, _fasta_sequence(header, parts, path, empty_ok)
 
 
-def _fasta_sequence(header: str, parts: list[str], path: Path) -> str:
-    if not parts:
+def _fasta_sequence(header: str, parts: list[str], path: Path, empty_ok: bool) -> str:
+    if not parts and not empty_ok:
         raise ValueError(f"{path}: FASTA record '>{header}' has an empty sequence.")
     return "".join(parts)

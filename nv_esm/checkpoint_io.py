@@ -204,10 +204,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
     number, unit = float(match.group(1)), (match.group(2) or "b").lower()
     base = 1024 if "i" in unit else 1000
-    size = int(number * base ** "bkmgt".index(unit[0]))
-    if size < 1:
-        raise ValueError(f"size must be positive: {text!r}")
-    return size
+    size = number * base ** "bkmgt".index(unit[0])
+    if not 1 <= size <= 2**63:
+        raise ValueError(f"size must be from 1 byte to 8 EiB: {text!r}")
+    return int(size)
 
 
 def format_bytes(size: float) -> str:

@@ -31,15 +31,17 @@ from typing import IO
 
 import torch
 
+from modeling_nv_esm import RESIDUE_LETTERS, protein_residues
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
 IGNORE_INDEX = -100
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa")
 SEQUENCE_SUFFIXES = (*FASTA_SUFFIXES, ".txt", *(s + ".gz" for s in (*FASTA_SUFFIXES, ".txt")), ".parquet")
-# bytes.translate tables: residue character -> token id, and the characters to delete when checking validity.
-_TO_ID_TABLE = bytes(RESIDUE_TO_ID.get(chr(byte), 0) for byte in range(256))
-_RESIDUE_BYTES = "".join(RESIDUE_TO_ID).encode()
+# bytes.translate tables: residue letter -> token id, and the letters to delete when checking validity (the rule
+# itself is modeling_nv_esm.protein_residues, which names what is wrong).
+_TO_ID_TABLE = bytes(RESIDUE_TO_ID[chr(byte)] if chr(byte) in RESIDUE_LETTERS else 0 for byte in range(256))
+_RESIDUE_BYTES = RESIDUE_LETTERS.encode()
 _RNG_STRIDE = 1_000_003
 
 
@@ -98,27 +100,20 @@ def _read_parquet(path: Path, column: str) -> Iterator[str]:
 
 
 def tokenize(sequence: str) -> list[int]:
-    """`[CLS] + one id per residue + [EOS]`; a character outside the ESM alphabet raises `ValueError`."""
-    tokens = [CLS]
-    for position, char in enumerate(sequence):
-        token = RESIDUE_TO_ID.get(char)
-        if token is None:
-            raise ValueError(
-                f"{char!r} at position {position} (0-based) is not an ESM residue; allowed: {''.join(RESIDUE_TO_ID)}."
-            )
-        tokens.append(token)
-    tokens.append(EOS)
-    return tokens
+    """`[CLS] + one id per residue + [EOS]` of an upper-case protein; anything but ESM-2's residue letters raises
+    `ValueError` (`modeling_nv_esm.protein_residues`, the rule of `embed` and `nv-esm embed` too)."""
+    return [CLS, *(RESIDUE_TO_ID[letter] for letter in protein_residues(sequence, "the sequence")), EOS]
 
 
 def _residue_ids(sequence: str) -> bytes:
-    """The residue token ids of `sequence` (no CLS/EOS) as bytes: `tokenize` at C speed, same errors."""
+    """The residue token ids of an upper-case `sequence` (no CLS/EOS) as bytes: `tokenize` at C speed, same
+    errors."""
     try:
         raw = sequence.encode("ascii")
     except UnicodeEncodeError:
         raw = b""
-    if len(raw) != len(sequence) or raw.translate(None, _RESIDUE_BYTES):
-        tokenize(sequence)  # raises, naming the character and its position
+    if not raw or len(raw) != len(sequence) or raw.translate(None, _RESIDUE_BYTES):
+        protein_residues(sequence, "the sequence")  # raises, naming the character and its 1-based position
     return raw.translate(_TO_ID_TABLE)
 
 
@@ -308,8 +303,6 @@ class _PackedStream:
             ids = _residue_ids(sequence)
         except ValueError as error:
             raise ValueError(f"{source}, {record}: {error}") from None
-        if not ids:
-            raise ValueError(f"{source}, {record}: empty sequence.")
         self._parts.append(ids)
         self._offsets.append(self._offsets[-1] + len(ids))
 
@@ -445,7 +438,7 @@ class MLMStream(_PackedStream):
             for count, sequence in enumerate(read_sequences(path), 1):
                 if holdout is None or holdout.keeps(global_index):
                     if kept % num_streams == stream_index:
-                        self._add(sequence, path, f"sequence {count - 1} (0-based)")
+                        self._add(sequence, path, f"record {count}")
                     kept += 1
                 global_index += 1
             self.file_counts.append(count)

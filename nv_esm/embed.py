@@ -9,7 +9,7 @@ alphabet, lengths against `--max-length`) and fixes the plan, so a bad record st
 its id; the second pass embeds shard after shard. Record k (0-based, in file order) belongs to shard
 `k // --shard-size`; a shard is computed by rank `shard % world_size`, written to a temporary name and renamed, so
 a rerun with the same settings skips finished shards. `index.tsv` (written last, by rank 0) has one row per record:
-id, record number, residues, status, shard file and row.
+id, record number, residues, status, shard file, row, residues embedded and whether a stop mark was removed.
 
 Shard `embeddings-00000.safetensors` holds, for the proteins it embedded (in file order; ids in its metadata):
 `mean.layer_{L}` / `cls.layer_{L}` `[n, hidden]`; `per_residue.layer_{L}` `[R, hidden]` with `residue_offsets`
@@ -56,18 +56,19 @@ OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 INVALID_POLICIES = ("error", "skip")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The amino-acid letters of ESM-2's alphabet (20 standard + X B U Z O), either case; gap characters ('-', '.') are
-# alignment symbols, not residues, and are refused like any other character.
-RESIDUE_LETTERS = {
-    case(letter): RESIDUE_TO_ID[letter]
-    for letter in RESIDUE_TO_ID
-    if letter.isalpha()
-    for case in (str.upper, str.lower)
-}
-_NOT_A_RESIDUE = 255  # `tokenize`'s byte table: a residue letter's id, else this
-_ID_OF_BYTE = bytes(RESIDUE_LETTERS.get(chr(byte), _NOT_A_RESIDUE) for byte in range(256))
+# `tokenize`'s byte table: a residue letter's id (either case), else this (the rule, and the message naming what is
+# wrong, is modeling_nv_esm.protein_residues).
+_NOT_A_RESIDUE = 255
+_ID_OF_BYTE = bytes(
+    RESIDUE_TO_ID[chr(byte).upper()] if chr(byte).upper() in modeling_nv_esm.RESIDUE_LETTERS and byte < 128
+    else _NOT_A_RESIDUE
+    for byte in range(256)
+)  # fmt: skip
+# Settings added to the manifest after runs were written without them: the value they had then.
+_SETTINGS_BEFORE = {"strip_stop": False}
 SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
-OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?")
+LOCK_NAME = ".nv-esm-embed.lock"
+OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?|\.nv-esm-embed\.lock")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ class EmbedSettings:
     max_length: int  # residues
     too_long: str
     invalid: str
+    strip_stop: bool
     shard_size: int
     backend: str
     fp8: str
@@ -99,8 +101,9 @@ class Record:
 
     id: str
     number: int  # 1-based position in the file
-    residues: int
-    status: str  # embedded | cropped | windowed | skipped: too long | skipped: invalid letter
+    residues: int  # after a stop mark is removed
+    status: str  # embedded | cropped | windowed | skipped: too long | skipped: invalid letter | skipped: empty
+    stop_removed: bool = False  # a trailing '*' removed (--strip-stop)
 
 
 @dataclass
@@ -112,15 +115,19 @@ class Piece:
     tokens: torch.Tensor  # [residues + 2] int64, `<cls>` and `<eos>` included
 
 
-def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tuple[list[Record], str]:
+def scan_fasta(
+    path: Path, max_length: int, too_long: str, invalid: str, strip_stop: bool = False
+) -> tuple[list[Record], str]:
     """First pass: every record's id, length and status, and the file's SHA-256. Raises `ValueError` naming the
-    record for a duplicate or missing id, an invalid letter (with `invalid="error"`) or a protein longer than
-    `max_length` residues (with `too_long="error"`)."""
+    record for a duplicate or missing id, an empty record or an invalid letter (`modeling_nv_esm.protein_residues`,
+    with `invalid="error"`; with "skip" the record is skipped and the index says why) or a protein longer than
+    `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing '*' is removed, not refused."""
     records: list[Record] = []
     first_seen: dict[str, int] = {}
     digest = hashlib.sha256()
     with open(path, "rb") as raw:
-        for number, (header, sequence) in enumerate(iter_fasta(_text_lines(raw, path, digest), path), 1):
+        lines = _text_lines(raw, path, digest)
+        for number, (header, sequence) in enumerate(iter_fasta(lines, path, empty_ok=True), 1):
             record_id = header.split()[0] if header.split() else ""
             if not record_id:
                 raise ValueError(f"{path}: record {number} has no id (an empty '>' header line).")
@@ -130,12 +137,19 @@ def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tupl
                     "ids name the outputs, so they must be unique."
                 )
             first_seen[record_id] = number
-            residues = len(sequence)
-            problem = invalid_letter(sequence)
+            stop_removed = strip_stop and sequence.endswith(modeling_nv_esm.STOP_MARK)
+            residues = len(sequence) - stop_removed
+            try:
+                modeling_nv_esm.protein_residues(
+                    sequence, f"{path}: record {record_id!r} (record {number})", strip_stop
+                )
+                problem = None
+            except ValueError as error:
+                problem = str(error)
             if problem is not None:
                 if invalid == "error":
-                    raise ValueError(f"{path}: record {record_id!r} (record {number}): {problem} (--invalid skip).")
-                status = "skipped: invalid letter"
+                    raise ValueError(f"{problem.removesuffix('.')} (--invalid skip skips it).")
+                status = "skipped: empty" if residues == 0 else "skipped: invalid letter"
             elif residues <= max_length:
                 status = "embedded"
             elif too_long == "error":
@@ -145,7 +159,7 @@ def scan_fasta(path: Path, max_length: int, too_long: str, invalid: str) -> tupl
                 )
             else:
                 status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
-            records.append(Record(record_id, number, residues, status))
+            records.append(Record(record_id, number, residues, status, stop_removed))
     if not records:
         raise ValueError(f"{path}: no FASTA records.")
     return records, digest.hexdigest()
@@ -162,15 +176,6 @@ def _text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]
             raise ValueError(f"{path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}).") from None
 
 
-def invalid_letter(sequence: str) -> str | None:
-    """A description of the first character of `sequence` outside ESM-2's alphabet, or None."""
-    for position, char in enumerate(sequence):
-        if char not in RESIDUE_LETTERS:
-            hint = {"*": " (a stop codon: remove it)", "-": " (an alignment gap)", ".": " (an alignment gap)"}
-            return f"{char!r} at residue {position + 1} is not a letter of ESM-2's alphabet{hint.get(char, '')}"
-    return None
-
-
 def tokenize(sequence: str) -> torch.Tensor:
     """`[residues + 2]` int64 ids: `<cls>`, one per residue (either case; lower case reads as upper case), `<eos>`.
     A byte table does the lookup (a million residues in milliseconds: the GPU waits while a shard is tokenized).
@@ -179,7 +184,11 @@ def tokenize(sequence: str) -> torch.Tensor:
     ids[0], ids[-1] = CLS, EOS
     ids[1:-1] = sequence.encode("latin-1", errors="replace").translate(_ID_OF_BYTE)
     if _NOT_A_RESIDUE in ids:
-        raise ValueError(f"{invalid_letter(sequence)}: the FASTA file changed during the run; run again.")
+        try:
+            modeling_nv_esm.protein_residues(sequence, "a record")  # raises, naming the character
+        except ValueError as error:
+            raise ValueError(f"{error} The first pass took it: the FASTA file changed during the run.") from None
+        raise ValueError("a record holds a character outside ESM-2's alphabet: the FASTA file changed during the run.")
     return torch.frombuffer(ids, dtype=torch.uint8).long()
 
 
@@ -425,12 +434,12 @@ def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> No
         )
     manifest = folder / MANIFEST_NAME
     current = {"format": FORMAT, **_jsonable(settings)}
-    if entries and not manifest.exists():
+    if any(path.name != LOCK_NAME for path in entries) and not manifest.exists():
         raise FileExistsError(
             f"{folder} holds shards but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty folder."
         )
     if manifest.exists():
-        earlier = _read_manifest(manifest)
+        earlier = {**_SETTINGS_BEFORE, **_read_manifest(manifest)}
         changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
         if changed and not overwrite:
             details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
@@ -440,7 +449,8 @@ def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> No
             )
         if changed:
             for path in sorted(entries, key=lambda path: path.name == MANIFEST_NAME):
-                path.unlink()
+                if path.name != LOCK_NAME:
+                    path.unlink()
     for stale in folder.glob("*.tmp"):
         stale.unlink()
     _write_atomically(manifest, json.dumps(current, indent=2) + "\n")
@@ -514,9 +524,10 @@ def write_index(folder: Path, records: list[Record], shard_size: int, max_length
     for name, ids in expected.items():
         if shard_ids(folder / name) != ids:
             raise RuntimeError(f"{folder / name} is missing or does not hold the proteins the index gives it.")
-    lines = ["id\trecord\tresidues\tstatus\tshard\trow\tembedded_residues"]
+    lines = ["id\trecord\tresidues\tstatus\tshard\trow\tembedded_residues\tstop_removed"]
     for record, _, name, row, used in rows:
-        lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{name}\t{row}\t{used}")
+        stop = "yes" if record.stop_removed else "no"
+        lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{name}\t{row}\t{used}\t{stop}")
     _write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
 
 
@@ -577,7 +588,18 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         default="error",
         help="longer proteins: stop; skip; keep the first --max-length residues; or overlapping windows (averaged)",
     )
-    parser.add_argument("--invalid", choices=INVALID_POLICIES, default="error", help="letters outside ESM-2's alphabet")
+    parser.add_argument(
+        "--invalid",
+        choices=INVALID_POLICIES,
+        default="error",
+        help="records with letters outside ESM-2's alphabet, or none: stop, or skip them (index.tsv says why)",
+    )
+    parser.add_argument(
+        "--strip-stop",
+        action="store_true",
+        help="remove a trailing '*' (a stop codon's mark, as in UniProt files) instead of refusing it; index.tsv's "
+        "stop_removed column says where",
+    )
     parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32")
@@ -630,8 +652,9 @@ def load_config(checkpoint: str) -> Any:
 
 
 def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
-    """What identifies the weights, however the path is spelled: for a folder, SHA-256 over config.json and, for
-    each weight file, its size and 64 chunks of 64 KiB spread over it; for a Hub id, the id and its commit."""
+    """What identifies the weights, however the path is spelled: for a folder, SHA-256 over config.json and every
+    byte of each weight file (a file edited in place, even to the same size, changes it; reading them costs seconds
+    next to an embedding run); for a Hub id, the id and its commit."""
     folder = Path(checkpoint)
     if not folder.is_dir():
         return f"{checkpoint}@{getattr(config, '_commit_hash', None) or 'unknown revision'}"
@@ -639,12 +662,10 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
     for path in sorted(folder.iterdir()):
         if path.suffix not in (".safetensors", ".bin"):
             continue
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
         with open(path, "rb") as file:
-            for chunk in range(64):
-                file.seek(size * chunk // 64)
-                digest.update(file.read(1 << 16))
+            while chunk := file.read(1 << 24):
+                digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"
 
 
@@ -662,7 +683,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
     backend = resolved_backend(args.backend, device)
     if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":  # --cuda-graphs asked for, not the default
         raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
-    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid)
+    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid, args.strip_stop)
     settings = EmbedSettings(
         checkpoint=checkpoint_fingerprint(args.checkpoint, config),
         fasta_sha256=fasta_sha256,
@@ -672,6 +693,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         max_length=max_length,
         too_long=args.too_long,
         invalid=args.invalid,
+        strip_stop=args.strip_stop,
         shard_size=args.shard_size,
         backend=backend,
         fp8=args.fp8,
@@ -773,7 +795,49 @@ def run(
     world_size: int = 1,
 ) -> RunStats:
     """Embed the unfinished shards (this rank's share of them) and, rank 0 after every rank, write the index.
-    `args` as `parse_args` returns them; `settings` and `records` from `plan_run`."""
+    `args` as `parse_args` returns them; `settings` and `records` from `plan_run`. Rank 0 holds the output folder
+    for the run (`output_lock`)."""
+    with output_lock(args.output) if rank == 0 else contextlib.nullcontext():
+        return _run(args, model, settings, records, rank, world_size)
+
+
+@contextlib.contextmanager
+def output_lock(folder: Path) -> Iterator[None]:
+    """Hold `folder` while this run writes it: another run into it (one with --overwrite would replace this run's
+    shards under it) is refused until this one ends. An advisory lock (`flock`) on `LOCK_NAME`, which the system
+    releases if the process dies; the file is removed at the end."""
+    import fcntl
+    import socket
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    with open(path, "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            raise FileExistsError(
+                f"{folder} is being written by another nv-esm embed run ({holder}); wait for it to end, or choose "
+                "another folder."
+            ) from None
+        file.truncate(0)
+        file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        file.flush()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _run(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    settings: EmbedSettings,
+    records: list[Record],
+    rank: int,
+    world_size: int,
+) -> RunStats:
     if rank == 0:
         prepare_output(args.output, settings, args.overwrite)
     _barrier(world_size)
@@ -792,11 +856,15 @@ def run(
     with open(args.fasta, "rb") as raw, ThreadPoolExecutor(max_workers=1) as writer:
         writing: Future | None = None
         for shard, shard_records in _shards(
-            iter_fasta(_text_lines(raw, args.fasta), args.fasta), records, args.shard_size
+            iter_fasta(_text_lines(raw, args.fasta), args.fasta, empty_ok=True), records, args.shard_size
         ):
             if shard not in mine:
                 continue
-            kept = [(record, sequence) for record, sequence in shard_records if not record.status.startswith("skipped")]
+            kept = [
+                (record, sequence[: record.residues])  # without a removed stop mark
+                for record, sequence in shard_records
+                if not record.status.startswith("skipped")
+            ]
             tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
             if writing is not None:
                 writing.result()  # raises what the last write raised
@@ -827,7 +895,7 @@ def _shards(
     position = -1
     for position, (header, sequence) in enumerate(sequences):
         record = records[position] if position < len(records) else None
-        if record is None or header.split()[0] != record.id or len(sequence) != record.residues:
+        if record is None or header.split()[0] != record.id or len(sequence) != record.residues + record.stop_removed:
             raise ValueError(f"the FASTA file changed during the run (at record {position + 1}); run again.")
         batch.append((record, sequence))
         if len(batch) == shard_size:

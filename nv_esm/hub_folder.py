@@ -189,9 +189,10 @@ def check_out(out: Path, force: bool) -> None:
         raise ValueError(f"{out} is not empty; pass --force to replace it, or choose another folder.")
 
 
-# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), so a later run can
-# tell those of runs that died (kill -9, a crash, a power cut) from those of runs still going.
-STAGING_NAME = re.compile(r"\..*\.partial-(?P<host>[\w.-]*)-(?P<pid>\d+)-[a-z0-9_]{8}")
+# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), and an OUT that --force
+# replaces is set aside as `.OUT.old-HOST-PID-XXXXXXXX` until the new one is in place, so a later run can tell those
+# of runs that died (kill -9, a crash, a power cut) from those of runs still going.
+STAGING_NAME = re.compile(r"\.(?P<out>.*)\.(?P<kind>partial|old)-(?P<host>[\w.-]*)-(?P<pid>\d+)-[a-z0-9_]{8}")
 
 
 def _host() -> str:
@@ -209,12 +210,20 @@ def _process_alive(pid: int) -> bool:
 
 
 def remove_stale_staging(parent: Path) -> None:
-    """Delete the staging folders in `parent` whose writing process, on this host, has ended."""
-    for path in parent.iterdir():
+    """Clean up after the runs in `parent` whose process, on this host, has ended: delete their staging folders,
+    and put back an OUT that one of them had set aside to replace it and died before the new one was in place (if
+    OUT is there again, the set-aside copy is deleted)."""
+    for path in sorted(parent.iterdir()):
         match = STAGING_NAME.fullmatch(path.name)
-        if match and match["host"] == _host() and path.is_dir() and not _process_alive(int(match["pid"])):
-            print(f"removing {path}, left by an interrupted run (process {match['pid']})", file=sys.stderr)
-            shutil.rmtree(path, ignore_errors=True)
+        if not match or match["host"] != _host() or not path.is_dir() or _process_alive(int(match["pid"])):
+            continue
+        out = parent / match["out"]
+        if match["kind"] == "old" and not out.exists():
+            print(f"restoring {out}, set aside by an interrupted run (process {match['pid']})", file=sys.stderr)
+            path.rename(out)
+            continue
+        print(f"removing {path}, left by an interrupted run (process {match['pid']})", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -242,7 +251,7 @@ def replace_folder(staging: Path, out: Path) -> None:
     if not out.exists():
         staging.rename(out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{_host()}-{os.getpid()}-", dir=out.parent))
     old.rmdir()
     out.rename(old)
     try:

@@ -129,20 +129,26 @@ def import_transformer_engine() -> Any:
     return importlib.import_module("transformer_engine.pytorch")
 
 
-def resolve_backend(backend: str) -> str:
-    """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now:
-    `"auto"` is Transformer Engine when it is installed and a CUDA GPU is visible."""
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now,
+    to run on `device` (None: the GPU when one is visible). `"auto"` is Transformer Engine when it is installed and
+    the model runs on CUDA; `"te"` where that does not hold raises ValueError saying what is missing. The one
+    decider of the model and of every command (`nv-esm embed`, `nv-esm train`)."""
     if backend not in ("auto", "te", "torch"):
         raise ValueError(f"backend must be 'auto', 'te' or 'torch', got {backend!r}.")
     if backend == "torch":
         return "torch"
-    usable = transformer_engine_available() and torch.cuda.is_available()
+    on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     if backend == "te":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"backend='te' needs a CUDA GPU, and none is visible. {TE_INSTALL_HINT}")
-        import_transformer_engine()
+        if not on_cuda:
+            where = "no CUDA GPU is visible" if device is None else f"this run is on {device}"
+            raise ValueError(
+                f"backend 'te' runs Transformer Engine layers on a CUDA GPU, and {where}. {TE_INSTALL_HINT}"
+            )
+        if not transformer_engine_available():
+            raise ValueError(f"backend 'te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
         return "te"
-    return "te" if usable else "torch"
+    return "te" if on_cuda and transformer_engine_available() else "torch"
 
 
 def make_fp8_recipe(name: str) -> Any:

@@ -96,7 +96,7 @@ def throughput(records: list[dict]) -> dict:
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in timed),
         mfu=statistics.median(r["mfu"] for r in timed),
-        max_memory_gb=max(r["max_memory_gb"] for r in timed),
+        max_memory_gb=max(r.get("max_memory_gb", 0.0) for r in timed),  # absent on the CPU
     )
 
 
@@ -138,7 +138,7 @@ def check_fit(out: Path, shape: str, steps: int, budget: int, *extra: str) -> di
         token_budget=budget,
         options=extra,
         losses=[r["loss"] for r in records],
-        memory_gb_per_rank=max((r["memory_gb_per_rank"] for r in records), key=max),
+        memory_gb_per_rank=max((r.get("memory_gb_per_rank", [0.0]) for r in records), key=max),
         **throughput(records),
     )
 
@@ -315,7 +315,7 @@ def compare_runs(out: Path, tag: str, config: Path, runs: dict, common: list[str
             continue
         rows = records[name]
         entry = dict(gpus=gpus, options=list(extra), **throughput(rows))
-        entry["memory_gb_per_rank"] = max((r["memory_gb_per_rank"] for r in rows), key=max)
+        entry["memory_gb_per_rank"] = max((r.get("memory_gb_per_rank", [0.0]) for r in rows), key=max)
         if reference in records:
             pairs = zip(records[reference], rows)
             entry["reference"] = reference

@@ -117,6 +117,14 @@ def _residue_ids(sequence: str) -> bytes:
     return raw.translate(_TO_ID_TABLE)
 
 
+def _check_record(sequence: str, source: str | Path, record: str) -> bytes:
+    """`_residue_ids` of a record; its errors name `source` and `record`."""
+    try:
+        return _residue_ids(sequence)
+    except ValueError as error:
+        raise ValueError(f"{source}, {record}: {error}") from None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Cropping and masking
 # --------------------------------------------------------------------------------------------------------------
@@ -299,10 +307,7 @@ class _PackedStream:
 
     def _add(self, sequence: str, source: str | Path, record: str) -> None:
         """Keep one of this stream's sequences as residue ids; errors name `source` and `record`."""
-        try:
-            ids = _residue_ids(sequence)
-        except ValueError as error:
-            raise ValueError(f"{source}, {record}: {error}") from None
+        ids = _check_record(sequence, source, record)
         self._parts.append(ids)
         self._offsets.append(self._offsets[-1] + len(ids))
 
@@ -439,6 +444,8 @@ class MLMStream(_PackedStream):
                 if holdout is None or holdout.keeps(global_index):
                     if kept % num_streams == stream_index:
                         self._add(sequence, path, f"record {count}")
+                    else:  # every stream checks every record, so that every rank meets a bad one alike
+                        _check_record(sequence, path, f"record {count}")
                     kept += 1
                 global_index += 1
             self.file_counts.append(count)

@@ -629,9 +629,22 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def resolved_backend(backend: str, device: torch.device) -> str:
-    """The backend the model will run: on the CPU always the PyTorch twin."""
-    return "torch" if device.type != "cuda" else modeling_nv_esm.resolve_backend(backend)
+def command_device(name: str | None) -> torch.device:
+    """The device of `--device` (default: cuda:LOCAL_RANK when CUDA is available, else cpu); ValueError for a name
+    that is not a device, or a CUDA device where PyTorch sees none."""
+    if name is None:
+        return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device (cpu, cuda or cuda:N).") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is visible to PyTorch.")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s).")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: nv-esm embed runs on cpu or cuda.")
+    return device
 
 
 def load_config(checkpoint: str) -> Any:
@@ -641,6 +654,9 @@ def load_config(checkpoint: str) -> Any:
 
     from configuration_nv_esm import NVEsmConfig
 
+    looks_local = checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1
+    if looks_local and not Path(checkpoint).expanduser().is_dir():
+        raise ValueError(f"{checkpoint}: no such folder (a checkpoint is a local folder or a Hub id, org/name).")
     config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
     model_type = config_dict.get("model_type")
     if model_type != NVEsmConfig.model_type:
@@ -680,7 +696,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         raise ValueError(
             f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
         )
-    backend = resolved_backend(args.backend, device)
+    backend = modeling_nv_esm.resolve_backend(args.backend, device)
     if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":  # --cuda-graphs asked for, not the default
         raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
     records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid, args.strip_stop)
@@ -712,10 +728,10 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
-    on CUDA, fp32 on the CPU. `backend` as `resolved_backend` gives it. Without the data-dependent input checks,
-    which wait for the device: `ShardEmbedder` packs the inputs itself from checked records. The installed package's
-    model code runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it
-    differs (`remote_code_differences`)."""
+    on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend` gives it. Without the data-dependent
+    input checks, which wait for the device: `ShardEmbedder` packs the inputs itself from checked records. The
+    installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
+    `trust_remote_code` and where it differs (`remote_code_differences`)."""
     from transformers import AutoModel
 
     from nv_esm.hub_folder import remote_code_differences
@@ -747,9 +763,11 @@ def load_model(
 def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(
-        args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-    )
+    try:
+        device = command_device(args.device)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:  # ranks wait for each other only at the start and the end: a long timeout

@@ -75,7 +75,8 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
 
 def resume_settings(config: TrainConfig) -> dict[str, Any]:
     """The options that decide which data a step sees and its learning rate, keyed by option name (`data`: the
-    files as given): a resume must not change them."""
+    files as given): a resume must not change them. `--steps` may change (a finished run is extended, or a run
+    shortened): the schedule is then that of the new step count from the checkpoint's step on."""
     return {
         "data": [str(p) for p in config.data.files],
         "task": config.model.task,
@@ -84,7 +85,6 @@ def resume_settings(config: TrainConfig) -> dict[str, Any]:
         "max_length": config.data.max_length,
         "mask_prob": config.data.mask_prob,
         "grad_accum": config.optimizer.grad_accum,
-        "steps": config.optimizer.steps,
         "warmup_steps": config.optimizer.warmup_steps,
         "lr": config.optimizer.lr,
         "min_lr_ratio": config.optimizer.min_lr_ratio,

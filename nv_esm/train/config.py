@@ -114,6 +114,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
     clip_grad: float = 1.0  # max global gradient norm; 0: no clipping
+    skip_nonfinite: bool = False  # skip a step whose gradient norm is not finite (waits for the GPU every step)
 
 
 @dataclass
@@ -136,7 +137,8 @@ class CheckpointConfig:
     """Checkpoints in OUT/checkpoints, resuming, and the final Hub export."""
 
     enabled: bool = True  # False: --no-checkpoint (no checkpoint, hence no export)
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 0  # every N steps; 0: by time only
+    save_minutes: float = 30.0  # also when this many minutes passed since the last one (checked at log steps); 0: off
     keep: int = 2
     resume: bool = False
     stop_at_step: int | None = None  # stop (with a checkpoint) after this step
@@ -183,6 +185,30 @@ class TrainConfig:
         for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+        at_least_zero = {
+            "save_every": self.checkpoint.save_every,
+            "save_minutes": self.checkpoint.save_minutes,
+            "keep": self.checkpoint.keep,
+            "warmup_steps": self.optimizer.warmup_steps,
+            "clip_grad": self.optimizer.clip_grad,
+            "weight_decay": self.optimizer.weight_decay,
+            "profile_steps": self.logging.profile_steps,
+        }
+        for name, value in at_least_zero.items():
+            if not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {value}.")
+        if self.data.max_length < 3:
+            raise ValueError(
+                f"--max-length must be at least 3 tokens (<cls>, a residue, <eos>), got {self.data.max_length}."
+            )
+        if self.model.task == "mlm" and not 0 < self.data.mask_prob < 1:
+            raise ValueError(f"--mask-prob must be in (0, 1), got {self.data.mask_prob}.")
+        if not self.optimizer.lr > 0 or not 0 <= self.optimizer.min_lr_ratio <= 1:
+            raise ValueError("--lr must be positive and --min-lr-ratio in [0, 1].")
+        if not all(0 <= beta < 1 for beta in self.optimizer.betas):
+            raise ValueError(f"--betas must be in [0, 1), got {list(self.optimizer.betas)}.")
+        if self.model.lora_rank and importlib.util.find_spec("peft") is None:
+            raise ValueError("--lora-rank needs the peft package: pip install '.[train]' (or peft).")
         profile_steps, log_every, steps = self.logging.profile_steps, self.logging.log_every, self.optimizer.steps
         if profile_steps and log_every + profile_steps > steps:
             raise ValueError("--profile-steps traces the steps after the first --log-every ones: raise --steps.")
@@ -336,6 +362,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     optim.add_argument(
         "--clip-grad", type=float, default=OptimizerConfig.clip_grad, help="max global grad norm (0: off)"
     )
+    optim.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip (and count) a step whose gradient norm is inf/nan instead of stopping the run; waits for the GPU "
+        "every step",
+    )
     optim.add_argument("--precision", choices=("bf16", "fp32"), help="compute dtype (default bf16 on GPU)")
     optim.add_argument("--seed", type=int, default=TrainConfig.seed)
 
@@ -345,7 +377,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--save-every",
         type=int,
         default=CheckpointConfig.save_every,
-        help="checkpoint every N steps (0: only at the end)",
+        help="checkpoint every N steps (0: by --save-minutes only); always at the end and on Ctrl-C/SIGTERM",
+    )
+    run.add_argument(
+        "--save-minutes",
+        type=float,
+        default=CheckpointConfig.save_minutes,
+        help="also checkpoint when this many minutes passed since the last checkpoint (checked every --log-every "
+        "steps; 0: off)",
     )
     run.add_argument("--keep", type=int, default=CheckpointConfig.keep, help="checkpoints kept")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -400,6 +439,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             weight_decay=args.weight_decay,
             betas=tuple(args.betas),
             clip_grad=args.clip_grad,
+            skip_nonfinite=args.skip_nonfinite,
         ),
         out=Path(args.out),
         seed=args.seed,
@@ -417,6 +457,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint=CheckpointConfig(
             enabled=not args.no_checkpoint,
             save_every=args.save_every,
+            save_minutes=args.save_minutes,
             keep=args.keep,
             resume=args.resume,
             stop_at_step=args.stop_at_step,

@@ -11,10 +11,16 @@ itself), the batches from `feed`, checkpoints from `checkpoint`, logs from `metr
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,14 +95,16 @@ def train_step(
         loss_sum += loss.detach()
     complete_gradients(model, world)
     grad_norm = clip_gradients(model, config.optimizer.clip_grad, world)
-    optimizer.step()
+    skipped = config.optimizer.skip_nonfinite and not bool(torch.isfinite(grad_norm))  # waits for the GPU
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)
     lengths = [b.cu_seq_lens.diff().tolist() for b in micro_batches]  # CPU tensors: no sync
     shape = (nv_config.hidden_size, nv_config.num_hidden_layers, nv_config.intermediate_size)
     step_flops = sum(model_flops(*shape, ls, training=True) for ls in lengths) / world.ranks_per_batch
     totals = torch.cat([loss_sum, counts]) / world.ranks_per_batch  # each micro-batch was counted by its ranks
-    return StepResult(totals, grad_norm, optimizer.param_groups[0]["lr"], step_flops)
+    return StepResult(totals, grad_norm, optimizer.param_groups[0]["lr"], step_flops, skipped)
 
 
 def train(config: TrainConfig) -> None:
@@ -140,6 +148,8 @@ def run_training(config: TrainConfig, world: Dist) -> None:
         settings=resume_settings(config),
     )
     step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0
+    if step > settings.steps:
+        raise ValueError(f"{resume_from} is at step {step}, past --steps {settings.steps}: pass a larger --steps.")
     feed = DataFeed(batches, config.data.workers)  # before restoring the RNG: the DataLoader draws from it
     if resume_from:
         load_rng_state(resume_from, world)
@@ -150,36 +160,108 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     model.train()
     checkpoint = resume_from
     pending: list[StepResult] = []
-    interval_start = time.perf_counter()
-    while step < last:
-        micro_batches = [next(feed) for _ in range(settings.grad_accum)]
-        for group in optimizer.param_groups:
-            group["lr"] = settings.lr * learning_rate_factor(step, settings)
-        with profiler.step(step):
-            pending.append(train_step(model, optimizer, micro_batches, config, world, nv_config))
-        step += 1
-        save_every, val_every = config.checkpoint.save_every, config.validation.every
-        saving = config.checkpoint.enabled and ((save_every and step % save_every == 0) or step == last)
-        validating = validation is not None and ((val_every and step % val_every == 0) or step == last)
-        if step % log_every == 0 or step == last or saving or validating:
-            metrics.log(step - len(pending) + 1, pending, interval_start)
-            pending = []
-        if validating:
-            metrics.log_validation(step, evaluate(model, validation, config, world))
-        if saving:
-            checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, config.checkpoint.keep, run_info)
-        if not pending:
-            interval_start = time.perf_counter()
-    metrics.close()
+    interval_start = last_save = time.perf_counter()
+    with StopSignals() as stop, contextlib.closing(metrics):
+        while step < last:
+            micro_batches = [next(feed) for _ in range(settings.grad_accum)]
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * learning_rate_factor(step, settings)
+            with profiler.step(step):
+                pending.append(train_step(model, optimizer, micro_batches, config, world, nv_config))
+            step += 1
+            save_every, val_every = config.checkpoint.save_every, config.validation.every
+            saving = config.checkpoint.enabled and ((save_every and step % save_every == 0) or step == last)
+            validating = validation is not None and ((val_every and step % val_every == 0) or step == last)
+            interrupted = False
+            if step % log_every == 0 or step == last or saving or validating:
+                metrics.log(step - len(pending) + 1, pending, interval_start)  # raises on a non-finite step
+                pending = []
+                minutes = config.checkpoint.save_minutes
+                due = bool(minutes) and time.perf_counter() - last_save >= 60 * minutes
+                interrupted, due = agree(world, stop.signum is not None, due)
+                saving = config.checkpoint.enabled and (saving or due or interrupted)
+            if validating and not interrupted:
+                metrics.log_validation(step, evaluate(model, validation, config, world))
+            if saving:
+                checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, config.checkpoint.keep, run_info)
+                last_save = time.perf_counter()
+            if interrupted:
+                raise Stopped(stop.signum or signal.SIGTERM, step, checkpoint if saving else None)
+            if not pending:
+                interval_start = time.perf_counter()
     if world.is_main and step == settings.steps and config.checkpoint.export and checkpoint is not None:
         print(describe(export(checkpoint, out / "final", force=True)), flush=True)
 
 
-def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM stopped the run after `step` (all ranks at the same step), with `checkpoint` saved."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopSignals:
+    """Within: Ctrl-C (SIGINT) and SIGTERM (what torchrun and job schedulers send) set `signum` instead of stopping
+    the process at once, so the loop stops at its next logging step (`agree`) with a checkpoint. A second one stops
+    at once (KeyboardInterrupt). The handlers are installed only in the main thread, and restored on exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *_: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def agree(world: Dist, *flags: bool) -> list[bool]:
+    """Each flag, True if it is True on any rank (one small all-reduce, which waits for the GPU): ranks decide
+    together to stop or save, at the same step."""
+    values = torch.tensor([float(flag) for flag in flags], device=world.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
+
+
+# Errors that the command reports in one line (the options, the data, the model folder, the run folder).
+USER_ERRORS = (ValueError, OSError, ImportError)
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """`prog [OPTIONS]` trains (see `--help`); `prog export CHECKPOINT OUT [--force]` writes a Hub folder.
-    `argv` defaults to `sys.argv[1:]`."""
+    `argv` defaults to `sys.argv[1:]`. Returns the exit status: 0 done, 1 an error (one line on stderr, from rank 0
+    or from the rank it happened on), 2 a usage error, 128 + the signal's number after Ctrl-C or SIGTERM."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         export_main(argv[1:], prog=f"{prog} export")
-        return
-    train(parse_config(argv, prog=prog))
+        return 0
+    config = parse_config(argv, prog=prog)
+    report = int(os.environ.get("RANK", 0)) == 0  # every rank meets the same error (the data too: each checks all)
+    try:
+        train(config)
+    except Stopped as stop:
+        if report:
+            saved = f"{stop.checkpoint} saved; --resume continues" if stop.checkpoint else "no checkpoint written"
+            name = signal.Signals(stop.signum).name
+            print(f"{prog}: stopped by {name} after step {stop.step}: {saved}.", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:
+        if report:
+            print(f"{prog}: error: interrupted; --resume continues from the last checkpoint.", file=sys.stderr)
+        return 130
+    except USER_ERRORS as error:
+        if report:
+            print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+    return 0

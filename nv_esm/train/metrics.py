@@ -6,6 +6,7 @@ TensorBoard (`MetricsLog`), and torch.profiler traces of chosen steps (`StepProf
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,11 @@ class StepResult:
     grad_norm: torch.Tensor
     lr: float
     flops: float
+    skipped: bool = False  # --skip-nonfinite skipped the update (its gradient norm was not finite)
+
+
+class NonFiniteStep(ValueError):
+    """A step's loss or gradient norm was inf or nan (and --skip-nonfinite was not given): training stops."""
 
 
 class MetricsLog:
@@ -54,7 +60,10 @@ class MetricsLog:
 
     def log(self, first_step: int, results: list[StepResult], started: float) -> None:
         """Write the steps `first_step`, `first_step + 1`, ... of `results`, launched since `started`
-        (`time.perf_counter()`). One wait for the GPU per call; throughput is the interval's."""
+        (`time.perf_counter()`). One wait for the GPU per call. Each record holds its step's loss, gradient norm,
+        learning rate and tokens; the throughput, time and memory fields are those of the logging interval
+        (`interval`: its first and last step), the same in each of its records. Raises `NonFiniteStep` (every rank
+        alike: the numbers are global) after writing a step whose loss or gradient norm is not finite."""
         memory = [torch.zeros(1, device=self.world.device) for _ in range(self.world.world_size)]
         dist.all_gather(memory, torch.tensor([self.memory_gb()], device=self.world.device))
         values = torch.stack([torch.cat([r.sums.float(), r.grad_norm.reshape(1).float()]) for r in results]).tolist()
@@ -66,25 +75,35 @@ class MetricsLog:
             tokens_per_s_per_gpu=tokens / seconds / self.world.world_size,
             tflops_per_gpu=tflops_per_gpu,
             mfu=None if self.peak is None else tflops_per_gpu / self.peak,
-            max_memory_gb=max(m.item() for m in memory),
-            memory_gb_per_rank=[round(m.item(), 2) for m in memory],
             step_seconds=seconds / len(results),
+            interval=[first_step, first_step + len(results) - 1],
         )
+        if self.world.device.type == "cuda":
+            interval.update(max_memory_gb=max(m.item() for m in memory))
+            interval.update(memory_gb_per_rank=[round(m.item(), 2) for m in memory])
         self.bar.update(len(results))
-        if not self.world.is_main:
-            return
-        for step, result, (loss_sum, labels, step_tokens, grad_norm) in zip(
-            range(first_step, first_step + len(results)), results, values
-        ):
+        steps = range(first_step, first_step + len(results))
+        records = []
+        for step, result, (loss_sum, labels, step_tokens, grad_norm) in zip(steps, results, values):
             record = dict(step=step, loss=loss_sum / max(labels, 1), lr=result.lr, grad_norm=grad_norm)
-            record.update(tokens=int(step_tokens), **interval)
-            self.file.write(json.dumps(record) + "\n")
-            if self.tensorboard is not None:
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        self.tensorboard.add_scalar(key, value, step)
-        self.file.flush()
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
+            record.update(tokens=int(step_tokens), **({"skipped": True} if result.skipped else {}), **interval)
+            records.append(record)
+        if self.world.is_main:
+            for record in records:
+                self.file.write(json.dumps(record) + "\n")
+                if self.tensorboard is not None:
+                    for key, value in record.items():
+                        if key != "step" and isinstance(value, (int, float)):
+                            self.tensorboard.add_scalar(key, value, record["step"])
+            self.file.flush()
+            last = records[-1]
+            self.bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
+        for record in records:
+            if not record.get("skipped") and not math.isfinite(record["loss"] + record["grad_norm"]):
+                raise NonFiniteStep(
+                    f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}: training "
+                    "stopped without saving it. Lower --lr, check the data, or pass --skip-nonfinite."
+                )
 
     def log_validation(self, step: int, values: dict[str, float | None]) -> None:
         """Write the validation metrics after `step` (rank 0): a metrics.jsonl record, TensorBoard, a console line."""

@@ -1,0 +1,130 @@
+"""The trainer at its edges (issue 31): one-line errors with the exit status of the other commands, work kept on
+Ctrl-C/SIGTERM, runs extended, steps that go non-finite, metrics that say what they hold. Single-process runs
+(`python -m nv_esm.train`, a world of one) unless a test needs ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe
+
+TIMEOUT = 300
+
+
+def train(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", *args]
+    command += ["--out", str(out)] if out is not None else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("nv_esm.train: error: ") and needle in lines[0], lines[0]
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
+    bad = tmp_path / "bad.fasta"
+    bad.write_text(">a\nMKV\n>b\nMKJV\n")
+    cases = [
+        (mlm_args(tiny_config, 2, "--data", str(bad)), "bad.fasta, record 2: the sequence: 'J' at residue 3"),
+        (mlm_args(tiny_config, 2, "--data", str(tmp_path / "none.fasta")), "none.fasta does not exist"),
+        (mlm_args(tiny_config, 2, "--mask-prob", "1.5"), "--mask-prob must be in (0, 1)"),
+        (mlm_args(tiny_config, 2, "--mask-prob", "0"), "--mask-prob must be in (0, 1)"),
+        (mlm_args(tiny_config, 2, "--save-every", "-1"), "--save-every must be at least 0"),
+        (mlm_args(tiny_config, 2, "--max-length", "2"), "--max-length must be at least 3"),
+        (mlm_args(tiny_config, 2, "--resume"), "--resume: no checkpoint"),
+        (["--model", str(tiny_source), "--data", str(DEMO_FASTA), "--steps", "2"], "convert"),
+        (["--model", "facebook/esm2_t6_8M_UR50D", "--data", str(DEMO_FASTA), "--steps", "2"], "esm2_t6_8M_UR50D"),
+    ]
+    for index, (args, needle) in enumerate(cases):
+        one_line_error(train(*args, out=tmp_path / f"run{index}"), needle)
+
+
+def test_an_existing_run_and_changed_options_on_resume_are_one_line_errors(tmp_path, tiny_config):
+    out = tmp_path / "run"
+    assert train(*mlm_args(tiny_config, 2, "--no-export"), out=out).returncode == 0
+    one_line_error(train(*mlm_args(tiny_config, 2), out=out), "pass --resume to continue")
+    one_line_error(train(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
+
+
+def test_a_finished_run_is_extended_with_a_larger_steps(tmp_path, tiny_config):
+    out = tmp_path / "run"
+    assert train(*mlm_args(tiny_config, 2, "--no-export", "--log-every", "1"), out=out).returncode == 0
+    done = train(*mlm_args(tiny_config, 4, "--resume", "--no-export", "--log-every", "1"), out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    one_line_error(train(*mlm_args(tiny_config, 3, "--resume"), out=out), "at step 4, past --steps 3")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config, signum):
+    """The default --save-every 0 used to leave nothing to resume after a kill at step 19 of 50."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", "--out", str(out)]
+    command += mlm_args(tiny_config, 10_000, "--log-every", "1", "--no-export")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + TIMEOUT
+    while not (out / "metrics.jsonl").exists() or len(records(out)) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 128 + signum, err[-3000:]
+    step = records(out)[-1]["step"]
+    checkpoint = out / "checkpoints" / f"step_{step:07d}"
+    assert err.strip().splitlines()[-1] == (
+        f"nv_esm.train: stopped by {signal.Signals(signum).name} after step {step}: {checkpoint} saved; --resume "
+        "continues."
+    )
+    done = train(*mlm_args(tiny_config, 10_000, "--resume", "--stop-at-step", str(step + 2)), out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in records(out)][-2:] == [step + 1, step + 2]
+
+
+def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny_config):
+    args = mlm_args(tiny_config, 4, "--lr", "1e30", "--log-every", "1")
+    done = train(*args, out=tmp_path / "stop")
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("nv_esm.train: error")]
+    assert len(errors) == 1 and "training stopped without saving it" in errors[0], done.stderr[-3000:]
+    assert errors[0].startswith("nv_esm.train: error: step ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "stop" / "checkpoints").exists() and not (tmp_path / "stop" / "final").exists()
+    done = train(*args, "--skip-nonfinite", "--no-export", out=tmp_path / "skip")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = records(tmp_path / "skip")
+    assert len(rows) == 4 and any(row.get("skipped") for row in rows)
+
+
+def test_metrics_rows_say_which_figures_are_the_intervals(tmp_path, tiny_config):
+    out = tmp_path / "run"
+    assert train(*mlm_args(tiny_config, 4, "--log-every", "2", "--no-export"), out=out).returncode == 0
+    rows = records(out)
+    assert [row["interval"] for row in rows] == [[1, 2], [1, 2], [3, 4], [3, 4]]
+    assert "max_memory_gb" not in rows[0]  # no GPU: no memory figure rather than 0.0
+    assert len({row["loss"] for row in rows}) == 4  # each step's own loss
+
+
+def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
+    bad = tmp_path / "bad.fasta"
+    bad.write_text("".join(f">p{i}\nMKV{'J' if i == 5 else ''}L\n" for i in range(8)))
+    done = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--data", str(bad)), check=False)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if "nv_esm.train: error" in line]
+    assert len(ours) == 1 and "bad.fasta, record 6: the sequence: 'J' at residue 4" in ours[0], done.stderr[-3000:]
+    assert not any(line.startswith("[rank") for line in done.stderr.splitlines())  # no worker traceback (torchrun
+    # itself still reports the failed worker)

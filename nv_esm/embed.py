@@ -861,6 +861,7 @@ def _run(
     _barrier(world_size)
     num_shards = -(-len(records) // args.shard_size)
     missing = [shard for shard in range(num_shards) if shard_ids(args.output / shard_name(shard)) is None]
+    _barrier(world_size)  # every rank has its list before any writes a shard: all share one list
     mine = set(missing[rank::world_size])
     todo = sum(
         not record.status.startswith("skipped")

@@ -128,3 +128,48 @@ def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
     assert len(ours) == 1 and "bad.fasta, record 6: the sequence: 'J' at residue 4" in ours[0], done.stderr[-3000:]
     assert not any(line.startswith("[rank") for line in done.stderr.splitlines())  # no worker traceback (torchrun
     # itself still reports the failed worker)
+
+
+def flip_4_kib(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(b ^ 0xFF for b in data[middle : middle + 4096])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda step: flip_4_kib(step / "__0_0.distcp"), "__0_0.distcp differs from the file that was written"),
+        (lambda step: (step / "__0_0.distcp").write_bytes((step / "__0_0.distcp").read_bytes()[:1000]), "differs"),
+        (lambda step: (step / "train_state.json").write_text("{broken"), "JSONDecodeError"),
+        (lambda step: (step / ".metadata").unlink(), "No such file"),
+    ],
+    ids=["flipped", "truncated", "train-state", "metadata-missing"],
+)
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_config, damage, reason):
+    out = tmp_path / "run"
+    args = mlm_args(tiny_config, 3, "--save-every", "1", "--keep", "2", "--no-export", "--log-every", "1")
+    assert train(*args, "--stop-at-step", "2", out=out).returncode == 0
+    damage(out / "checkpoints" / "step_0000002")
+    done = train(*args, "--resume", out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warning = next(line for line in done.stderr.splitlines() if line.startswith("warning:"))
+    assert "step_0000002 is damaged" in warning and reason in warning, warning
+    assert [r["step"] for r in records(out)] == [1, 2, 2, 3]  # step 2 again, from step 1's checkpoint
+    from test_recipe_train import export_command
+
+    damage(out / "checkpoints" / "step_0000003")
+    exported = export_command(str(out / "checkpoints" / "step_0000003"), str(tmp_path / "hub"))
+    assert exported.returncode == 2 and len(exported.stderr.strip().splitlines()) == 1, exported.stderr
+    assert "step_0000003 is damaged" in exported.stderr and not (tmp_path / "hub").exists()
+
+
+def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, tiny_config):
+    out = tmp_path / "run"
+    args = mlm_args(tiny_config, 2, "--no-export")
+    assert train(*args, "--stop-at-step", "1", out=out).returncode == 0
+    flip_4_kib(out / "checkpoints" / "step_0000001" / "__0_0.distcp")
+    done = train(*args, "--resume", out=out)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("nv_esm.train: error")]
+    assert done.returncode == 1 and len(lines) == 1 and "every checkpoint in" in lines[0], done.stderr[-3000:]

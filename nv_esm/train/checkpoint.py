@@ -7,7 +7,9 @@ A checkpoint is OUT/checkpoints/step_NNNNNNN (written as `step_NNNNNNN.partial` 
 - `train_state.json`: the step, the world size, every rank's data position and `run` (the NVEsm config, the LoRA
   alpha, the starting point and the `resume_settings`, which a resume may not change);
 - `rng_rank{r}.safetensors`: rank r's Python, torch and CUDA RNG states;
-- `fp8_rank{r}.safetensors`: rank r's Transformer Engine FP8 scaling state, when there is one.
+- `fp8_rank{r}.safetensors`: rank r's Transformer Engine FP8 scaling state, when there is one;
+- `checksums.json`: the SHA-256 of every other file, checked on resume and export (`damage`): a resume takes the
+  newest checkpoint that is whole, with a warning for each damaged one it passes over.
 
 A checkpoint is read as data, never as code, so a shared or downloaded one cannot run code when it is resumed or
 exported: JSON and safetensors are plain data; DCP's `.metadata` is a pickle, read by `CheckpointReader` with an
@@ -19,12 +21,14 @@ tensor, is not restored.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 
 CHECKPOINT_PREFIX = "step_"
 TRAIN_STATE = "train_state.json"
+CHECKSUMS = "checksums.json"
 TE_PICKLE_OPT_IN = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 RNG_FILE = "rng_rank{rank}.safetensors"
 FP8_FILE = "fp8_rank{rank}.safetensors"
@@ -54,14 +59,18 @@ FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
-    """Complete checkpoints in `out`, oldest first (an interrupted save leaves only a `.partial` folder)."""
+    """Complete checkpoints in `out`, oldest first (an interrupted save leaves only a `.partial` folder, and a
+    damaged one passed over by a resume is renamed `.damaged`)."""
     folder = out / "checkpoints"
-    found = [p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and not p.name.endswith(".partial")]
+    found = [
+        p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    ]
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
 def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
-    """The checkpoint to resume from; refuses to train into a run folder that has one without --resume."""
+    """The checkpoint to resume from: the newest that `damage` finds whole (a damaged one is named in a warning and
+    the one before it tried); refuses to train into a run folder that has one without --resume."""
     found = checkpoint_dirs(out)
     if found and not resume:
         raise ValueError(f"{out} holds checkpoints ({found[-1].name}); pass --resume to continue, or another --out.")
@@ -70,7 +79,65 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    return found[-1] if found else None
+    damaged: list[tuple[Path, str]] = []
+    for folder in reversed(found):
+        mine = damage(folder, world.rank, world.world_size)
+        everyone: list[str | None] = [None] * world.world_size
+        dist.all_gather_object(everyone, mine)  # every rank takes the same checkpoint
+        problem = next((p for p in everyone if p is not None), None)
+        if problem is None:
+            if world.is_main:
+                for bad, reason in damaged:  # renamed: their steps will be saved again
+                    kept = bad.rename(bad.with_name(bad.name + ".damaged"))
+                    print(
+                        f"warning: {bad.name} is damaged ({reason}), kept as {kept.name}; resuming from {folder.name}.",
+                        file=sys.stderr,
+                    )
+            dist.barrier()
+            return folder
+        damaged.append((folder, problem))
+    if found:
+        listing = "; ".join(f"{folder.name}: {problem}" for folder, problem in damaged)
+        raise ValueError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged ({listing}).")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checksums: a checkpoint's files as they were written
+# --------------------------------------------------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def own_files(folder: Path, rank: int) -> list[Path]:
+    """The files of a checkpoint folder that rank `rank` wrote: its DCP shards, RNG and FP8 state."""
+    patterns = (f"__{rank}_*.distcp", RNG_FILE.format(rank=rank), FP8_FILE.format(rank=rank))
+    return sorted(path for pattern in patterns for path in folder.glob(pattern))
+
+
+def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """What is wrong with checkpoint `folder`, or None: `train_state.json` and the DCP metadata must read, and the
+    files `CHECKSUMS` lists must be there with their SHA-256 (rank `rank` of `world_size` checks its share of them;
+    checkpoints of earlier releases have no checksums, and only the first two checks)."""
+    try:
+        json.loads((folder / TRAIN_STATE).read_text())["run"]
+        CheckpointReader(folder).read_metadata()
+        sums_path = folder / CHECKSUMS
+        sums = json.loads(sums_path.read_text()) if sums_path.exists() else {}
+        for name in sorted(sums)[rank::world_size]:
+            if not (folder / name).is_file():
+                return f"{name} is missing"
+            if file_sha256(folder / name) != sums[name]:
+                return f"{name} differs from the file that was written (checksum)"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def resume_settings(config: TrainConfig) -> dict[str, Any]:
@@ -128,7 +195,8 @@ def save_checkpoint(
     dist.all_gather_object(streams, feed.state_dict())
     save_rng_state(partial / RNG_FILE.format(rank=world.rank))
     save_fp8_scaling(partial / FP8_FILE.format(rank=world.rank), model)
-    dist.barrier()
+    sums: list[Any] = [None] * world.world_size  # each rank hashes the files it wrote
+    dist.all_gather_object(sums, {path.name: file_sha256(path) for path in own_files(partial, world.rank)})
     if world.is_main:
         state = {
             "step": step,
@@ -139,6 +207,9 @@ def save_checkpoint(
             "run": run_info,
         }
         (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+        checksums = {name: digest for rank_sums in sums for name, digest in rank_sums.items()}
+        checksums.update({name: file_sha256(partial / name) for name in (TRAIN_STATE, ".metadata")})
+        (partial / CHECKSUMS).write_text(json.dumps(checksums, indent=1, sort_keys=True))
         partial.rename(final)
         for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)

@@ -29,7 +29,7 @@ from nv_esm.hub_folder import (
     write_license,
 )
 from nv_esm.model_card import training_card
-from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointLoadPlanner, CheckpointReader
+from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointLoadPlanner, CheckpointReader, damage
 from nv_esm.train.lora import lora_settings, merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
@@ -41,6 +41,9 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
 
     if not (checkpoint / TRAIN_STATE).is_file():
         raise ValueError(f"{checkpoint} is not a training checkpoint (no {TRAIN_STATE}); give OUT/checkpoints/step_N.")
+    problem = damage(checkpoint)
+    if problem is not None:
+        raise ValueError(f"{checkpoint} is damaged: {problem}.")
     run = json.loads((checkpoint / TRAIN_STATE).read_text())["run"]
     config, task = NVEsmConfig.from_dict(run["config"]), run["settings"]["task"]
     check_out(out, force)

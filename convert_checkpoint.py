@@ -629,23 +629,23 @@ def count_differences(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
 
 EPILOG = f"""examples:
   # a transformers ESM-2 from the Hub -> NVEsm, checked against transformers on real proteins
-  python convert_checkpoint.py hf-to-te facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify
+  nv-esm convert hf-to-te facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify
 
   # bf16 weights in 2 GB shards, uploaded to a private Hub repository
-  python convert_checkpoint.py hf-to-te facebook/esm2_t36_3B_UR50D ./esm2_3B_te --dtype bfloat16 \\
+  nv-esm convert hf-to-te facebook/esm2_t36_3B_UR50D ./esm2_3B_te --dtype bfloat16 \\
       --max-shard-size 2GB --push-to-hub my-org/esm2_t36_3B_te --private
 
   # an original fair-esm checkpoint (esm2_t33_650M_UR50D-contact-regression.pt beside it is read too)
-  python convert_checkpoint.py hf-to-te ~/esm/esm2_t33_650M_UR50D.pt ./esm2_650M_te
+  nv-esm convert hf-to-te ~/esm/esm2_t33_650M_UR50D.pt ./esm2_650M_te
 
   # back to a folder plain transformers loads (EsmForMaskedLM), replacing an older one
-  python convert_checkpoint.py te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --force
+  nv-esm convert te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --force
 
   # check an existing conversion: every tensor bit for bit through the mapping table, then the logit table (CPU)
-  python convert_checkpoint.py verify facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify-device cpu
+  nv-esm convert verify facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify-device cpu
 
   # list what would be uploaded; nothing is sent
-  python convert_checkpoint.py hf-to-te facebook/esm2_t6_8M_UR50D ./esm2_8M_te --push-to-hub me/esm2_8M_te --dry-run
+  nv-esm convert hf-to-te facebook/esm2_t6_8M_UR50D ./esm2_8M_te --push-to-hub me/esm2_8M_te --dry-run
 
 Hub downloads and uploads use the usual huggingface_hub settings (HF_TOKEN or `hf auth login`, HF_HOME,
 HF_HUB_OFFLINE). `verify SRC OUT` takes the direction from what SRC and OUT are and runs none of OUT's code: it
@@ -674,9 +674,9 @@ CONVERT_ONLY = ("dtype", "max_shard_size", "force", "verify", "push_to_hub", "pr
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The command line (see EPILOG); `prog` names the command in the usage line (default convert_checkpoint.py)."""
+    """The command line (see EPILOG); `prog` names the command in the usage line (default nv-esm convert)."""
     parser = argparse.ArgumentParser(
-        prog=prog or "convert_checkpoint.py",
+        prog=prog or "nv-esm convert",
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -2003,7 +2003,7 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         if self.base_model.encoder.tensor_parallel is not None:
             raise ValueError(
                 "save_pretrained: this model's layers are split over tensor-parallel ranks (each holds part of each "
-                "weight); save a whole model (e.g. export the recipe's checkpoint: python -m nv_esm.train export)."
+                "weight); save a whole model (e.g. export the recipe's checkpoint: nv-esm train export)."
             )
         return super().save_pretrained(*args, **kwargs)
 
@@ -2065,6 +2065,10 @@ class NVEsmModel(NVEsmPreTrainedModel):
     Attributes:
         backend: `"te"` or `"torch"`, resolved from `config.backend` when the model was built.
     """
+
+    # The task models' heads, which a base model loaded from their checkpoints leaves out by design (transformers
+    # would list them in a LOAD REPORT that the user can do nothing about).
+    _keys_to_ignore_on_load_unexpected = [r"\._extra_state$", r"^lm_head\.", r"^classifier\."]
 
     def __init__(self, config: NVEsmConfig, add_pooling_layer: bool = True) -> None:
         """`add_pooling_layer`: as transformers' `EsmModel`, a dense + tanh pooler over each protein's `<cls>`

@@ -64,6 +64,9 @@ _ID_OF_BYTE = bytes(
     else _NOT_A_RESIDUE
     for byte in range(256)
 )  # fmt: skip
+# The process's umask, read once here (reading it sets it, which shard-writing threads must not race with).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 # Settings added to the manifest after runs were written without them: the value they had then.
 _SETTINGS_BEFORE = {"strip_stop": False}
 SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
@@ -483,6 +486,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) ->
     """`tensors` as safetensors under `path` (written to a temporary name, synced, then renamed), ids in metadata."""
     temporary = path.with_name(path.name + ".tmp")
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
+    temporary.chmod(0o666 & ~_UMASK)  # as index.tsv and manifest.json (safetensors writes 0600)
     with open(temporary, "rb") as file:
         os.fsync(file.fileno())
     os.replace(temporary, path)

@@ -130,7 +130,7 @@ with zeros from {config.vocab_size} to {config.padded_vocab_size}.
 | {config.num_hidden_layers} | {config.hidden_size} | {config.num_attention_heads} | {config.intermediate_size} \
 | {checkpoint.parameters:,} | {format_bytes(checkpoint.nbytes)} |
 
-Converted with `convert_checkpoint.py hf-to-te` of nv-esm; `convert_checkpoint.py te-to-hf` gives back a folder
+Converted with `nv-esm convert hf-to-te`; `nv-esm convert te-to-hf` gives back a folder
 that plain transformers (`{HEADS[head].hf_class}`) loads."""
 
 
@@ -247,7 +247,7 @@ def _card_verification(report: VerifyReport | None) -> str:
     if report is None:
         return "## Verification\n\nThe conversion was not verified with `--verify`."
     return (
-        "## Verification\n\n`convert_checkpoint.py --verify` ran the source model and this one on real UniProt "
+        "## Verification\n\n`nv-esm convert --verify` ran the source model and this one on real UniProt "
         "proteins and compared the logits:\n\n" + report.table()
     )
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,6 +118,37 @@ def capture_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA and Transformer Engine (skipped otherwise)")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if workers > 1:  # pytest -n N: the cores shared among the workers, not N x all of them (that stalled tests)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+# Longest a test may run (seconds; NVESM_TEST_TIMEOUT overrides): past it, the test's name and every thread's stack
+# go to stderr and the process exits (pytest-xdist then reports "worker crashed while running <test>" too). The
+# slowest test takes about 3 minutes on a 2-core machine.
+TEST_TIMEOUT = float(os.environ.get("NVESM_TEST_TIMEOUT", 900))
+
+
+def _time_is_up(nodeid: str, capture: Any) -> None:
+    if capture is not None:  # pytest's output capture, which would swallow the report
+        capture.suspend_global_capture(in_=False)
+    sys.stderr.write(f"\n{nodeid} ran past {TEST_TIMEOUT:g} s (NVESM_TEST_TIMEOUT); its threads' stacks:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(1)
+
+
+@pytest.fixture(autouse=True)
+def time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Bound each test's time (`TEST_TIMEOUT`): a hang names its test instead of stalling the suite."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    timer = threading.Timer(TEST_TIMEOUT, _time_is_up, (request.node.nodeid, capture))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:

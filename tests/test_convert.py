@@ -395,7 +395,7 @@ def test_help_lists_every_option_and_examples(capsys):
     text = capsys.readouterr().out
     for option in ("hf-to-te", "te-to-hf", "verify", "--revision", "--dtype", "--max-shard-size", "--force",
                    "--verify", "--verify-atol", "--verify-device", "--push-to-hub", "--private", "--commit-message",
-                   "--dry-run", "examples:", "convert_checkpoint.py verify ", ".pt", "exit status"):  # fmt: skip
+                   "--dry-run", "examples:", "nv-esm convert verify ", ".pt", "exit status"):  # fmt: skip
         assert option in text, option
     for argv, message in (
         (["hf-to-te", "a", "b", "--dry-run"], "--dry-run needs --push-to-hub"),

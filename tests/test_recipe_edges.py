@@ -32,7 +32,7 @@ def records(out: Path) -> list[dict]:
 def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith("nv_esm.train: error: ") and needle in lines[0], lines[0]
+    assert lines[0].startswith("nv-esm train: error: ") and needle in lines[0], lines[0]
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
@@ -88,7 +88,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config,
     step = records(out)[-1]["step"]
     checkpoint = out / "checkpoints" / f"step_{step:07d}"
     assert err.strip().splitlines()[-1] == (
-        f"nv_esm.train: stopped by {signal.Signals(signum).name} after step {step}: {checkpoint} saved; --resume "
+        f"nv-esm train: stopped by {signal.Signals(signum).name} after step {step}: {checkpoint} saved; --resume "
         "continues."
     )
     done = train(*mlm_args(tiny_config, 10_000, "--resume", "--stop-at-step", str(step + 2)), out=out)
@@ -100,9 +100,9 @@ def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny
     args = mlm_args(tiny_config, 4, "--lr", "1e30", "--log-every", "1")
     done = train(*args, out=tmp_path / "stop")
     assert done.returncode == 1, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("nv_esm.train: error")]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("nv-esm train: error")]
     assert len(errors) == 1 and "training stopped without saving it" in errors[0], done.stderr[-3000:]
-    assert errors[0].startswith("nv_esm.train: error: step ") and "Traceback" not in done.stderr
+    assert errors[0].startswith("nv-esm train: error: step ") and "Traceback" not in done.stderr
     assert not (tmp_path / "stop" / "checkpoints").exists() and not (tmp_path / "stop" / "final").exists()
     done = train(*args, "--skip-nonfinite", "--no-export", out=tmp_path / "skip")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -124,7 +124,7 @@ def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
     bad.write_text("".join(f">p{i}\nMKV{'J' if i == 5 else ''}L\n" for i in range(8)))
     done = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--data", str(bad)), check=False)
     assert done.returncode != 0
-    ours = [line for line in done.stderr.splitlines() if "nv_esm.train: error" in line]
+    ours = [line for line in done.stderr.splitlines() if "nv-esm train: error" in line]
     assert len(ours) == 1 and "bad.fasta, record 6: the sequence: 'J' at residue 4" in ours[0], done.stderr[-3000:]
     assert not any(line.startswith("[rank") for line in done.stderr.splitlines())  # no worker traceback (torchrun
     # itself still reports the failed worker)
@@ -171,5 +171,5 @@ def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, ti
     assert train(*args, "--stop-at-step", "1", out=out).returncode == 0
     flip_4_kib(out / "checkpoints" / "step_0000001" / "__0_0.distcp")
     done = train(*args, "--resume", out=out)
-    lines = [line for line in done.stderr.splitlines() if line.startswith("nv_esm.train: error")]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("nv-esm train: error")]
     assert done.returncode == 1 and len(lines) == 1 and "every checkpoint in" in lines[0], done.stderr[-3000:]

@@ -210,7 +210,7 @@ def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path
         tmp_path / "run", "--model", str(TINY_CHECKPOINT), "--data", str(DEMO_FASTA), "--steps", "1", ranks=1,
         check=False,
     )  # fmt: skip
-    assert result.returncode != 0 and "convert_checkpoint.py hf-to-te" in result.stderr
+    assert result.returncode != 0 and "nv-esm convert hf-to-te" in result.stderr
 
 
 def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tmp_path: Path) -> None:

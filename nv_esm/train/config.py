@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROG = "nv_esm.train"
+PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
 # Each task's head (a key of `state_dict_mapping.HEADS`; its class: materialize.MODEL_CLASSES): MLM pretraining, or
 # fine-tuning a head.
 TASK_HEADS = {"mlm": "masked_lm", "sequence": "sequence_classification", "token": "token_classification"}
@@ -23,7 +23,7 @@ TASKS = tuple(TASK_HEADS)
 DESCRIPTION = """\
 Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pretraining and fine-tuning.
 
-    python convert_checkpoint.py hf-to-te assets/esm2_tiny runs/esm2_tiny_nv
+    nv-esm convert hf-to-te assets/esm2_tiny runs/esm2_tiny_nv
     torchrun --nproc-per-node 2 -m nv_esm.train --model runs/esm2_tiny_nv \\
         --data recipes/demo_data/demo.fasta --steps 100 --out runs/demo
 
@@ -48,7 +48,7 @@ metrics.jsonl (`val_*` keys), TensorBoard and the console.
 
 Checkpoints (`torch.distributed.checkpoint`, every `--save-every` steps, in OUT/checkpoints/step_NNNNNNN) hold the
 sharded model and optimizer, the step, every data stream's position, every rank's RNG and FP8 scaling history
-(delayed scaling); `--resume` continues exactly where the latest one stopped. `python -m nv_esm.train export
+(delayed scaling); `--resume` continues exactly where the latest one stopped. `nv-esm train export
 CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub folder in the converter's layout.
 """
 
@@ -58,7 +58,7 @@ class ModelConfig:
     """What is trained: the starting point (exactly one of `init_from` and `config_file`, paths as given on the
     command line), the task head, the layer implementation, FP8 and LoRA."""
 
-    init_from: str | None = None  # --model: an NVEsm folder (convert_checkpoint.py hf-to-te output)
+    init_from: str | None = None  # --model: an NVEsm folder (nv-esm convert hf-to-te output)
     config_file: str | None = None  # --config: config.json of a model trained from scratch
     task: str = "mlm"  # one of TASKS
     backend: str = "auto"  # auto, te or torch
@@ -152,6 +152,7 @@ class LoggingConfig:
     log_every: int = 10
     tensorboard: bool = False
     profile_steps: int = 0
+    progress: bool = True  # False: --no-progress (no progress bar)
 
 
 @dataclass
@@ -248,26 +249,47 @@ class TrainConfig:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default after its help (unless it has none: a flag off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The training command line (usage names `prog`); `config_from_args` turns what it parses into a
     `TrainConfig`."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
     model = parser.add_argument_group("model")
     start = model.add_mutually_exclusive_group(required=True)
-    start.add_argument("--model", help="NVEsm checkpoint folder (convert_checkpoint.py hf-to-te output) to start from")
+    start.add_argument("--model", help="NVEsm checkpoint folder (nv-esm convert hf-to-te output) to start from")
     start.add_argument("--config", help="config.json of a model trained from scratch (e.g. the repo's 650M one)")
     model.add_argument("--task", choices=TASKS, default=ModelConfig.task, help="mlm, or a fine-tuning head")
-    model.add_argument("--backend", choices=("auto", "te", "torch"), default=ModelConfig.backend)
+    model.add_argument(
+        "--backend",
+        choices=("auto", "te", "torch"),
+        default=ModelConfig.backend,
+        help="layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)",
+    )
     model.add_argument(
         "--fp8",
         choices=("off", "all", "inner"),
         default=ModelConfig.fp8,
         help="FP8 layers (TE): all, or all but first/last",
     )
-    model.add_argument("--fp8-recipe", choices=("delayed", "current", "block"), default=ModelConfig.fp8_recipe)
-    model.add_argument("--activation-checkpointing", action="store_true")
+    model.add_argument(
+        "--fp8-recipe",
+        choices=("delayed", "current", "block"),
+        default=ModelConfig.fp8_recipe,
+        help="FP8 scaling of --fp8 layers",
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer in the backward instead of keeping its activations",
+    )
     model.add_argument(
         "--offload-activations",
         action="store_true",
@@ -314,7 +336,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         default=ModelConfig.lora_rank,
         help="train LoRA adapters of this rank (PEFT) and the head",
     )
-    model.add_argument("--lora-alpha", type=float, default=ModelConfig.lora_alpha)
+    model.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=ModelConfig.lora_alpha,
+        help="LoRA scaling: updates are multiplied by alpha / rank",
+    )
     model.add_argument(
         "--lora-targets",
         nargs="+",
@@ -329,7 +356,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--token-budget", type=int, default=DataConfig.token_budget, help="tokens per micro-batch and rank"
     )
     data.add_argument("--max-length", type=int, default=DataConfig.max_length, help="crop proteins to this many tokens")
-    data.add_argument("--mask-prob", type=float, default=DataConfig.mask_prob)
+    data.add_argument(
+        "--mask-prob",
+        type=float,
+        default=DataConfig.mask_prob,
+        help="MLM: fraction of residues to predict (80%% <mask>, 10%% random, 10%% kept)",
+    )
     data.add_argument(
         "--data-workers",
         type=int,
@@ -352,13 +384,24 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--steps", type=int, required=True, help="optimizer steps of the schedule")
-    optim.add_argument("--grad-accum", type=int, default=OptimizerConfig.grad_accum)
-    optim.add_argument("--lr", type=float, default=OptimizerConfig.lr)
+    optim.add_argument(
+        "--grad-accum", type=int, default=OptimizerConfig.grad_accum, help="micro-batches per rank and optimizer step"
+    )
+    optim.add_argument("--lr", type=float, default=OptimizerConfig.lr, help="peak learning rate (AdamW)")
     optim.add_argument("--min-lr-ratio", type=float, default=OptimizerConfig.min_lr_ratio, help="final LR / peak LR")
-    optim.add_argument("--warmup-steps", type=int, default=OptimizerConfig.warmup_steps)
-    optim.add_argument("--decay", choices=("linear", "cosine"), default=OptimizerConfig.decay)
-    optim.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
-    optim.add_argument("--betas", type=float, nargs=2, default=OptimizerConfig.betas)
+    optim.add_argument(
+        "--warmup-steps", type=int, default=OptimizerConfig.warmup_steps, help="steps of linear warm-up from 0 to --lr"
+    )
+    optim.add_argument(
+        "--decay",
+        choices=("linear", "cosine"),
+        default=OptimizerConfig.decay,
+        help="learning-rate decay after the warm-up, to --min-lr-ratio x --lr at --steps",
+    )
+    optim.add_argument(
+        "--weight-decay", type=float, default=OptimizerConfig.weight_decay, help="AdamW decoupled weight decay"
+    )
+    optim.add_argument("--betas", type=float, nargs=2, default=OptimizerConfig.betas, help="AdamW beta1 beta2")
     optim.add_argument(
         "--clip-grad", type=float, default=OptimizerConfig.clip_grad, help="max global grad norm (0: off)"
     )
@@ -369,7 +412,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "every step",
     )
     optim.add_argument("--precision", choices=("bf16", "fp32"), help="compute dtype (default bf16 on GPU)")
-    optim.add_argument("--seed", type=int, default=TrainConfig.seed)
+    optim.add_argument(
+        "--seed",
+        type=int,
+        default=TrainConfig.seed,
+        help="seed of the data order, masking, a fresh initialisation and dropout",
+    )
 
     run = parser.add_argument_group("run")
     run.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, final export")
@@ -397,6 +445,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--log-every", type=int, default=LoggingConfig.log_every, help="steps between logs (each waits for the GPU)"
     )
     run.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
         "--profile-steps",
         type=int,
@@ -463,7 +512,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             stop_at_step=args.stop_at_step,
             export=not args.no_export,
         ),
-        logging=LoggingConfig(log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps),
+        logging=LoggingConfig(
+            log_every=args.log_every,
+            tensorboard=args.tensorboard,
+            profile_steps=args.profile_steps,
+            progress=not args.no_progress,
+        ),
     )
 
 

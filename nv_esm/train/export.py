@@ -1,6 +1,6 @@
 """A consolidated Hub folder from a sharded training checkpoint, in the converter's NVEsm layout.
 
-    python -m nv_esm.train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
+    nv-esm train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
 
 The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt. The
 command lists what it wrote; it refuses a FOLDER that is not empty (without --force) or a CHECKPOINT that is not

@@ -1,7 +1,7 @@
 """The trainer: one optimizer step (`train_step`), the training loop (`train`) and the command line (`main`).
 
     torchrun --nproc-per-node 2 -m nv_esm.train --model runs/esm2_tiny_nv --data demo.fasta --steps 100 --out runs/x
-    python -m nv_esm.train export runs/x/checkpoints/step_0000100 runs/x_hub
+    nv-esm train export runs/x/checkpoints/step_0000100 runs/x_hub
 
 A step's loss is the sum over the masked tokens (or labels) of all its micro-batches on all ranks divided by their
 global count, so the gradients are those of one big batch whatever the split into ranks and accumulation steps.

@@ -45,8 +45,7 @@ def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
     fields = json.loads(path.read_text())
     if fields.get("model_type", "nv_esm") != "nv_esm":
         raise ValueError(
-            f"{source} is a {fields['model_type']!r} checkpoint; convert it first: "
-            f"python convert_checkpoint.py hf-to-te {source} OUT"
+            f"{source} is a {fields['model_type']!r} checkpoint; convert it first: nv-esm convert hf-to-te {source} OUT"
         )
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)

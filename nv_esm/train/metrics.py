@@ -50,7 +50,11 @@ class MetricsLog:
         self.peak = peak_tflops(torch.cuda.get_device_name()) if world.device.type == "cuda" else None
         self.file = open(out / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
         self.bar = tqdm(
-            total=total_steps, initial=first_step, disable=not world.is_main, unit="step", dynamic_ncols=True
+            total=total_steps,
+            initial=first_step,
+            disable=not world.is_main or not settings.progress,
+            unit="step",
+            dynamic_ncols=True,
         )
         self.tensorboard = None
         if settings.tensorboard and world.is_main:

@@ -151,6 +151,19 @@ def resolve_backend(backend: str, device: torch.device | str | None = None) -> s
     return "te" if on_cuda and transformer_engine_available() else "torch"
 
 
+def caller_fp8_enabled() -> bool:
+    """Whether Transformer Engine's FP8 autocast is on where the model is called (a caller's `te.autocast`); False
+    without TE."""
+    if not transformer_engine_available():
+        return False
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE >= 2.8 / older
+        try:
+            return bool(importlib.import_module(name).FP8GlobalStateManager.is_fp8_enabled())
+        except (ImportError, AttributeError):
+            continue
+    return False
+
+
 def make_fp8_recipe(name: str) -> Any:
     """The Transformer Engine recipe object for `config.fp8_recipe`."""
     recipe = importlib.import_module("transformer_engine.common.recipe")
@@ -1489,7 +1502,15 @@ class NVEsmEncoder(nn.Module):
             return False
         if any(has_active_adapters(layer) for layer in self.layers):  # PEFT's adapters: eager
             return False
+        if self.fp8_recipe is None and caller_fp8_enabled():  # the caller's te.autocast: not in our graphs' state
+            return False
         return not _is_sharded(self.layers[0]) and not _has_module_hooks(self)
+
+    def pads_for_fp8(self) -> bool:
+        """Whether this call's FP8 GEMMs need the token count padded (`FP8_TOKEN_MULTIPLE`): FP8 layers of the
+        model's own (`layer_precision`), or FP8 turned on by the caller around it (`te.autocast(enabled=True,
+        recipe=...)`, any recipe)."""
+        return self.fp8_recipe is not None or (self.backend == "te" and caller_fp8_enabled())
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
@@ -2345,7 +2366,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         num_tokens = run.num_tokens
         graphed = self.encoder.uses_cuda_graphs(eager)
         shape = self.encoder.graphs.shape_for(self.encoder, hidden_states, run) if graphed else None
-        multiple = FP8_TOKEN_MULTIPLE if self.encoder.fp8_recipe is not None else 1
+        multiple = FP8_TOKEN_MULTIPLE if self.encoder.pads_for_fp8() else 1
         if self.encoder.context_parallel is not None:
             layout = ContextParallelLayout.of(run, self.encoder.context_parallel, multiple)
             inputs = EncoderInputs(self.rotary_embeddings(layout.max_length), packed=run, context_parallel=layout)
@@ -2367,7 +2388,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
     ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
         """`_to_run_layout` for right-padded states `[B, L, hidden]` with `key_mask [B, L]` (None: no padding)."""
         length = hidden_states.shape[1]
-        if self.encoder.fp8_recipe is not None and (hidden_states.shape[0] * length) % FP8_TOKEN_MULTIPLE:
+        if self.encoder.pads_for_fp8() and (hidden_states.shape[0] * length) % FP8_TOKEN_MULTIPLE:
             hidden_states, key_mask = _pad_padded_for_fp8(hidden_states, key_mask)
         inputs = EncoderInputs(self.rotary_embeddings(hidden_states.shape[1]), key_mask=key_mask)
         return hidden_states, inputs, lambda states: to_input(states[:, :length])
@@ -2651,8 +2672,8 @@ class InputBatch:
         max_length = max_length_q if max_length_q is not None else max_length_k
         if max_length is not None and max_length > config.max_protein_length:
             raise ValueError(
-                f"max_length_q ({max_length}) is longer than max_protein_length ({config.max_protein_length}): it "
-                "is the longest protein of the batch (a larger value only costs time and memory)."
+                f"max_length_q ({max_length}) is longer than max_protein_length ({config.max_protein_length} tokens): "
+                "it is the longest protein of the batch, and none may be longer."
             )
         lengths = cu_seq_lens.diff()
         longest = lengths.max()

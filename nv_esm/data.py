@@ -311,6 +311,12 @@ class _PackedStream:
         self._parts.append(ids)
         self._offsets.append(self._offsets[-1] + len(ids))
 
+    @property
+    def tokens_per_pass(self) -> int:
+        """Tokens of one pass over the stream's proteins, cropped to `max_length`."""
+        offsets = self._offsets
+        return sum(min(end - start + 2, self.max_length) for start, end in zip(offsets[:-1], offsets[1:]))
+
     def _finish_loading(self, source: str) -> None:
         if not self._parts and not self.allow_empty:
             raise ValueError(

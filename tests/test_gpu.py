@@ -231,6 +231,33 @@ def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, layer
     assert abs(losses["fp8"] - losses["bf16"]) <= FP8_LOSS_RTOL * losses["bf16"]
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+@pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
+def test_fp8_chosen_by_the_callers_autocast_runs_any_padded_batch(hf_fp32, recipe, attn_input_format):
+    """FP8 turned on around the model (`te.autocast(enabled=True, recipe=...)`, not `layer_precision`): a padded
+    batch whose token count is no multiple of 16 (5 x 79 = 395) runs, padded inside as for the model's own FP8, with
+    the loss close to bf16; CUDA graphs stay off under the caller's autocast."""
+    import transformer_engine.pytorch as te
+
+    from modeling_nv_esm import make_fp8_recipe
+
+    proteins = random_proteins([5, 79, 33, 1, 61], seed=140, mask_fraction=0.15)
+    input_ids, attention_mask = pad_batch(proteins)
+    input_ids, attention_mask = input_ids.to(CUDA), attention_mask.to(CUDA)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    model = te_model(hf_fp32, attn_input_format=attn_input_format)
+    bf16 = model(input_ids, attention_mask=attention_mask, labels=labels).loss.item()
+    captured = len(model.esm.encoder.graphs._graphs)
+    with te.autocast(enabled=True, recipe=make_fp8_recipe(recipe)):
+        output = model(input_ids, attention_mask=attention_mask, labels=labels)
+    output.loss.backward()
+    assert output.logits.shape == (5, 79, 33) and torch.isfinite(output.loss)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert len(model.esm.encoder.graphs._graphs) == captured  # nothing captured under the caller's FP8
+    print(f"\n[caller fp8 {recipe} {attn_input_format}] loss bf16 {bf16:.5f} fp8 {output.loss.item():.5f}")
+    assert abs(output.loss.item() - bf16) <= FP8_LOSS_RTOL * bf16
+
+
 def test_te_checkpoint_loads_on_cpu_in_the_twin(hf_fp32, tmp_path):
     model = te_model(hf_fp32, torch.float32)
     model.save_pretrained(tmp_path)

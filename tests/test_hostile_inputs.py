@@ -275,7 +275,8 @@ def test_the_rng_state_is_plain_data_and_an_earlier_releases_pickle_is_read_weig
     step = run / "checkpoints" / "step_0000001"
     assert sorted(p.name for p in step.glob("rng_rank*")) == ["rng_rank0.safetensors", "rng_rank1.safetensors"]
     marker = tmp_path / "marker"
-    (step / "rng_rank0.safetensors").unlink()  # an earlier release's layout, with a payload
+    (step / "rng_rank0.safetensors").unlink()  # an earlier release's layout (no checksums), with a payload
+    (step / "checksums.json").unlink()
     torch.save({"python": Payload(marker)}, step / "rng_rank0.pt")
     done = resume(run, tiny_config)
     assert done.returncode != 0 and not marker.exists()
@@ -297,6 +298,7 @@ def test_an_earlier_releases_rng_files_still_resume(tmp_path, tiny_config, stopp
         python += (json.loads(metadata["python_gauss_next"]),)
         torch.save({**state, "python": python}, step / f"rng_rank{rank}.pt")
         (step / f"rng_rank{rank}.safetensors").unlink()
+    (step / "checksums.json").unlink()  # an earlier release wrote none
     done = resume(run, tiny_config)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -173,3 +173,12 @@ def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, ti
     done = train(*args, "--resume", out=out)
     lines = [line for line in done.stderr.splitlines() if line.startswith("nv-esm train: error")]
     assert done.returncode == 1 and len(lines) == 1 and "every checkpoint in" in lines[0], done.stderr[-3000:]
+
+
+def test_data_smaller_than_a_micro_batch_is_said_to_repeat(tmp_path, tiny_config):
+    small = tmp_path / "small.fasta"
+    small.write_text(">a\nMKTAYIAK\n>b\nMKVL\n")
+    done = train(*mlm_args(tiny_config, 1, "--data", str(small), "--no-export"), out=tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning: a data stream holds 16 tokens, fewer than --token-budget 1024" in done.stderr
+    assert "repeats" not in train(*mlm_args(tiny_config, 1, "--no-export"), out=tmp_path / "big").stderr

@@ -142,8 +142,7 @@ def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
 
 def resume_settings(config: TrainConfig) -> dict[str, Any]:
     """The options that decide which data a step sees and its learning rate, keyed by option name (`data`: the
-    files as given): a resume must not change them. `--steps` may change (a finished run is extended, or a run
-    shortened): the schedule is then that of the new step count from the checkpoint's step on."""
+    files as given): a resume must not change them, but for `CHANGEABLE_ON_RESUME`."""
     return {
         "data": [str(p) for p in config.data.files],
         "task": config.model.task,
@@ -152,6 +151,7 @@ def resume_settings(config: TrainConfig) -> dict[str, Any]:
         "max_length": config.data.max_length,
         "mask_prob": config.data.mask_prob,
         "grad_accum": config.optimizer.grad_accum,
+        "steps": config.optimizer.steps,
         "warmup_steps": config.optimizer.warmup_steps,
         "lr": config.optimizer.lr,
         "min_lr_ratio": config.optimizer.min_lr_ratio,
@@ -160,6 +160,9 @@ def resume_settings(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+# Of `resume_settings`, what a resume may change: --steps (a finished run is extended, or a run shortened; the schedule
+# is then that of the new step count from the checkpoint's step on).
+CHANGEABLE_ON_RESUME = ("steps",)
 # Settings added to `resume_settings` after checkpoints were written without them: the value they had then.
 _SETTINGS_BEFORE = {"val_fraction": 0.0}
 
@@ -240,7 +243,11 @@ def load_checkpoint(
                 f"ranks. Resume it with --{option} {written} (got --{option} {size})."
             )
     saved = {**_SETTINGS_BEFORE, **state["run"]["settings"]}
-    changed = {k: (saved.get(k), v) for k, v in run_info["settings"].items() if saved.get(k) != v}
+    changed = {
+        k: (saved.get(k), v)
+        for k, v in run_info["settings"].items()
+        if saved.get(k) != v and k not in CHANGEABLE_ON_RESUME
+    }
     if changed:
         listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")

@@ -204,8 +204,8 @@ class TrainConfig:
             )
         if self.model.task == "mlm" and not 0 < self.data.mask_prob < 1:
             raise ValueError(f"--mask-prob must be in (0, 1), got {self.data.mask_prob}.")
-        if not self.optimizer.lr > 0 or not 0 <= self.optimizer.min_lr_ratio <= 1:
-            raise ValueError("--lr must be positive and --min-lr-ratio in [0, 1].")
+        if not self.optimizer.lr >= 0 or not 0 <= self.optimizer.min_lr_ratio <= 1:
+            raise ValueError("--lr must be at least 0 and --min-lr-ratio in [0, 1].")
         if not all(0 <= beta < 1 for beta in self.optimizer.betas):
             raise ValueError(f"--betas must be in [0, 1), got {list(self.optimizer.betas)}.")
         if self.model.lora_rank and importlib.util.find_spec("peft") is None:

@@ -4,6 +4,7 @@ training loop in a background process, with the exact data position of each for 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,12 +30,28 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
     )
     if task == "mlm":
         batches = rank_streams(data.files, world.dp_rank, world.dp_size, grad_accum, mask_prob=data.mask_prob, **common)
+        _warn_if_repeated(batches, data.token_budget, world)
         return batches, {}
     if len(data.files) != 1:
         raise ValueError(f"--task {task} reads one labelled CSV, got {len(data.files)} files.")
     indices, num_streams = rank_stream_indices(world.dp_rank, world.dp_size, grad_accum)
     streams = [ClassificationStream(data.files[0], task, index, num_streams, **common) for index in indices]
-    return Batches(streams), label_fields(streams[0])
+    batches = Batches(streams)
+    _warn_if_repeated(batches, data.token_budget, world)
+    return batches, label_fields(streams[0])
+
+
+def _warn_if_repeated(batches: Batches, token_budget: int, world: Dist) -> None:
+    """Say so (rank 0) when a stream holds fewer tokens than one micro-batch: each micro-batch then holds some of
+    its proteins more than once."""
+    smallest = min(stream.tokens_per_pass for stream in batches.streams)
+    if smallest < token_budget and world.is_main:
+        print(
+            f"warning: a data stream holds {smallest} tokens, fewer than --token-budget {token_budget}: each "
+            "micro-batch repeats proteins. Lower --token-budget, or add data.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def label_fields(stream: ClassificationStream) -> dict[str, Any]:

@@ -234,6 +234,8 @@ def agree(world: Dist, *flags: bool) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
+# How long the other ranks wait before exiting on an error that rank 0 reports.
+REPORT_GRACE_SECONDS = 5.0
 # Errors that the command reports in one line (the options, the data, the model folder, the run folder).
 USER_ERRORS = (ValueError, OSError, ImportError)
 
@@ -263,5 +265,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     except USER_ERRORS as error:
         if report:
             print(f"{prog}: error: {error}", file=sys.stderr)
+        else:  # torchrun stops the other ranks when one exits with an error: let rank 0 report first
+            time.sleep(REPORT_GRACE_SECONDS)
         return 1
     return 0

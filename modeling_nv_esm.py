@@ -151,17 +151,24 @@ def resolve_backend(backend: str, device: torch.device | str | None = None) -> s
     return "te" if on_cuda and transformer_engine_available() else "torch"
 
 
+@functools.cache
+def _fp8_state_manager() -> Any:
+    """Transformer Engine's `FP8GlobalStateManager` (found once: the model asks it at every forward), or None."""
+    if not transformer_engine_available():
+        return None
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE >= 2.8 / older
+        try:
+            return importlib.import_module(name).FP8GlobalStateManager
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
 def caller_fp8_enabled() -> bool:
     """Whether Transformer Engine's FP8 autocast is on where the model is called (a caller's `te.autocast`); False
     without TE."""
-    if not transformer_engine_available():
-        return False
-    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE >= 2.8 / older
-        try:
-            return bool(importlib.import_module(name).FP8GlobalStateManager.is_fp8_enabled())
-        except (ImportError, AttributeError):
-            continue
-    return False
+    manager = _fp8_state_manager()
+    return manager is not None and bool(manager.is_fp8_enabled())
 
 
 def make_fp8_recipe(name: str) -> Any:
@@ -2253,8 +2260,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         if not proteins:
             return torch.empty(0, self.config.hidden_size)
         token_lists = tokenizer(proteins, add_special_tokens=True)["input_ids"]
-        for index, tokens in enumerate(token_lists):
-            if len(tokens) <= 2 or len(tokens) > self.config.max_protein_length:
+        for index, tokens in enumerate(token_lists):  # `protein_residues` refused empty proteins
+            if len(tokens) > self.config.max_protein_length:
                 raise ValueError(
                     f"Sequence {index} has {len(tokens) - 2} residues; embed needs 1 to "
                     f"{self.config.max_protein_length - 2} (config.max_protein_length - 2)."

@@ -10,6 +10,7 @@ produces each group's values; it splits them into shards of a size limit and wri
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import pickle
@@ -110,6 +111,20 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object.")
     return data
+
+
+def update_digest(digest: Any, path: Path) -> None:
+    """Feed every byte of file `path` to `digest` (a `hashlib` object), 16 MiB at a time."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of file `path`, in hex."""
+    digest = hashlib.sha256()
+    update_digest(digest, path)
+    return digest.hexdigest()
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -46,7 +46,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import modeling_nv_esm
-from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta
+from nv_esm.alphabet import CLS, EOS, iter_fasta
+from nv_esm.checkpoint_io import update_digest
+from nv_esm.data import residue_ids
 
 FORMAT = "nv-esm-embed/1"
 MANIFEST_NAME = "manifest.json"
@@ -56,14 +58,6 @@ OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 INVALID_POLICIES = ("error", "skip")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# `tokenize`'s byte table: a residue letter's id (either case), else this (the rule, and the message naming what is
-# wrong, is modeling_nv_esm.protein_residues).
-_NOT_A_RESIDUE = 255
-_ID_OF_BYTE = bytes(
-    RESIDUE_TO_ID[chr(byte).upper()] if chr(byte).upper() in modeling_nv_esm.RESIDUE_LETTERS and byte < 128
-    else _NOT_A_RESIDUE
-    for byte in range(256)
-)  # fmt: skip
 # The process's umask, read once here (reading it sets it, which shard-writing threads must not race with).
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -180,19 +174,14 @@ def _text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]
 
 
 def tokenize(sequence: str) -> torch.Tensor:
-    """`[residues + 2]` int64 ids: `<cls>`, one per residue (either case; lower case reads as upper case), `<eos>`.
-    A byte table does the lookup (a million residues in milliseconds: the GPU waits while a shard is tokenized).
-    A character outside the alphabet raises ValueError: the first pass refused them, so the file changed since."""
-    ids = bytearray(len(sequence) + 2)
-    ids[0], ids[-1] = CLS, EOS
-    ids[1:-1] = sequence.encode("latin-1", errors="replace").translate(_ID_OF_BYTE)
-    if _NOT_A_RESIDUE in ids:
-        try:
-            modeling_nv_esm.protein_residues(sequence, "a record")  # raises, naming the character
-        except ValueError as error:
-            raise ValueError(f"{error} The first pass took it: the FASTA file changed during the run.") from None
-        raise ValueError("a record holds a character outside ESM-2's alphabet: the FASTA file changed during the run.")
-    return torch.frombuffer(ids, dtype=torch.uint8).long()
+    """`[residues + 2]` int64 ids: `<cls>`, one per residue (either case; lower case reads as upper case), `<eos>`,
+    by `nv_esm.data.residue_ids`' byte table (the GPU waits while a shard is tokenized). A character outside the
+    alphabet raises ValueError: the first pass refused them, so the file changed since."""
+    try:
+        ids = residue_ids(sequence)
+    except ValueError as error:
+        raise ValueError(f"{error} The first pass took it: the FASTA file changed during the run.") from None
+    return torch.frombuffer(bytearray([CLS]) + ids + bytearray([EOS]), dtype=torch.uint8).long()
 
 
 def pieces_of(row: int, sequence: str, status: str, max_length: int) -> list[Piece]:
@@ -683,9 +672,7 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
         if path.suffix not in (".safetensors", ".bin"):
             continue
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
-        with open(path, "rb") as file:
-            while chunk := file.read(1 << 24):
-                digest.update(chunk)
+        update_digest(digest, path)
     return f"sha256:{digest.hexdigest()}"
 
 

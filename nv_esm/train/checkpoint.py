@@ -21,7 +21,6 @@ tensor, is not restored.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -41,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from nv_esm.checkpoint_io import file_sha256
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist, checkpoint_view
 
@@ -105,14 +105,6 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
 # --------------------------------------------------------------------------------------------------------------
 # Checksums: a checkpoint's files as they were written
 # --------------------------------------------------------------------------------------------------------------
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def own_files(folder: Path, rank: int) -> list[Path]:
@@ -251,13 +243,13 @@ def load_checkpoint(
     if changed:
         listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")
-    reader = CheckpointReader(folder)
-    reader.read_metadata()  # its error here: some torch versions swallow it inside dcp.load ("metadata is None")
+    # `folder` comes from `prepare_out`, whose `damage` check has read its metadata: a bad one was named there (torch
+    # 2.11's dcp.load would swallow the error as "metadata is None").
     model_state, optim_state = get_state_dict(model, optimizer)
     # Loaded in place: the views share the state dicts' tensors.
     dcp.load(
         {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
-        storage_reader=reader,
+        storage_reader=CheckpointReader(folder),
         planner=CheckpointLoadPlanner(),
     )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

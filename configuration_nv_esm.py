@@ -30,6 +30,7 @@ LOAD_TIME_OPTIONS = (
     "attn_input_format",
     "layer_precision",
     "fp8_recipe",
+    "fp8_weights",
     "check_inputs",
     "cuda_graphs",
     "offload_activations",
@@ -82,6 +83,12 @@ class NVEsmConfig(PretrainedConfig):
             `"fp8"` runs that layer's GEMMs in FP8 (Transformer Engine only), `None` keeps it in bf16.
         fp8_recipe: Transformer Engine FP8 scaling recipe, by name: `"delayed"` (DelayedScaling),
             `"current"` (Float8CurrentScaling) or `"block"` (Float8BlockScaling).
+        fp8_weights: Hold the GEMM weights of the FP8 layers (`layer_precision`) in FP8 only, quantized with
+            `fp8_recipe` (Transformer Engine's `quantized_model_init`; TE backend): a quarter of their fp32 memory,
+            half of their bf16 memory, and no per-forward weight cast. The weights become the FP8 values: a
+            checkpoint saved from such a model holds them (dequantized). To train, use an optimizer with master
+            weights (`transformer_engine.pytorch.optimizers.FusedAdam(..., master_weights=True)`). Load with
+            `dtype` and `device_map` rather than casting the model afterwards.
         check_inputs: Validate data-dependent input properties (token ids within the vocabulary, `cu_seq_lens`
             and `position_ids` consistent, proteins not longer than `max_protein_length`) and raise
             `ValueError` on violations. This costs one device synchronisation per forward; a training loop whose
@@ -101,9 +108,9 @@ class NVEsmConfig(PretrainedConfig):
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `check_inputs`, `cuda_graphs`, `offload_activations`, `max_protein_length`) describe the machine and the run,
-    not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an
-    older version) is read without them, with a warning for values other than the defaults. Pass them to
+    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`, `max_protein_length`) describe the machine
+    and the run, not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them
+    (written by an older version) is read without them, with a warning for values other than the defaults. Pass them to
     `from_pretrained`.
     """
 
@@ -136,6 +143,7 @@ class NVEsmConfig(PretrainedConfig):
         attn_input_format: str = "thd",
         layer_precision: list[str | None] | None = None,
         fp8_recipe: str = "delayed",
+        fp8_weights: bool = False,
         check_inputs: bool = True,
         cuda_graphs: bool = True,
         offload_activations: bool = False,
@@ -167,6 +175,7 @@ class NVEsmConfig(PretrainedConfig):
         self.attn_input_format = attn_input_format
         self.layer_precision = None if layer_precision is None else list(layer_precision)
         self.fp8_recipe = fp8_recipe
+        self.fp8_weights = fp8_weights
         self.check_inputs = check_inputs
         self.cuda_graphs = cuda_graphs
         self.offload_activations = offload_activations
@@ -266,7 +275,14 @@ class NVEsmConfig(PretrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        for name in ("token_dropout", "check_inputs", "cuda_graphs", "offload_activations", "tie_word_embeddings"):
+        for name in (
+            "token_dropout",
+            "fp8_weights",
+            "check_inputs",
+            "cuda_graphs",
+            "offload_activations",
+            "tie_word_embeddings",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
@@ -283,6 +299,11 @@ class NVEsmConfig(PretrainedConfig):
                 )
             for value in self.layer_precision:
                 _check_choice("layer_precision entries", value, LAYER_PRECISIONS)
+        if self.fp8_weights and not self.uses_fp8:
+            raise ValueError(
+                "fp8_weights holds the FP8 layers' weights in FP8, and layer_precision marks no layer 'fp8': "
+                "pass e.g. layer_precision=['fp8'] * num_hidden_layers"
+            )
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:

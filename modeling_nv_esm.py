@@ -171,6 +171,55 @@ def caller_fp8_enabled() -> bool:
     return manager is not None and bool(manager.is_fp8_enabled())
 
 
+def caller_fp8_weights_recipe() -> Any:
+    """The recipe of a caller's `te.quantized_model_init` around the model's construction (TE modules built now hold
+    their weights in FP8 with it), or None outside one."""
+    manager = _fp8_state_manager()
+    if manager is None or not manager.with_fp8_parameters():
+        return None
+    return manager.get_fp8_recipe()
+
+
+def fp8_weights_init(recipe: Any) -> contextlib.AbstractContextManager:
+    """Transformer Engine's `quantized_model_init` (`fp8_model_init` before TE 2.8): TE modules built inside hold
+    their weights in FP8 quantized with `recipe`, or in high precision when `recipe` is None."""
+    te = import_transformer_engine()
+    init = getattr(te, "quantized_model_init", None) or te.fp8_model_init
+    return init(enabled=recipe is not None, recipe=recipe)
+
+
+def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """What to copy into `parameter` to give it `value`: `value` itself, or for a weight held in FP8 (a TE quantized
+    tensor) `value` quantized by the parameter's own quantizer, so that the copy takes the FP8 data and scales as
+    they are. Per-tensor delayed scaling first gets the scale its recipe would reach for `value` (`fp8 max / amax`),
+    not the 1.0 it starts with. Raises RuntimeError when the FP8 values are more than 10% (relative norm) from
+    `value`: a quantization gone wrong must not become silently wrong outputs."""
+    quantizer = getattr(parameter, "_quantizer", None)
+    if quantizer is None:
+        return value
+    value = value.detach().to(parameter.device, parameter.dtype)
+    usages = parameter.get_usages()  # the copy takes FP8 data as it is only when the layouts match
+    quantizer.set_usage(rowwise=usages.get("rowwise", True), columnwise=usages.get("columnwise", False))
+    if type(quantizer).__name__ == "Float8Quantizer":  # delayed scaling
+        name = getattr(quantizer.dtype, "name", str(quantizer.dtype))  # TE's DType enum: str() is its number
+        fp8_max = torch.finfo(torch.float8_e4m3fn if "E4M3" in name else torch.float8_e5m2).max
+        largest = value.abs().max().float().clamp(min=torch.finfo(torch.float32).tiny)
+        quantizer.scale.copy_((fp8_max / largest).to(quantizer.scale))
+    quantized = quantizer.quantize(value)
+    error = (quantized.dequantize().float() - value.float()).norm() / value.float().norm().clamp(min=1e-30)
+    if error > 0.1:
+        raise RuntimeError(
+            f"quantizing a weight to FP8 ({type(quantizer).__name__}) is off by {error.item():.0%}; this "
+            "Transformer Engine version holds FP8 weights differently: load the model without fp8_weights"
+        )
+    return quantized
+
+
+def holds_fp8_weights(layer: nn.Module) -> bool:
+    """Whether a TE layer's weights are FP8 tensors (`quantized_model_init`)."""
+    return any(hasattr(parameter, "_quantizer") for parameter in layer.parameters())
+
+
 def make_fp8_recipe(name: str) -> Any:
     """The Transformer Engine recipe object for `config.fp8_recipe`."""
     recipe = importlib.import_module("transformer_engine.common.recipe")
@@ -1039,9 +1088,15 @@ def te_layer_class() -> type[nn.Module]:
     return NVEsmTELayer
 
 
-def make_te_layer(config: NVEsmConfig, layer_number: int, tensor_parallel: RankGroup | None = None) -> nn.Module:
+def make_te_layer(
+    config: NVEsmConfig,
+    layer_number: int,
+    tensor_parallel: RankGroup | None = None,
+    params_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based);
-    with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism)."""
+    with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism). Parameters in
+    `params_dtype` (default: torch's default dtype)."""
     init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
     on_meta = torch.get_default_device().type == "meta"
     parallel: dict[str, Any] = {}
@@ -1072,7 +1127,7 @@ def make_te_layer(config: NVEsmConfig, layer_number: int, tensor_parallel: RankG
         activation=config.hidden_act,
         normalization="LayerNorm",
         attn_input_format=config.attn_input_format,
-        params_dtype=torch.get_default_dtype(),
+        params_dtype=params_dtype or torch.get_default_dtype(),
         device="meta" if on_meta else "cuda",
         **parallel,
     )
@@ -1239,11 +1294,16 @@ class NVEsmEncoder(nn.Module):
         self.config = config
         self.backend = backend
         if backend == "te":
-            self.layers = nn.ModuleList(make_te_layer(config, i + 1) for i in range(config.num_hidden_layers))
             self.fp8_recipe = make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None
+            self.fp8_weight_recipes = self._fp8_weight_recipes()
+            with fp8_weights_init(None):  # high precision first: `hold_fp8_weights` quantizes with fitting scales
+                self.layers = nn.ModuleList(make_te_layer(config, i + 1) for i in range(config.num_hidden_layers))
         else:
+            if config.fp8_weights:
+                raise ValueError("fp8_weights holds weights in Transformer Engine's FP8 tensors: needs backend='te'.")
             self.layers = nn.ModuleList(NVEsmTorchLayer(config) for _ in range(config.num_hidden_layers))
             self.fp8_recipe = None
+            self.fp8_weight_recipes = [None] * config.num_hidden_layers
             if config.uses_fp8:
                 logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -1254,6 +1314,48 @@ class NVEsmEncoder(nn.Module):
         self._offload = ActivationOffload()
         self.register_state_dict_post_hook(_drop_te_extra_state)
         self.register_load_state_dict_post_hook(_ignore_missing_te_extra_state)
+        self.register_load_state_dict_pre_hook(_quantize_fp8_weights)
+        self.hold_fp8_weights()  # on the meta device (from_pretrained), after loading instead
+
+    def _fp8_weight_recipes(self) -> list[Any]:
+        """Per layer, the recipe its weights are held in FP8 with, or None: `config.fp8_weights` holds the FP8
+        layers' weights with `fp8_recipe`; a caller's `te.quantized_model_init` around the construction holds
+        every layer's with its recipe."""
+        config = self.config
+        if config.fp8_weights:
+            return [self.fp8_recipe if precision == "fp8" else None for precision in config.layer_precision]
+        return [caller_fp8_weights_recipe()] * config.num_hidden_layers
+
+    def hold_fp8_weights(self) -> None:
+        """Hold the weights of the layers `fp8_weight_recipes` names in FP8: each is rebuilt on the GPU inside
+        `quantized_model_init` and its current weights quantized into it (`fp8_value`). Runs when the model is
+        built, and in `from_pretrained` after loading (a model built on the meta device has no weights yet); layers
+        already in FP8 are left as they are. The rebuild draws no random numbers from the caller's generators.
+
+        In eval mode (as `from_pretrained` leaves a model) or without gradients (a build under `torch.no_grad()`)
+        only the FP8 rows are kept, half the bytes of bf16: what inference reads. Otherwise their transposes too
+        (Hopper's backward GEMMs read them); a training forward of a rows-only model makes them when it needs
+        them."""
+        converted, grad = False, torch.is_grad_enabled()
+        for index, recipe in enumerate(self.fp8_weight_recipes):
+            old = self.layers[index]
+            if recipe is None or holds_fp8_weights(old):
+                continue
+            weights = dict(old.named_parameters())
+            if any(value.device.type == "meta" for value in weights.values()):
+                continue
+            dtype = next(iter(weights.values())).dtype
+            devices = [torch.cuda.current_device()]
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.training and grad):
+                with fp8_weights_init(recipe):  # the FP8 layouts quantized now follow torch.is_grad_enabled()
+                    new = make_te_layer(self.config, index + 1, params_dtype=dtype)
+                with torch.no_grad():
+                    for name, parameter in new.named_parameters():
+                        parameter.copy_(fp8_value(parameter, weights[name]))
+            self.layers[index], converted = new.train(old.training), True
+        if converted:
+            gc.collect()  # the old layers' fused modules and adapter targets refer to each other
+            self.graphs.clear()
 
     def forward(
         self,
@@ -1265,6 +1367,11 @@ class NVEsmEncoder(nn.Module):
         """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
         layer's output, with the last one LayerNormed as in ESM and transformers. `attention_sink`, if given,
         receives each layer's attention probabilities (`attention_probabilities`) as the layers run."""
+        if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not caller_fp8_enabled():
+            raise ValueError(
+                "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
+                "te.autocast(enabled=True, recipe=...), or load it with layer_precision and fp8_weights=True."
+            )
         if inputs.static_shape:
             states = self.graphs.run(self, hidden_states, inputs)
             if states is not None:
@@ -1405,6 +1512,7 @@ class NVEsmEncoder(nn.Module):
             ),
             "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
             "activation offloading is not supported": config.offload_activations,
+            "weights held in FP8 (fp8_weights) are not supported": any(self.fp8_weight_recipes),
         }
         for reason, refused in {**refusals, **shared}.items():
             if refused:
@@ -1902,9 +2010,22 @@ def _is_sharded(module: nn.Module) -> bool:
 
 
 def _drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith("._extra_state")]:
-        del state_dict[key]
+    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required; weights held in
+    FP8 (`fp8_weights`) appear as the plain tensors of their values (`dequantize`), which any checkpoint holds."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.endswith("._extra_state"):
+            del state_dict[key]
+        elif hasattr(state_dict[key], "_quantizer") and hasattr(state_dict[key], "dequantize"):
+            state_dict[key] = state_dict[key].dequantize()
+
+
+def _quantize_fp8_weights(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook: the values loaded into weights held in FP8 are quantized here (`fp8_value`: scales fitted,
+    result checked), so that `load_state_dict` copies FP8 data as it is."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters(prefix=prefix.rstrip(".")):
+            if hasattr(parameter, "_quantizer") and torch.is_tensor(state_dict.get(name)):
+                state_dict[name] = fp8_value(parameter, state_dict[name])
 
 
 def _ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> None:
@@ -2026,6 +2147,15 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         gets the same outputs. After each backward, call `reduce_partial_gradients` before the optimizer step:
         every layer gradient holds each rank's share."""
         self.base_model.encoder.enable_context_parallel(ContextParallel.of(cp_group))
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `from_pretrained`; then, with `fp8_weights=True` (or inside a caller's
+        `te.quantized_model_init`), the loaded FP8 layers' weights are quantized (`NVEsmEncoder.hold_fp8_weights`)."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) when asked
+        model.base_model.encoder.hold_fp8_weights()
+        return loaded
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         if self.base_model.encoder.tensor_parallel is not None:

@@ -351,7 +351,7 @@ def check_long(out: Path, shape: str, steps: int, lengths: list[int]) -> dict:
     results = {}
     for length in lengths:
         data = write_long_proteins(out, length, count=steps + 2)
-        common = ["--steps", str(steps), "--token-budget", str(length), "--max-length", str(length)]
+        common = ["--steps", str(steps), "--token-budget", str(length), "--max-length", str(length - 2)]
         common += ["--warmup-steps", "2", "--lr", "1e-4", "--log-every", "1", "--no-checkpoint"]
         runs = {
             "one_gpu": (1, ["--no-cuda-graphs"], None),

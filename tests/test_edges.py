@@ -15,6 +15,7 @@ from transformers import EsmConfig
 from configuration_nv_esm import NVEsmConfig
 from conftest import ATOL_FP32, TINY_CHECKPOINT, make_hf_model, make_nv_model, random_padded_batch, random_proteins
 from convert_helpers import run
+from modeling_nv_esm import NVEsmForMaskedLM
 from nv_esm.alphabet import PAD
 
 # ---- configs ----------------------------------------------------------------------------------------------------
@@ -31,6 +32,20 @@ def test_a_transformers_esm2_config_dict_builds_an_nvesm_config():
     assert NVEsmConfig.from_dict(json.loads((TINY_CHECKPOINT / "config.json").read_text()) | {"model_type": "nv_esm"})
     with pytest.raises(ValueError, match="bos_token_id must be a token id in \\[0, 33\\), got True"):
         NVEsmConfig(bos_token_id=True)
+
+
+def test_fp8_weights_without_fp8_layers_or_off_transformer_engine_is_refused(tmp_path):
+    """`fp8_weights` (weights held in TE's FP8 tensors) needs FP8 layers and the TE backend; it is a load-time
+    option (never in config.json). Its GPU behaviour: tests/test_gpu.py."""
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    with pytest.raises(ValueError, match="layer_precision marks no layer 'fp8'"):
+        NVEsmConfig(**shape, fp8_weights=True)
+    with pytest.raises(ValueError, match="fp8_weights .* needs backend='te'"):
+        NVEsmForMaskedLM(NVEsmConfig(**shape, layer_precision=["fp8", None], fp8_weights=True, backend="torch"))
+    with pytest.raises(ValueError, match="fp8_weights must be True or False"):
+        NVEsmConfig(**shape, layer_precision=["fp8", None], fp8_weights="yes")
+    NVEsmConfig(**shape, layer_precision=["fp8", None], fp8_weights=True).save_pretrained(tmp_path)
+    assert "fp8_weights" not in json.loads((tmp_path / "config.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -509,3 +509,111 @@ def test_stock_peft_lora_on_te_matches_transformers_and_merges(hf_fp32, attn_inp
     )
     with pytest.raises(ValueError, match="not supported"), torch.no_grad():
         refused(input_ids, attention_mask=attention_mask)
+
+
+def _layer_weight_bytes(model: NVEsmForMaskedLM) -> int:
+    """Bytes the encoder layers' parameters occupy on the GPU (an FP8 tensor: its data, transpose and scales)."""
+    total = 0
+    for parameter in model.esm.encoder.layers.parameters():
+        parts = [getattr(parameter, name, None) for name in ("_data", "_transpose", "_scale_inv")]
+        parts += [getattr(parameter, name, None) for name in ("_rowwise_data", "_columnwise_data")]
+        parts += [getattr(parameter, name, None) for name in ("_rowwise_scale_inv", "_columnwise_scale_inv")]
+        quantized = [part for part in parts if torch.is_tensor(part)]
+        tensors = quantized if hasattr(parameter, "_quantizer") else [parameter]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+def test_fp8_weights_load_infer_train_and_save(hf_fp32, recipe, tmp_path):
+    """`fp8_weights=True` (TE's quantized_model_init): the FP8 layers hold their weights in FP8 after
+    `from_pretrained` and after a plain build, in fewer bytes; logits and loss stay within FP8's tolerance of the same
+    layers computing in FP8 from bf16 weights; TE's FusedAdam with master weights trains them (the loss on a fixed
+    batch falls); `save_pretrained` writes their values, which a plain bf16 load reproduces."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from modeling_nv_esm import holds_fp8_weights
+
+    layers = hf_fp32.config.num_hidden_layers
+    make_nv_model(hf_fp32).save_pretrained(tmp_path / "nv")
+    fp8 = dict(layer_precision=["fp8"] * layers, fp8_recipe=recipe, cuda_graphs=CUDA_GRAPHS)
+    load = dict(backend="te", dtype=torch.bfloat16, device_map=CUDA)
+    held = NVEsmForMaskedLM.from_pretrained(tmp_path / "nv", fp8_weights=True, **fp8, **load)
+    computed = NVEsmForMaskedLM.from_pretrained(tmp_path / "nv", **fp8, **load)
+    assert all(holds_fp8_weights(layer) for layer in held.esm.encoder.layers)
+    assert not any(holds_fp8_weights(layer) for layer in computed.esm.encoder.layers)
+    held_bytes, plain_bytes = _layer_weight_bytes(held), _layer_weight_bytes(computed)
+    print(f"\n[fp8 weights {recipe}] layer bytes {held_bytes} vs bf16 {plain_bytes}")
+    assert held_bytes < 0.6 * plain_bytes  # eval mode (from_pretrained's): the FP8 rows only
+    built = make_nv_model(hf_fp32, backend="te", fp8_weights=True, **fp8)  # a plain build, weights loaded after
+    assert all(holds_fp8_weights(layer) for layer in built.esm.encoder.layers)
+    assert _layer_weight_bytes(built) > 1.5 * held_bytes  # train mode when built: rows and transposes
+
+    proteins = random_proteins([5, 250, 33, 1, 97], seed=150, mask_fraction=0.15)
+    input_ids, attention_mask = pad_batch(proteins)
+    input_ids, attention_mask = input_ids.to(CUDA), attention_mask.to(CUDA)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    keep = attention_mask.bool()
+    with torch.no_grad():
+        outputs = {
+            name: model.eval()(input_ids, attention_mask=attention_mask, labels=labels)
+            for name, model in (("bf16", te_model(hf_fp32)), ("held", held), ("computed", computed))
+        }
+    logits = {name: output.logits[keep].float() for name, output in outputs.items()}
+    losses = {name: round(output.loss.item(), 5) for name, output in outputs.items()}
+    to_bf16 = torch.nn.functional.cosine_similarity(logits["held"], logits["bf16"], dim=-1).min().item()
+    to_computed = torch.nn.functional.cosine_similarity(logits["held"], logits["computed"], dim=-1).min().item()
+    print(
+        f"[fp8 weights {recipe}] losses {losses}; logits cosine min to bf16 {to_bf16:.5f}, computed {to_computed:.5f}"
+    )
+    assert abs(losses["held"] - losses["bf16"]) <= FP8_LOSS_RTOL * losses["bf16"]
+    assert to_bf16 >= 0.98
+    if recipe != "delayed":  # the same quantization as a per-forward cast; delayed scaling's first cast uses scale 1
+        assert to_computed >= 0.999
+
+    held.train()
+    optimizer = FusedAdam(held.parameters(), lr=1e-3, master_weights=True)
+    train_losses = []
+    for _ in range(8):
+        loss = held(input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_losses.append(loss.item())
+    print(f"[fp8 weights {recipe}] training losses {[round(x, 4) for x in train_losses]}")
+    assert all(holds_fp8_weights(layer) for layer in held.esm.encoder.layers)
+    assert all(torch.isfinite(torch.tensor(train_losses))) and train_losses[-1] < train_losses[0] - 0.05
+
+    held.eval().save_pretrained(tmp_path / "saved")
+    reloaded = NVEsmForMaskedLM.from_pretrained(tmp_path / "saved", backend="te", dtype=torch.bfloat16).to(CUDA)
+    saved, state = reloaded.state_dict(), held.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[key], state[key].to(saved[key].device)) for key in saved)
+
+
+def test_a_callers_quantized_model_init_holds_every_layer_in_fp8(hf_fp32, tmp_path):
+    """A model built or loaded inside the caller's `te.quantized_model_init` holds every layer's weights in FP8 (its
+    recipe); it runs under the caller's `te.autocast` with the loss close to bf16, and without one it refuses in one
+    line instead of computing with FP8 weights outside FP8."""
+    import transformer_engine.pytorch as te
+
+    from modeling_nv_esm import holds_fp8_weights, make_fp8_recipe
+
+    make_nv_model(hf_fp32).save_pretrained(tmp_path)
+    recipe = make_fp8_recipe("current")
+    load = dict(backend="te", dtype=torch.bfloat16, device_map=CUDA, cuda_graphs=CUDA_GRAPHS)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        model = NVEsmForMaskedLM.from_pretrained(tmp_path, **load).eval()
+    assert all(holds_fp8_weights(layer) for layer in model.esm.encoder.layers)
+    proteins = random_proteins([5, 79, 33, 1, 61], seed=151, mask_fraction=0.15)
+    input_ids, attention_mask = pad_batch(proteins)
+    input_ids, attention_mask = input_ids.to(CUDA), attention_mask.to(CUDA)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    with torch.no_grad():
+        bf16 = te_model(hf_fp32)(input_ids, attention_mask=attention_mask, labels=labels).loss.item()
+        with te.autocast(enabled=True, recipe=recipe):
+            loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss.item()
+        with pytest.raises(ValueError, match="te.autocast"):
+            model(input_ids, attention_mask=attention_mask)
+    print(f"\n[caller quantized_model_init] loss bf16 {bf16:.5f} fp8 weights {loss:.5f}")
+    assert abs(loss - bf16) <= FP8_LOSS_RTOL * bf16

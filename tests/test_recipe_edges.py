@@ -44,7 +44,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
         (mlm_args(tiny_config, 2, "--mask-prob", "1.5"), "--mask-prob must be in (0, 1)"),
         (mlm_args(tiny_config, 2, "--mask-prob", "0"), "--mask-prob must be in (0, 1)"),
         (mlm_args(tiny_config, 2, "--save-every", "-1"), "--save-every must be at least 0"),
-        (mlm_args(tiny_config, 2, "--max-length", "2"), "--max-length must be at least 3"),
+        (mlm_args(tiny_config, 2, "--max-length", "0"), "--max-length must be at least 1 residue, got 0"),
         (mlm_args(tiny_config, 2, "--resume"), "--resume: no checkpoint"),
         (["--model", str(tiny_source), "--data", str(DEMO_FASTA), "--steps", "2"], "convert"),
         (["--model", "facebook/esm2_t6_8M_UR50D", "--data", str(DEMO_FASTA), "--steps", "2"], "esm2_t6_8M_UR50D"),

@@ -81,7 +81,7 @@ class DataConfig:
 
     files: list[str]  # --data: FASTA/.txt/.parquet (mlm) or one labelled CSV
     token_budget: int = 16384  # tokens per micro-batch and rank
-    max_length: int = 1024  # proteins are cropped to this many tokens
+    max_length: int = 1024  # crop length in tokens: --max-length residues + <cls> and <eos>
     mask_prob: float = 0.15
     workers: int = 1  # --data-workers: 1 process prepares batches ahead, or 0
 
@@ -199,9 +199,7 @@ class TrainConfig:
             if not value >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {value}.")
         if self.data.max_length < 3:
-            raise ValueError(
-                f"--max-length must be at least 3 tokens (<cls>, a residue, <eos>), got {self.data.max_length}."
-            )
+            raise ValueError(f"--max-length must be at least 1 residue, got {self.data.max_length - 2}.")
         if self.model.task == "mlm" and not 0 < self.data.mask_prob < 1:
             raise ValueError(f"--mask-prob must be in (0, 1), got {self.data.mask_prob}.")
         if not self.optimizer.lr >= 0 or not 0 <= self.optimizer.min_lr_ratio <= 1:
@@ -355,7 +353,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     data.add_argument(
         "--token-budget", type=int, default=DataConfig.token_budget, help="tokens per micro-batch and rank"
     )
-    data.add_argument("--max-length", type=int, default=DataConfig.max_length, help="crop proteins to this many tokens")
+    data.add_argument(
+        "--max-length",
+        type=int,
+        default=DataConfig.max_length - 2,
+        help="longest protein in residues, as in nv-esm embed: longer ones are cropped to a window of this many "
+        "residues plus 2 tokens (a window of the tokenized protein, <cls>/<eos> where it reaches the ends, as "
+        "ESM-2 was trained)",
+    )
     data.add_argument(
         "--mask-prob",
         type=float,
@@ -474,7 +479,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data=DataConfig(
             files=list(args.data),
             token_budget=args.token_budget,
-            max_length=args.max_length,
+            max_length=args.max_length + 2,  # tokens: the residues with <cls> and <eos>
             mask_prob=args.mask_prob,
             workers=args.data_workers,
         ),

@@ -22,6 +22,7 @@ BACKENDS = ("auto", "te", "torch")
 ATTN_INPUT_FORMATS = ("bshd", "thd")
 LAYER_PRECISIONS = ("fp8", None)
 FP8_RECIPES = ("delayed", "current", "block")
+FP8_LAYER_CHOICES = ("off", "all", "inner")  # `fp8_layer_precision`'s modes: the commands' --fp8
 HIDDEN_ACTS = ("gelu",)
 # Choices about the machine and the run, not the model: `from_pretrained` keywords, never written to config.json
 # (a model fine-tuned on a CPU with backend="torch" must not run the slow path on every GPU it is shared to).
@@ -304,6 +305,17 @@ class NVEsmConfig(PretrainedConfig):
                 "fp8_weights holds the FP8 layers' weights in FP8, and layer_precision marks no layer 'fp8': "
                 "pass e.g. layer_precision=['fp8'] * num_hidden_layers"
             )
+
+
+def fp8_layer_precision(mode: str, num_layers: int) -> list[str | None] | None:
+    """`layer_precision` for a `FP8_LAYER_CHOICES` mode: "off" (None), "all" layers, or "inner": all but the first
+    and last (often kept in bf16; with two layers or fewer, all)."""
+    _check_choice("fp8 mode", mode, FP8_LAYER_CHOICES)
+    if mode == "off":
+        return None
+    if mode == "all" or num_layers <= 2:
+        return ["fp8"] * num_layers
+    return [None] + ["fp8"] * (num_layers - 2) + [None]
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:

@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import modeling_nv_esm
+from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, fp8_layer_precision
 from nv_esm.alphabet import CLS, EOS, iter_fasta
 from nv_esm.checkpoint_io import update_digest
 from nv_esm.data import residue_ids
@@ -596,9 +597,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32")
-    parser.add_argument("--backend", choices=("auto", "te", "torch"), default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument(
-        "--fp8", choices=("off", "all", "inner"), default="off", help="FP8 layers (Transformer Engine on CUDA)"
+        "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA)"
     )
     parser.add_argument(
         "--cuda-graphs",
@@ -726,10 +727,9 @@ def load_model(
     from transformers import AutoModel
 
     from nv_esm.hub_folder import remote_code_differences
-    from nv_esm.train.materialize import fp8_layers
 
     options = {
-        "layer_precision": fp8_layers(fp8, config.num_hidden_layers),
+        "layer_precision": fp8_layer_precision(fp8, config.num_hidden_layers),
         "cuda_graphs": cuda_graphs,
         "check_inputs": False,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,

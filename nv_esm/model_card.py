@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from nv_esm.checkpoint_io import format_bytes
 from nv_esm.state_dict_mapping import HEADS
-from nv_esm.train.config import TASK_HEADS
+from nv_esm.tasks import TASK_HEADS
 
 if TYPE_CHECKING:
     import torch

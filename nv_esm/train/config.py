@@ -15,10 +15,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES
+from nv_esm.tasks import TASK_HEADS
+
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
-# Each task's head (a key of `state_dict_mapping.HEADS`; its class: materialize.MODEL_CLASSES): MLM pretraining, or
-# fine-tuning a head.
-TASK_HEADS = {"mlm": "masked_lm", "sequence": "sequence_classification", "token": "token_classification"}
 TASKS = tuple(TASK_HEADS)
 DESCRIPTION = """\
 Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pretraining and fine-tuning.
@@ -267,19 +267,19 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     model.add_argument("--task", choices=TASKS, default=ModelConfig.task, help="mlm, or a fine-tuning head")
     model.add_argument(
         "--backend",
-        choices=("auto", "te", "torch"),
+        choices=BACKENDS,
         default=ModelConfig.backend,
         help="layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)",
     )
     model.add_argument(
         "--fp8",
-        choices=("off", "all", "inner"),
+        choices=FP8_LAYER_CHOICES,
         default=ModelConfig.fp8,
         help="FP8 layers (TE): all, or all but first/last",
     )
     model.add_argument(
         "--fp8-recipe",
-        choices=("delayed", "current", "block"),
+        choices=FP8_RECIPES,
         default=ModelConfig.fp8_recipe,
         help="FP8 scaling of --fp8 layers",
     )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from configuration_nv_esm import NVEsmConfig
+from configuration_nv_esm import NVEsmConfig, fp8_layer_precision
 from modeling_nv_esm import (
     NVEsmForMaskedLM,
     NVEsmForSequenceClassification,
@@ -51,20 +51,13 @@ def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
         fields.pop(key, None)
     backend = resolve_backend(settings.backend)
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
-    fields.update(backend=backend, attn_input_format="thd", layer_precision=fp8_layers(settings.fp8, num_layers))
+    fields.update(
+        backend=backend, attn_input_format="thd", layer_precision=fp8_layer_precision(settings.fp8, num_layers)
+    )
     # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
     fields.update(fp8_recipe=settings.fp8_recipe, check_inputs=False, cuda_graphs=settings.cuda_graphs)
     fields.update(labels)
     return NVEsmConfig(**fields)
-
-
-def fp8_layers(mode: str, num_layers: int) -> list[str | None] | None:
-    """`layer_precision` for --fp8: none, all layers, or all but the first and last (often kept in bf16)."""
-    if mode == "off":
-        return None
-    if mode == "all" or num_layers <= 2:
-        return ["fp8"] * num_layers
-    return [None] + ["fp8"] * (num_layers - 2) + [None]
 
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:

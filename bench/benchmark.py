@@ -43,7 +43,9 @@ from pathlib import Path
 
 import torch
 
-from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins, pad_proteins, transformer_engine_available
+from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins
+from modeling_nv_esm_layers import transformer_engine_available
+from nv_esm.data import pad_proteins
 
 assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
 

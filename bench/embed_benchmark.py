@@ -23,7 +23,7 @@ import torch
 from benchmark import ROOT, SHAPES, draw_batches
 
 import convert_checkpoint
-from nv_esm import embed
+from nv_esm import embed, embed_model, embed_plan
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 
 COMMAND_VARIANTS = {  # name: (--fp8, --cuda-graphs)
@@ -63,16 +63,16 @@ def write_fasta(path: Path, sequences: list[str]) -> Path:
 def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path, fp8: str, graphs: bool, tokens: int):
     """(embeddings [N, hidden], seconds, peak GB) of `nv_esm.embed.run` over `fasta` (after a warm-up run)."""
     device = torch.device("cuda")
-    config = embed.load_config(str(checkpoint))
+    config = embed_model.load_config(str(checkpoint))
     model = None
     for name, source in (("warm", warm_fasta), ("timed", fasta)):
         folder = work / name
         shutil.rmtree(folder, ignore_errors=True)
         argv = [str(checkpoint), str(source), str(folder), "--tokens-per-batch", str(tokens), "--fp8", fp8]
         args = embed.parse_args([*argv, "--cuda-graphs" if graphs else "--no-cuda-graphs"], "bench")
-        settings, records = embed.plan_run(args, config, device)
+        settings, records = embed_plan.plan_run(args, config, device)
         if model is None:
-            model = embed.load_model(str(checkpoint), config, settings.backend, fp8, graphs, device)
+            model = embed_model.load_model(str(checkpoint), config, settings.backend, fp8, graphs, device)
         torch.cuda.reset_peak_memory_stats()
         stats, seconds = timed(embed.run, args, model, settings, records)
     peak = torch.cuda.max_memory_allocated() / 1e9

@@ -38,12 +38,12 @@ from benchmark import SHAPES
 from embed_benchmark import make_workload, write_fasta
 
 import modeling_nv_esm
-from nv_esm import embed, trace_summary
+from nv_esm import embed, embed_model, embed_plan, trace_summary
 
 
 def model_only(model, sequences: list[str], tokens_per_batch: int) -> dict:
     """Seconds of the model + mean pooling over the command's batches, inputs uploaded beforehand."""
-    token_lists = [embed.tokenize(sequence) for sequence in sequences]
+    token_lists = [embed_plan.tokenize(sequence) for sequence in sequences]
     batches = []
     for batch in modeling_nv_esm.length_sorted_batches(token_lists, tokens_per_batch):
         packed = modeling_nv_esm.pack_proteins([token_lists[index] for index in batch])
@@ -69,7 +69,7 @@ def timed_run(checkpoint: Path, config, model, source: Path, folder: Path, optio
     given (a torch.profiler or cProfile context)."""
     shutil.rmtree(folder, ignore_errors=True)
     args = embed.parse_args([str(checkpoint), str(source), str(folder), "--no-progress", *options], "bench")
-    settings, records = embed.plan_run(args, config, torch.device("cuda"))
+    settings, records = embed_plan.plan_run(args, config, torch.device("cuda"))
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profiler if profiler is not None else contextlib.nullcontext():
@@ -122,7 +122,7 @@ def patch_variant(model, variant: str) -> dict:
 def captures(checkpoint: Path, config, fasta: Path, warm: Path, work: Path, report: dict, save) -> None:
     """First and second run of fresh models per variant, with their captures."""
     for fp8, variant in [("off", "previous"), ("off", "default"), ("all", "previous"), ("all", "default")]:
-        model = embed.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
+        model = embed_model.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
         counts = patch_variant(model, variant)
         entry = {}
         for run in ("warm", "first", "second"):
@@ -154,7 +154,7 @@ def main() -> None:
     del reference
     fasta, warm = write_fasta(work / "all.fasta", sequences), write_fasta(work / "warm.fasta", sequences[:512])
     first = write_fasta(work / "first.fasta", sequences[:3000])
-    config = embed.load_config(str(checkpoint))
+    config = embed_model.load_config(str(checkpoint))
     report: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "proteins": len(sequences)}
 
     def save() -> None:
@@ -174,7 +174,7 @@ def main() -> None:
         }
     )
     for fp8, (budgets, option_lists) in plans.items():
-        model = embed.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
+        model = embed_model.load_model(str(checkpoint), config, "te", fp8, True, torch.device("cuda"))
         for tokens in budgets:
             report[f"model_only_fp8_{fp8}_{tokens}"] = model_only(model, sequences, tokens)
             print(report[f"model_only_fp8_{fp8}_{tokens}"], flush=True)

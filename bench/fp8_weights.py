@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from modeling_nv_esm import NVEsmForMaskedLM, transformer_engine_available
+from modeling_nv_esm import NVEsmForMaskedLM
+from modeling_nv_esm_layers import transformer_engine_available
 
 assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
 

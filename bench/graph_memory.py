@@ -37,6 +37,7 @@ import benchmark  # bench/benchmark.py: imports Transformer Engine first
 import torch
 
 import modeling_nv_esm
+import modeling_nv_esm_graphs
 
 CASES = {
     "eager": dict(cuda_graphs=False),
@@ -58,13 +59,13 @@ def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
     batches = [benchmark.mlm_inputs(b, seed=i) for i, b in enumerate(benchmark.draw_batches(steps, proteins, seed=1))]
     if case.startswith("one_shape"):
         buckets = [
-            modeling_nv_esm.static_shape(sum(map(len, tokens)), len(tokens), max(map(len, tokens)))
+            modeling_nv_esm_graphs.static_shape(sum(map(len, tokens)), len(tokens), max(map(len, tokens)))
             for tokens, _ in batches
         ]
         largest = tuple(map(max, zip(*buckets)))
-        modeling_nv_esm.static_shape = lambda num_tokens, num_sequences, max_length: largest
+        modeling_nv_esm_graphs.static_shape = lambda num_tokens, num_sequences, max_length: largest
     if case == "buckets_fixed_segments":
-        modeling_nv_esm._expandable_segments = contextlib.nullcontext
+        modeling_nv_esm_graphs._expandable_segments = contextlib.nullcontext
     if options.pop("fp8", False):
         options["layer_precision"] = ["fp8"] * shape["num_hidden_layers"]
     torch.manual_seed(0)
@@ -83,7 +84,7 @@ def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
             result["steps"].append(
                 dict(
                     tokens=tokens,
-                    bucket=modeling_nv_esm.static_shape(tokens, batch["cu_seq_lens_q"].numel() - 1, length),
+                    bucket=modeling_nv_esm_graphs.static_shape(tokens, batch["cu_seq_lens_q"].numel() - 1, length),
                     shapes_captured=len(model.esm.encoder.graphs._graphs),
                     graphs_out_of_memory=model.esm.encoder.graphs._out_of_memory,
                     seconds=time.perf_counter() - started,

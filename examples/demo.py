@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmForMaskedLM
 
-from convert_checkpoint import convert_hf_to_nv
 from nv_esm.alphabet import GFP  # UniProt P42212, green fluorescent protein (Aequorea victoria)
+from nv_esm.conversion import convert_hf_to_nv
 from nv_esm.hub_folder import resolve_source
 from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL
 

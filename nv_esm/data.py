@@ -31,7 +31,8 @@ from typing import IO
 
 import torch
 
-from modeling_nv_esm import RESIDUE_LETTERS, protein_residues
+from modeling_nv_esm import protein_residues
+from modeling_nv_esm_batch import RESIDUE_LETTERS
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
@@ -253,6 +254,29 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def pad_proteins(
+    proteins: Sequence[torch.Tensor | Sequence[int]], pad_token_id: int, padding_side: str = "right"
+) -> dict[str, torch.Tensor]:
+    """Padded (BSHD) model inputs for N proteins' token ids: `input_ids [N, S]` int64 with `pad_token_id` at
+    padding and `attention_mask [N, S]` int64 (1 = token), S the longest protein, padding on `padding_side`."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
+    if not proteins:
+        raise ValueError("pad_proteins needs at least one protein.")
+    ids = [torch.as_tensor(protein, dtype=torch.int64).reshape(-1) for protein in proteins]
+    empty = [index for index, protein in enumerate(ids) if len(protein) == 0]
+    if empty:
+        raise ValueError(f"protein {empty[0]} has no tokens.")
+    width = max(len(protein) for protein in ids)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
+    for row, protein in enumerate(ids):
+        columns = slice(width - len(protein), width) if padding_side == "left" else slice(0, len(protein))
+        input_ids[row, columns] = protein
+        attention_mask[row, columns] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def pack_batch(tokens: list[list[int]], labels: list[list[int]] | torch.Tensor) -> PackedBatch:

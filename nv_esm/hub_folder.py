@@ -29,7 +29,18 @@ if TYPE_CHECKING:
 
 # The remote code of an NVEsm folder, and the `auto_map` of its config.json that points AutoConfig/AutoModel*
 # at it (the repository's own config.json carries the same; tests/test_hub.py checks that).
-REMOTE_CODE_FILES = ("configuration_nv_esm.py", "modeling_nv_esm.py")
+# The model file imports its flat siblings (transformers' loader copies what it imports relatively), each only the
+# ones listed before it. pyproject.toml's py-modules installs the same files (tests/test_layout.py checks both).
+REMOTE_CODE_FILES = (
+    "configuration_nv_esm.py",
+    "modeling_nv_esm_batch.py",
+    "modeling_nv_esm_parallel.py",
+    "modeling_nv_esm_lora.py",
+    "modeling_nv_esm_layers.py",
+    "modeling_nv_esm_graphs.py",
+    "modeling_nv_esm_encoder.py",
+    "modeling_nv_esm.py",
+)
 AUTO_MAP = {
     "AutoConfig": "configuration_nv_esm.NVEsmConfig",
     "AutoModel": "modeling_nv_esm.NVEsmModel",
@@ -64,7 +75,7 @@ LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
 OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
 SOFTWARE.
 """
-CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm.py)."
+CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm*.py)."
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -144,7 +155,8 @@ REMOTE_CODE_FOLDER = Path(__file__).resolve().parents[1]
 
 
 def copy_remote_code(out: Path) -> None:
-    """The two files that `trust_remote_code=True` loads, copied from beside the installed nv_esm package."""
+    """The files that `trust_remote_code=True` loads (`REMOTE_CODE_FILES`), copied from beside the installed nv_esm
+    package."""
     for name in REMOTE_CODE_FILES:
         if not (REMOTE_CODE_FOLDER / name).is_file():
             raise FileNotFoundError(f"{REMOTE_CODE_FOLDER / name} is missing; reinstall nv-esm (pip install .).")

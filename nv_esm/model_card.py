@@ -217,9 +217,9 @@ nv-esm convert verify {source} ./to_check --verify-device cpu
 """
     return f"""### What `trust_remote_code=True` runs
 
-`configuration_nv_esm.py` and `modeling_nv_esm.py` of this folder run as Python with your permissions, like any
-code you install; the weights (safetensors), config.json and the tokenizer files are data. Read the two files, or
-check them, before you trust them.
+`configuration_nv_esm.py`, `modeling_nv_esm.py` and the `modeling_nv_esm_*.py` files it imports
+run as Python with your permissions, like any code you install; the weights (safetensors), config.json and the
+tokenizer files are data. Read these files, or check them, before you trust them.
 {check}
 With nv-esm installed, its own code can run this folder's weights instead, with no code from the folder at all:
 

@@ -16,8 +16,10 @@ import pytest
 import torch
 from transformers import EsmForMaskedLM
 
-from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins, pad_proteins, transformer_engine_available
+from modeling_nv_esm import NVEsmForMaskedLM, pack_proteins
+from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm.alphabet import CLS, EOS, MASK, PAD, STANDARD_IDS
+from nv_esm.data import pad_proteins
 from nv_esm.shapes import ESM2_SHAPES, esm2_config
 from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
@@ -87,7 +89,7 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def nv_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled tiny ESM-2 checkpoint, converted to NVEsm."""
-    from convert_checkpoint import convert_hf_to_nv
+    from nv_esm.conversion import convert_hf_to_nv
 
     out = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
     convert_hf_to_nv(TINY_CHECKPOINT, out)
@@ -111,7 +113,7 @@ def modules_cache(tmp_path, monkeypatch) -> Path:
 def capture_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
     """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met (models loaded
     with trust_remote_code run their own copy of the module, with the default)."""
-    from modeling_nv_esm import StaticShapeGraphs
+    from modeling_nv_esm_graphs import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 1)
 

@@ -18,7 +18,7 @@ import weakref
 import pytest
 import torch
 
-import modeling_nv_esm
+import modeling_nv_esm_encoder
 from conftest import (
     PADDING_SIDES,
     PADDING_WIDTHS,
@@ -31,6 +31,7 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
+from nv_esm.data import pad_proteins
 
 ATOL_MAPS_FP32 = 1e-4
 
@@ -111,7 +112,7 @@ def test_predict_contacts_match_transformers(hf_eager, layout):
         )
         assert contacts.shape == (4, 1024, 1024)
     else:
-        padded = modeling_nv_esm.pad_proteins(proteins, 1, padding_side=layout)
+        padded = pad_proteins(proteins, 1, padding_side=layout)
         contacts = nv.predict_contacts(padded["input_ids"], padded["attention_mask"])
         assert contacts.shape == (4, 1024, 1024)
     if layout == "right":
@@ -132,7 +133,7 @@ def test_predict_contacts_streams_one_layer_of_maps_at_a_time(hf_eager, monkeypa
     """Each layer's maps are freed before the next layer's are formed (the regression takes them as they come)."""
     nv = make_nv_model(hf_eager)
     produced = []
-    real = modeling_nv_esm.attention_probabilities
+    real = modeling_nv_esm_encoder.attention_probabilities
 
     def recording(*args, **kwargs):
         gc.collect()
@@ -141,7 +142,7 @@ def test_predict_contacts_streams_one_layer_of_maps_at_a_time(hf_eager, monkeypa
         produced.append(weakref.ref(maps))
         return maps
 
-    monkeypatch.setattr(modeling_nv_esm, "attention_probabilities", recording)
+    monkeypatch.setattr(modeling_nv_esm_encoder, "attention_probabilities", recording)
     input_ids, attention_mask = pad_batch(random_proteins([50, 20], seed=77))
     nv.predict_contacts(input_ids, attention_mask)
     assert len(produced) == hf_eager.config.num_hidden_layers

@@ -163,8 +163,8 @@ def embed_into(checkpoint, fasta, out, *extra) -> int:
 def test_a_checkpoint_edited_in_place_is_not_resumed_into(tmp_path, capsys):
     """A byte changed anywhere in a weight file (same size) changes the fingerprint: the folder never mixes two
     models' embeddings. (The 8M shape's file is larger than the 64 x 64 KiB an earlier fingerprint sampled.)"""
-    from convert_checkpoint import convert_hf_to_nv
     from convert_helpers import save_hf
+    from nv_esm.conversion import convert_hf_to_nv
 
     source = save_hf(make_hf_model("esm2_8M", seed=3), tmp_path / "hf")
     checkpoint = tmp_path / "nv"
@@ -183,12 +183,12 @@ def test_a_checkpoint_edited_in_place_is_not_resumed_into(tmp_path, capsys):
 
 
 def test_a_second_run_into_a_folder_being_written_is_refused(nv_tiny, tmp_path, capsys):
-    from nv_esm import embed
+    from nv_esm import embed_output
 
     fasta = tmp_path / "in.fasta"
     fasta.write_text(">a\nMKTAYIAK\n")
     out = tmp_path / "out"
-    with embed.output_lock(out):  # a run in progress
+    with embed_output.output_lock(out):  # a run in progress
         assert embed_into(nv_tiny, fasta, out, "--overwrite") == 1
         assert "is being written by another nv-esm embed run (process" in capsys.readouterr().err
     assert embed_into(nv_tiny, fasta, out) == 0

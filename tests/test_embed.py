@@ -20,7 +20,7 @@ from transformers import AutoModel, AutoTokenizer, EsmForMaskedLM
 
 import convert_checkpoint
 from conftest import ATOL_FP32, max_abs_diff
-from nv_esm import embed
+from nv_esm import embed, embed_plan
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 
 CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
@@ -86,12 +86,12 @@ def test_tokenize_matches_the_esm_tokenizer_and_refuses_other_characters(checkpo
     for length in (0, 1, 2, 7, 1022, 5000):
         picks = torch.randint(0, 2 * len(letters), (length,), generator=generator).tolist()
         sequence = "".join(letters[i % len(letters)].lower() if i >= len(letters) else letters[i] for i in picks)
-        ids = embed.tokenize(sequence)
+        ids = embed_plan.tokenize(sequence)
         assert ids.dtype == torch.int64 and ids.shape == (length + 2,)
         assert ids.tolist() == tokenizer(sequence.upper())["input_ids"]
     for sequence in ("MK*L", "MK-L", "MK.L", "MKJ", "MK L", "MKé", "MK\u2603", "\x00"):
         with pytest.raises(ValueError, match="changed during the run"):
-            embed.tokenize(sequence)
+            embed_plan.tokenize(sequence)
 
 
 def test_every_output_matches_transformers_per_protein(checkpoint, reference, tmp_path):

@@ -36,7 +36,8 @@ from conftest import (
     share_random_adapters,
 )
 from convert_helpers import save_hf
-from modeling_nv_esm import NVEsmForMaskedLM, import_transformer_engine
+from modeling_nv_esm import NVEsmForMaskedLM
+from modeling_nv_esm_layers import import_transformer_engine
 from nv_esm import embed
 from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
@@ -239,7 +240,7 @@ def test_fp8_chosen_by_the_callers_autocast_runs_any_padded_batch(hf_fp32, recip
     the loss close to bf16; CUDA graphs stay off under the caller's autocast."""
     import transformer_engine.pytorch as te
 
-    from modeling_nv_esm import make_fp8_recipe
+    from modeling_nv_esm_layers import make_fp8_recipe
 
     proteins = random_proteins([5, 79, 33, 1, 61], seed=140, mask_fraction=0.15)
     input_ids, attention_mask = pad_batch(proteins)
@@ -532,7 +533,7 @@ def test_fp8_weights_load_infer_train_and_save(hf_fp32, recipe, tmp_path):
     batch falls); `save_pretrained` writes their values, which a plain bf16 load reproduces."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    from modeling_nv_esm import holds_fp8_weights
+    from modeling_nv_esm_layers import holds_fp8_weights
 
     layers = hf_fp32.config.num_hidden_layers
     make_nv_model(hf_fp32).save_pretrained(tmp_path / "nv")
@@ -597,7 +598,7 @@ def test_a_callers_quantized_model_init_holds_every_layer_in_fp8(hf_fp32, tmp_pa
     line instead of computing with FP8 weights outside FP8."""
     import transformer_engine.pytorch as te
 
-    from modeling_nv_esm import holds_fp8_weights, make_fp8_recipe
+    from modeling_nv_esm_layers import holds_fp8_weights, make_fp8_recipe
 
     make_nv_model(hf_fp32).save_pretrained(tmp_path)
     recipe = make_fp8_recipe("current")

@@ -126,7 +126,7 @@ def test_an_inference_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch
     """The default `capture_at_use` (2): an inference shape's first batch runs eagerly (no capture), its second is
     captured and replayed, the third replays; a training shape is captured at its first batch. Outputs (and,
     training, gradients) follow the eager model at each."""
-    from modeling_nv_esm import StaticShapeGraphs
+    from modeling_nv_esm_graphs import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 2)
     eager, graphed = te_pair(hf_fp32)
@@ -158,7 +158,7 @@ def test_smaller_inference_batches_replay_a_captured_graph_that_holds_them(hf_fp
     """The default policy (`capture_at_use` 2): once a large batch's shape is captured, a smaller batch of another
     shape replays that graph, padded (no capture, no eager run), until its padding passes `padding_before_capture`
     replays; then its own shape is captured. Logits follow the eager model at each call."""
-    from modeling_nv_esm import StaticShapeGraphs
+    from modeling_nv_esm_graphs import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 2)
     eager, graphed = te_pair(hf_fp32)
@@ -291,7 +291,7 @@ def test_graphs_stay_off_where_a_replay_would_be_wrong(hf_fp32, monkeypatch):
     graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
     encoder = graphed.esm.encoder
     assert encoder.uses_cuda_graphs(output_hidden_states=False)
-    monkeypatch.setattr("modeling_nv_esm._several_ranks", lambda: True)
+    monkeypatch.setattr("modeling_nv_esm_encoder.several_ranks", lambda: True)
     assert not encoder.uses_cuda_graphs(output_hidden_states=False)
     graphed.eval()
     with torch.no_grad():

@@ -21,7 +21,8 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
-from modeling_nv_esm import UNSUPPORTED_INPUTS, NVEsmForMaskedLM, NVEsmModel
+from modeling_nv_esm import NVEsmForMaskedLM, NVEsmModel
+from modeling_nv_esm_batch import UNSUPPORTED_INPUTS
 
 
 def pooled_models(seed: int) -> tuple[EsmModel, NVEsmModel]:

@@ -123,7 +123,7 @@ def test_verify_tokenizes_with_the_source_tokenizer(tmp_path, monkeypatch, tiny_
         return real(cls, folder, *args, **kwargs)
 
     monkeypatch.setattr(EsmTokenizer, "from_pretrained", classmethod(recording))
-    from convert_checkpoint import verify_folder
+    from nv_esm.conversion import verify_folder
 
     check = verify_folder(tiny_source, out, device="cpu")
     assert folders and out.resolve() not in {folder.resolve() for folder in folders}

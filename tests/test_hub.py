@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,9 +35,9 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
-from convert_checkpoint import convert_hf_to_nv, convert_nv_to_hf
 from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
 from nv_esm.alphabet import GFP
+from nv_esm.conversion import convert_hf_to_nv, convert_nv_to_hf
 from nv_esm.hub_folder import AUTO_MAP
 
 
@@ -216,3 +219,34 @@ def test_converted_folders_have_no_default_labels_so_any_num_labels_loads_quietl
     )
     assert model.config.num_labels == 3 and model.classifier.out_proj.out_features == 3
     assert not [w for w in warnings if "num_labels" in w]
+
+
+def test_a_folder_loads_as_the_hub_user_has_it_and_saves_every_sibling(exported, reference, tmp_path):
+    """The Hub user's situation: a fresh process in an empty folder where neither this repository nor the installed
+    package can be imported (their modules blocked), a fresh modules cache. `trust_remote_code=True` copies the
+    folder's flat remote-code files (`modeling_nv_esm.py` and the siblings it imports relatively), the model runs
+    and equals transformers, and `save_pretrained` writes every remote-code file again."""
+    from nv_esm.hub_folder import REMOTE_CODE_FILES
+
+    tokens = torch.tensor([[0, 20, 5, 32, 11, 2]])
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    torch.save(tokens, tmp_path / "tokens.pt")
+    blocked = [name.removesuffix(".py") for name in REMOTE_CODE_FILES] + ["nv_esm", "convert_checkpoint"]
+    script = (
+        "import sys, torch\n"
+        f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
+        "from transformers import AutoModelForMaskedLM\n"
+        f"model = AutoModelForMaskedLM.from_pretrained({str(exported)!r}, trust_remote_code=True).eval()\n"
+        "assert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
+        "with torch.no_grad():\n"
+        "    torch.save(model(torch.load('tokens.pt')).logits, 'logits.pt')\n"
+        "model.save_pretrained('saved')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, timeout=600)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=ATOL_FP32)
+    assert set(REMOTE_CODE_FILES) <= {path.name for path in (tmp_path / "saved").iterdir()}
+    for name in REMOTE_CODE_FILES:
+        assert (tmp_path / "saved" / name).read_bytes() == (exported / name).read_bytes(), name

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import modeling_nv_esm
+import modeling_nv_esm_layers
 from configuration_nv_esm import NVEsmConfig
 from conftest import PAD, ROOT, make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+from nv_esm.data import pad_proteins
 
 
 @pytest.mark.parametrize(
@@ -188,7 +190,7 @@ def test_protein_longer_than_max_protein_length_raises(layout):
 def test_asking_for_te_without_it_says_how_to_install(monkeypatch, cuda):
     """backend="te" where Transformer Engine does not import (with or without a GPU): an error that says how to
     install it. TE and CUDA are hidden, so this runs the same on a CPU machine and on a GPU machine with TE."""
-    monkeypatch.setattr(modeling_nv_esm, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(modeling_nv_esm_layers, "transformer_engine_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     with pytest.raises(ValueError, match="Transformer Engine"):  # resolve_backend: one error for every command
         make_nv_model(make_hf_model("tiny", seed=34), backend="te")
@@ -196,7 +198,7 @@ def test_asking_for_te_without_it_says_how_to_install(monkeypatch, cuda):
 
 @pytest.mark.parametrize("te,cuda", [(False, True), (True, False), (False, False)])
 def test_auto_backend_is_torch_without_te_or_cuda(monkeypatch, te, cuda):
-    monkeypatch.setattr(modeling_nv_esm, "transformer_engine_available", lambda: te)
+    monkeypatch.setattr(modeling_nv_esm_layers, "transformer_engine_available", lambda: te)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     model = make_nv_model(make_hf_model("tiny", seed=35), backend="auto")
     assert model.esm.backend == "torch"
@@ -207,8 +209,8 @@ def test_remote_code_imports_and_runs_with_transformer_engine_blocked():
     """Block `transformer_engine` (as on a machine without it) and run a forward pass."""
     script = (
         "import sys; sys.modules['transformer_engine'] = None; sys.modules['transformer_engine.pytorch'] = None\n"
-        "import torch, modeling_nv_esm as m, configuration_nv_esm as c\n"
-        "assert not m.transformer_engine_available()\n"
+        "import torch, modeling_nv_esm as m, modeling_nv_esm_layers as layers, configuration_nv_esm as c\n"
+        "assert not layers.transformer_engine_available()\n"
         "cfg = c.NVEsmConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)\n"
         "model = m.NVEsmForMaskedLM(cfg).eval()\n"
         "print(model.esm.backend, tuple(model(torch.tensor([[0, 5, 6, 2]])).logits.shape))\n"
@@ -277,9 +279,9 @@ def test_pack_proteins_gives_what_data_collator_with_flattening_gives():
         (lambda: modeling_nv_esm.pack_proteins([]), "at least one protein"),
         (lambda: modeling_nv_esm.pack_proteins([[0, 5, 2], []]), "protein 1 has no tokens"),
         (lambda: modeling_nv_esm.pack_proteins([[0, 5, 2]], labels=[[1, 2]]), "one label per token"),
-        (lambda: modeling_nv_esm.pad_proteins([], PAD), "at least one protein"),
-        (lambda: modeling_nv_esm.pad_proteins([[0, 2], []], PAD), "protein 1 has no tokens"),
-        (lambda: modeling_nv_esm.pad_proteins([[0, 2]], PAD, padding_side="top"), "padding_side"),
+        (lambda: pad_proteins([], PAD), "at least one protein"),
+        (lambda: pad_proteins([[0, 2], []], PAD), "protein 1 has no tokens"),
+        (lambda: pad_proteins([[0, 2]], PAD, padding_side="top"), "padding_side"),
         (lambda: modeling_nv_esm.resolve_backend("cuda"), "backend must be"),
     ],
 )
@@ -289,8 +291,8 @@ def test_packing_helpers_and_backend_names_refuse_bad_input(call, message):
 
 
 def test_pad_proteins_pads_either_side():
-    padded = modeling_nv_esm.pad_proteins([[0, 5, 2], [0, 2]], PAD, padding_side="left")
+    padded = pad_proteins([[0, 5, 2], [0, 2]], PAD, padding_side="left")
     assert padded["input_ids"].tolist() == [[0, 5, 2], [PAD, 0, 2]]
     assert padded["attention_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
-    padded = modeling_nv_esm.pad_proteins([[0, 5, 2], [0, 2]], PAD)
+    padded = pad_proteins([[0, 5, 2], [0, 2]], PAD)
     assert padded["input_ids"].tolist() == [[0, 5, 2], [0, 2, PAD]]

@@ -1,16 +1,31 @@
-"""Rules of the code's layout (issue 32): the library never imports the trainer."""
+"""Rules of the code's layout (issue 32): the library never imports the trainer, the remote code's flat siblings
+import only downward and are all installed and copied, and no source file outgrows the size rule."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LIBRARY_MODULES = (
     "configuration_nv_esm",
     "modeling_nv_esm",
+    "modeling_nv_esm_batch",
+    "modeling_nv_esm_parallel",
+    "modeling_nv_esm_lora",
+    "modeling_nv_esm_layers",
+    "modeling_nv_esm_graphs",
+    "modeling_nv_esm_encoder",
     "convert_checkpoint",
+    "nv_esm.conversion_plan",
+    "nv_esm.conversion",
     "nv_esm.cli",
     "nv_esm.embed",
+    "nv_esm.embed_plan",
+    "nv_esm.embed_model",
+    "nv_esm.embed_output",
     "nv_esm.model_card",
     "nv_esm.verification",
     "nv_esm.hub_folder",
@@ -29,3 +44,45 @@ def test_the_library_never_imports_the_trainer():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_the_remote_code_files_are_installed_and_import_only_downward():
+    """`REMOTE_CODE_FILES` (what the converter writes and `trust_remote_code` loads) are the py-modules pyproject.toml
+    installs, and each imports only files listed before it, relatively (with the top-level fallback for scripts):
+    no cycles, and transformers' loader finds every sibling from `modeling_nv_esm.py`."""
+    import ast
+
+    import tomllib
+
+    from nv_esm.hub_folder import REMOTE_CODE_FILES
+
+    modules = [name.removesuffix(".py") for name in REMOTE_CODE_FILES]
+    installed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert set(modules) <= set(installed)
+    imported_by_model = set()
+    for position, module in enumerate(modules):
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        absolute = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+        siblings = absolute & set(modules)
+        assert relative == siblings, module  # every sibling import has its relative form
+        assert relative <= set(modules[:position]), (module, relative - set(modules[:position]))
+        if module == "modeling_nv_esm":
+            imported_by_model = relative
+    reached, frontier = set(), {"modeling_nv_esm"}
+    while frontier:  # what transformers' loader copies: the relative imports, followed
+        module = frontier.pop()
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+        frontier |= found - reached
+        reached |= found
+    assert imported_by_model and reached | {"modeling_nv_esm"} == set(modules)
+
+
+def test_source_files_keep_to_the_size_rule():
+    """`modeling_nv_esm.py` at most 1,000 lines, every other source file of the package and the remote code at most
+    700 (tests and benchmarks aside)."""
+    sources = [*ROOT.glob("*.py"), *ROOT.glob("nv_esm/**/*.py")]
+    sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in sources}
+    too_long = {name: n for name, n in sizes.items() if n > (1000 if name == "modeling_nv_esm.py" else 700)}
+    assert not too_long

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import modeling_nv_esm
+import modeling_nv_esm_batch
 from conftest import (
     ATOL_FP32,
     EOS,
@@ -26,7 +26,7 @@ from conftest import (
     pad_batch,
     random_proteins,
 )
-from modeling_nv_esm import pad_proteins
+from nv_esm.data import pad_proteins
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
 
 MAX_TOKENS = 1026  # max_position_embeddings: 1024 residues + <cls> + <eos>
@@ -255,7 +255,7 @@ def test_proteins_longer_than_esm2_crops_match_transformers(monkeypatch, attn_in
     no table): every protein's logits and hidden states equal transformers' for it alone, padded (left padding,
     next to a short protein) and packed, with one warning that the model saw only 1,024-residue crops."""
     warnings = []
-    monkeypatch.setattr(modeling_nv_esm.logger, "warning_once", warnings.append)
+    monkeypatch.setattr(modeling_nv_esm_batch.logger, "warning_once", warnings.append)
     hf = make_hf_model("tiny", seed=60)
     nv = make_nv_model(hf, attn_input_format=attn_input_format)
     proteins = random_proteins([1502, 20, 4002], seed=61, mask_fraction=0.15)

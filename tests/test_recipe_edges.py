@@ -10,10 +10,24 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
 from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe
+
+from nv_esm.train.config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainConfig,
+    ValidationConfig,
+    build_parser,
+    config_from_args,
+)
 
 TIMEOUT = 300
 
@@ -182,3 +196,41 @@ def test_data_smaller_than_a_micro_batch_is_said_to_repeat(tmp_path, tiny_config
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warning: a data stream holds 16 tokens, fewer than --token-budget 1024" in done.stderr
     assert "repeats" not in train(*mlm_args(tiny_config, 1, "--no-export"), out=tmp_path / "big").stderr
+
+
+def test_every_option_is_one_field_with_its_help_and_default():
+    """Each field of every section (and `out`, `seed`) is one command-line option with its help text and default;
+    --max-length is given in residues and held in tokens (<cls> and <eos>: 2 more)."""
+    parser = build_parser()
+    sections = (
+        ModelConfig,
+        DataConfig,
+        ValidationConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        CheckpointConfig,
+        LoggingConfig,
+    )
+    items = [item for section in sections for item in fields(section)]
+    items += [item for item in fields(TrainConfig) if item.name in ("out", "seed")]
+    actions = {action.option_strings[0]: action for action in parser._actions if action.dest != "help"}
+    assert len(actions) == len(items)
+    for item in items:
+        flag = item.metadata.get("flag", "--" + item.name.replace("_", "-"))
+        action = actions[flag]
+        assert item.metadata["help"] and action.help == item.metadata["help"], flag
+        default = item.default if item.default_factory is MISSING else item.default_factory()
+        if default is MISSING:
+            assert action.required, flag
+            continue
+        if flag.startswith("--no-"):  # a field on by default, turned off by the flag
+            default = not default
+        expected = {"--max-length": DataConfig.max_length - 2}.get(flag, default)
+        assert action.default == (list(expected) if isinstance(expected, tuple) else expected), flag
+    minimal = ["--model", "m", "--data", "d", "--steps", "1", "--out", "o"]
+    assert config_from_args(parser.parse_args(minimal)) == TrainConfig(
+        model=ModelConfig(init_from="m"),
+        data=DataConfig(files=["d"]),
+        optimizer=OptimizerConfig(steps=1),
+        out=Path("o"),
+    )

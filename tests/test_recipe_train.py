@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ATOL_FP32, ROOT, TINY_CHECKPOINT, max_abs_diff
-from convert_checkpoint import convert_nv_to_hf
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
 from nv_esm import trace_summary
+from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.train.config import ModelConfig, OptimizerConfig
 from nv_esm.train.export import export_weights
 from nv_esm.train.loop import learning_rate_factor

@@ -17,15 +17,11 @@ from modeling_nv_esm import (
     FP8_TOKEN_MULTIPLE,
     EncoderInputs,
     PackedSequences,
-    StaticShapeGraphs,
-    _expandable_segments,
-    _graph_mode,
-    _pad_packed,
-    _pad_packed_to_multiple,
-    host_shape,
     length_sorted_batches,
-    static_shape,
+    pad_packed,
+    pad_packed_to_multiple,
 )
+from modeling_nv_esm_graphs import StaticShapeGraphs, _expandable_segments, _graph_mode, host_shape, static_shape
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -78,7 +74,7 @@ def test_length_sorted_batches_share_one_shape_per_length_bucket():
 
 def pad_to_static_shape(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
     shape = static_shape(packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
-    return _pad_packed(states, packed, *shape)
+    return pad_packed(states, packed, *shape)
 
 
 # Captured shapes for `pad_into_a_larger_graph`: too few tokens and too short; too few slots for the dummies that
@@ -89,11 +85,11 @@ CAPTURED = [(512, 16, 64), (2048, 8, 256), (2048, 16, 256), (4096, 64, 1026)]
 def pad_into_a_larger_graph(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
     host = host_shape(CAPTURED, packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
     assert host == (2048, 16, 256)
-    return _pad_packed(states, packed, *host)
+    return pad_packed(states, packed, *host)
 
 
 def pad_for_fp8(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
-    return _pad_packed_to_multiple(states, packed, FP8_TOKEN_MULTIPLE)
+    return pad_packed_to_multiple(states, packed, FP8_TOKEN_MULTIPLE)
 
 
 @pytest.mark.parametrize("pad", [pad_to_static_shape, pad_into_a_larger_graph, pad_for_fp8])

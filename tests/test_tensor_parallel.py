@@ -30,13 +30,8 @@ from conftest import (
     random_proteins,
     relative_error,
 )
-from modeling_nv_esm import (
-    ContextParallel,
-    ContextParallelLayout,
-    PackedSequences,
-    RankGroup,
-    tensor_parallel_split_dim,
-)
+from modeling_nv_esm import ContextParallel, ContextParallelLayout, PackedSequences, RankGroup
+from modeling_nv_esm_parallel import tensor_parallel_split_dim
 
 RANKS = 2
 LOGITS_ATOL = 2e-5

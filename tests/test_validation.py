@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_recipe_train import DEMO_FASTA, SECONDARY_STRUCTURE, mlm_args, run_recipe
 
 from conftest import ROOT, pad_batch
-from convert_checkpoint import convert_nv_to_hf
+from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.data import Holdout, MLMStream
 from nv_esm.train.config import parse_config
 from nv_esm.train.parallel import Dist

@@ -4,16 +4,20 @@
     config.optimizer.lr, config.data.token_budget, config.parallel.keep_gathered, config.checkpoint.save_every
 
 Every section has the command line's defaults, so a test or a script builds only what it needs, e.g.
-`OptimizerConfig(steps=100, warmup_steps=10)`. `TrainConfig.validate` makes the checks the trainer makes before
-it starts (argparse makes the others: choices, required options, `--model` or `--config`).
+`OptimizerConfig(steps=100, warmup_steps=10)`. Each option is declared once, as its section's field (`option`:
+default, help, and what argparse needs beyond them); `build_parser` and `config_from_args` are derived from the
+fields. `TrainConfig.validate` makes the checks the trainer makes before it starts (argparse makes the others:
+choices, required options, `--model` or `--config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
+from typing import Any, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES
 from nv_esm.tasks import TASK_HEADS
@@ -52,22 +56,48 @@ sharded model and optimizer, the step, every data stream's position, every rank'
 CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub folder in the converter's layout.
 """
 
+# The argument groups of `--help`, in order; each option's group is its own `group`, else its section's, and each
+# group lists its options in the order of the fields (`TrainConfig`'s sections expanded in place).
+GROUPS = ("model", "data", "validation", "optimisation", "run")
+
+
+def option(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, **cli: Any) -> Any:
+    """A command-line option as a dataclass field: its default (or `factory`), its help, and in `cli` what argparse
+    needs beyond them: `flag` (not `--field-name`), `group` (not its section's), `offset` (the field holds the
+    parsed value plus this), `one_of` (exactly one of these options) and `add_argument`'s choices, type, nargs."""
+    return field(default=default, default_factory=factory, metadata={"help": help, **cli})
+
 
 @dataclass
 class ModelConfig:
     """What is trained: the starting point (exactly one of `init_from` and `config_file`, paths as given on the
     command line), the task head, the layer implementation, FP8 and LoRA."""
 
-    init_from: str | None = None  # --model: an NVEsm folder (nv-esm convert hf-to-te output)
-    config_file: str | None = None  # --config: config.json of a model trained from scratch
-    task: str = "mlm"  # one of TASKS
-    backend: str = "auto"  # auto, te or torch
-    fp8: str = "off"  # off, all, or inner (all layers but the first and last)
-    fp8_recipe: str = "delayed"  # delayed, current or block
-    lora_rank: int = 0  # 0: train all weights
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("query", "key", "value", "attention.output.dense")  # PEFT target_modules
-    cuda_graphs: bool = True  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
+    init_from: str | None = option(
+        None, "NVEsm checkpoint folder (nv-esm convert hf-to-te output) to start from", flag="--model", one_of=True
+    )
+    config_file: str | None = option(
+        None, "config.json of a model trained from scratch (e.g. the repo's 650M one)", flag="--config", one_of=True
+    )
+    task: str = option("mlm", "mlm, or a fine-tuning head", choices=TASKS)
+    backend: str = option(
+        "auto",
+        "layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)",
+        choices=BACKENDS,
+    )
+    fp8: str = option("off", "FP8 layers (TE): all, or all but first/last", choices=FP8_LAYER_CHOICES)
+    fp8_recipe: str = option("delayed", "FP8 scaling of --fp8 layers", choices=FP8_RECIPES)
+    cuda_graphs: bool = option(  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
+        True, "replay the TE layers as CUDA graphs (one GPU: FSDP2-sharded layers run eagerly)"
+    )
+    lora_rank: int = option(0, "train LoRA adapters of this rank (PEFT) and the head")  # 0: train all weights
+    lora_alpha: float = option(16.0, "LoRA scaling: updates are multiplied by alpha / rank")
+    lora_targets: tuple[str, ...] = option(
+        ("query", "key", "value", "attention.output.dense"),
+        "PEFT target_modules: transformers' ESM names (query key value dense, attention.output.dense, "
+        "intermediate.dense, output.dense)",
+        nargs="+",
+    )
 
     @property
     def source(self) -> Path:
@@ -79,11 +109,17 @@ class ModelConfig:
 class DataConfig:
     """The data (`files`, as given: they are compared on resume) and how it is cut into micro-batches."""
 
-    files: list[str]  # --data: FASTA/.txt/.parquet (mlm) or one labelled CSV
-    token_budget: int = 16384  # tokens per micro-batch and rank
-    max_length: int = 1024  # crop length in tokens: --max-length residues + <cls> and <eos>
-    mask_prob: float = 0.15
-    workers: int = 1  # --data-workers: 1 process prepares batches ahead, or 0
+    files: list[str] = option(help="FASTA/.txt/.parquet (mlm) or a labelled CSV", flag="--data", nargs="+")
+    token_budget: int = option(16384, "tokens per micro-batch and rank")
+    max_length: int = option(  # crop length in tokens: --max-length residues + <cls> and <eos>
+        1024,
+        "longest protein in residues, as in nv-esm embed: longer ones are cropped to a window of this many "
+        "residues plus 2 tokens (a window of the tokenized protein, <cls>/<eos> where it reaches the ends, as "
+        "ESM-2 was trained)",
+        offset=2,
+    )
+    mask_prob: float = option(0.15, "MLM: fraction of residues to predict (80%% <mask>, 10%% random, 10%% kept)")
+    workers: int = option(1, "1: a process prepares batches ahead; 0: none", flag="--data-workers", choices=(0, 1))
 
 
 @dataclass
@@ -91,9 +127,13 @@ class ValidationConfig:
     """The validation set (`files`, or a `fraction` of the training data set aside; neither: no validation) and
     how often it is evaluated (every `every` steps, 0: only after the last step)."""
 
-    files: list[str] = field(default_factory=list)  # --val-data: like --data (one labelled CSV for a head)
-    fraction: float = 0.0  # --val-fraction: records of --data set aside (the same ones for every seed and world)
-    every: int = 0
+    files: list[str] = option(help="validation files, as --data", factory=list, flag="--val-data", nargs="+")
+    fraction: float = option(
+        0.0,
+        "set this fraction of --data aside for validation (the same records for every seed and world size)",
+        flag="--val-fraction",
+    )
+    every: int = option(0, "validate every N steps (0: after the last)", flag="--val-every")
 
     @property
     def enabled(self) -> bool:
@@ -105,16 +145,24 @@ class OptimizerConfig:
     """AdamW and its schedule: `steps` optimizer steps of `grad_accum` micro-batches per rank, linear warm-up and
     linear or cosine decay to `min_lr_ratio * lr`."""
 
-    steps: int
-    grad_accum: int = 1
-    lr: float = 4e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    decay: str = "linear"  # linear or cosine
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.98)
-    clip_grad: float = 1.0  # max global gradient norm; 0: no clipping
-    skip_nonfinite: bool = False  # skip a step whose gradient norm is not finite (waits for the GPU every step)
+    steps: int = option(help="optimizer steps of the schedule", type=int)
+    grad_accum: int = option(1, "micro-batches per rank and optimizer step")
+    lr: float = option(4e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = option(0.1, "final LR / peak LR")
+    warmup_steps: int = option(0, "steps of linear warm-up from 0 to --lr")
+    decay: str = option(
+        "linear",
+        "learning-rate decay after the warm-up, to --min-lr-ratio x --lr at --steps",
+        choices=("linear", "cosine"),
+    )
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay")
+    betas: tuple[float, float] = option((0.9, 0.98), "AdamW beta1 beta2", nargs=2)
+    clip_grad: float = option(1.0, "max global grad norm (0: off)")
+    skip_nonfinite: bool = option(
+        False,
+        "skip (and count) a step whose gradient norm is inf/nan instead of stopping the run; waits for the GPU "
+        "every step",
+    )
 
 
 @dataclass
@@ -122,52 +170,86 @@ class ParallelConfig:
     """How the model runs on the ranks: compute precision, FSDP2 options (hybrid sharding included), tensor
     parallelism, activation checkpointing and offloading, compilation."""
 
-    precision: str | None = None  # bf16 or fp32; None: bf16 on GPU, fp32 on CPU
-    dp_replicate: int = 1  # HSDP: shard within groups of world_size / dp_replicate ranks, replicate across groups
-    tp: int = 1  # tensor parallelism (with sequence parallelism) over groups of this many consecutive ranks
-    cp: int = 1  # context parallelism: each batch's layers run across groups of this many ranks
-    activation_checkpointing: bool = False
-    offload_activations: bool = False  # the model's `offload_activations` (GPU, Transformer Engine)
-    keep_gathered: bool = False  # FSDP2 reshard_after_forward=False
-    compile: bool = False  # torch.compile each layer (torch backend)
+    precision: str | None = option(  # None: bf16 on GPU, fp32 on CPU
+        None, "compute dtype (default bf16 on GPU)", choices=("bf16", "fp32"), group="optimisation"
+    )
+    activation_checkpointing: bool = option(
+        False, "recompute each layer in the backward instead of keeping its activations"
+    )
+    offload_activations: bool = option(  # the model's `offload_activations`
+        False,
+        "keep every layer's saved activations (but the last layer's) in pinned host memory between forward "
+        "and backward (Transformer Engine's offloading; GPUs only, not with --activation-checkpointing)",
+    )
+    keep_gathered: bool = option(
+        False,
+        "keep layers gathered between forward and backward (FSDP2 "
+        "reshard_after_forward=False): one all-gather less per layer and step, more memory",
+    )
+    dp_replicate: int = option(
+        1,
+        "hybrid sharding (HSDP): replicate the model over R groups, each sharding it over the world size / R "
+        "ranks (e.g. a node), so the all-gathers stay within a group",
+    )
+    tp: int = option(
+        1,
+        "tensor parallelism: split every layer (heads, MLP columns, and the tokens between them) over T "
+        "consecutive ranks, e.g. the GPUs of a node; FSDP2 shards over the world size / T groups",
+    )
+    cp: int = option(
+        1,
+        "context parallelism: run each micro-batch's layers across C ranks, each holding its chunks of every "
+        "protein (for proteins too long for one GPU; --max-length sets the crop)",
+    )
+    compile: bool = option(False, "torch.compile each layer (torch backend)")
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints in OUT/checkpoints, resuming, and the final Hub export."""
 
-    enabled: bool = True  # False: --no-checkpoint (no checkpoint, hence no export)
-    save_every: int = 0  # every N steps; 0: by time only
-    save_minutes: float = 30.0  # also when this many minutes passed since the last one (checked at log steps); 0: off
-    keep: int = 2
-    resume: bool = False
-    stop_at_step: int | None = None  # stop (with a checkpoint) after this step
-    export: bool = True  # False: --no-export
+    save_every: int = option(
+        0, "checkpoint every N steps (0: by --save-minutes only); always at the end and on Ctrl-C/SIGTERM"
+    )
+    save_minutes: float = option(
+        30.0,
+        "also checkpoint when this many minutes passed since the last checkpoint (checked every --log-every "
+        "steps; 0: off)",
+    )
+    keep: int = option(2, "checkpoints kept")
+    resume: bool = option(False, "continue from the latest checkpoint in --out")
+    stop_at_step: int | None = option(None, "stop (with a checkpoint) after this step, e.g. for job limits", type=int)
+    export: bool = option(True, "skip the consolidated Hub folder at the end", flag="--no-export")
+    enabled: bool = option(True, "write no checkpoint, hence no export (throughput tests)", flag="--no-checkpoint")
 
 
 @dataclass
 class LoggingConfig:
     """metrics.jsonl every `log_every` steps, TensorBoard, and torch.profiler traces of `profile_steps` steps."""
 
-    log_every: int = 10
-    tensorboard: bool = False
-    profile_steps: int = 0
-    progress: bool = True  # False: --no-progress (no progress bar)
+    log_every: int = option(10, "steps between logs (each waits for the GPU)")
+    tensorboard: bool = option(False, "also log to OUT/tensorboard")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    profile_steps: int = option(
+        0,
+        "trace this many steps after the first --log-every ones (torch.profiler, OUT/profile/rank*.json.gz; "
+        "summarise with python -m nv_esm.trace_summary); their interval's tokens/s includes the tracing",
+    )
 
 
 @dataclass
 class TrainConfig:
     """A training run: the sections above, the run folder `out` and the seed of data order, init and RNG."""
 
-    model: ModelConfig
-    data: DataConfig
-    optimizer: OptimizerConfig
-    out: Path
-    seed: int = 0
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model: ModelConfig = field(metadata={"group": "model"})
+    data: DataConfig = field(metadata={"group": "data"})
+    optimizer: OptimizerConfig = field(metadata={"group": "optimisation"})
+    out: Path = option(help="run folder: checkpoints, metrics.jsonl, final export", type=Path, group="run")
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"group": "model"})
+    seed: int = option(0, "seed of the data order, masking, a fresh initialisation and dropout", group="optimisation")
+    validation: ValidationConfig = field(default_factory=ValidationConfig, metadata={"group": "validation"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"group": "run"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"group": "run"})
 
     def validate(self) -> None:
         """The checks made before training starts; messages name the command-line options."""
@@ -256,274 +338,81 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+def _options(cls: type, group: str = "") -> Iterator[tuple[str, Field]]:
+    """The option fields of `cls` and of its sections, in order, with their argument group."""
+    for item in fields(cls):
+        if "help" in item.metadata:
+            yield item.metadata.get("group", group), item
+        else:  # a section
+            yield from _options(get_type_hints(cls)[item.name], item.metadata["group"])
+
+
+def _flag(item: Field) -> str:
+    return item.metadata.get("flag", "--" + item.name.replace("_", "-"))
+
+
+def _default(item: Field) -> Any:
+    return item.default if item.default_factory is MISSING else item.default_factory()
+
+
+def _argument(item: Field) -> dict[str, Any]:
+    """`add_argument`'s keywords for the option of `item`: its metadata, and what its default implies: required
+    without one, the type of a number, a flag for a bool (`--no-...`: stored negated; on by default: `--x/--no-x`)."""
+    given = {k: v for k, v in item.metadata.items() if k not in ("flag", "group", "offset", "one_of")}
+    default = _default(item)
+    if default is MISSING:
+        return {"required": True, **given}
+    if isinstance(default, bool):
+        if default and not _flag(item).startswith("--no-"):
+            return {"action": argparse.BooleanOptionalAction, "default": default, **given}
+        return {"action": "store_true", **given}
+    sample = default[0] if isinstance(default, (list, tuple)) and default else default
+    derived = {"type": type(sample)} if isinstance(sample, (int, float)) else {}
+    if isinstance(default, tuple):
+        default = list(default)
+    elif "offset" in item.metadata:
+        default -= item.metadata["offset"]
+    return {**derived, "default": default, **given}
+
+
+def _value(item: Field, args: argparse.Namespace) -> Any:
+    """The field value of what argparse parsed for the option of `item`."""
+    value = getattr(args, _flag(item)[2:].replace("-", "_"))  # argparse's dest
+    default = _default(item)
+    if isinstance(default, bool) and _flag(item).startswith("--no-"):
+        return not value
+    if isinstance(default, tuple):
+        return tuple(value)
+    return value + item.metadata["offset"] if "offset" in item.metadata else value
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    """The training command line (usage names `prog`); `config_from_args` turns what it parses into a
-    `TrainConfig`."""
+    """The training command line (usage names `prog`), one argument per `option` field in the groups of `GROUPS`;
+    `config_from_args` turns what it parses into a `TrainConfig`."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
-    model = parser.add_argument_group("model")
-    start = model.add_mutually_exclusive_group(required=True)
-    start.add_argument("--model", help="NVEsm checkpoint folder (nv-esm convert hf-to-te output) to start from")
-    start.add_argument("--config", help="config.json of a model trained from scratch (e.g. the repo's 650M one)")
-    model.add_argument("--task", choices=TASKS, default=ModelConfig.task, help="mlm, or a fine-tuning head")
-    model.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=ModelConfig.backend,
-        help="layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)",
-    )
-    model.add_argument(
-        "--fp8",
-        choices=FP8_LAYER_CHOICES,
-        default=ModelConfig.fp8,
-        help="FP8 layers (TE): all, or all but first/last",
-    )
-    model.add_argument(
-        "--fp8-recipe",
-        choices=FP8_RECIPES,
-        default=ModelConfig.fp8_recipe,
-        help="FP8 scaling of --fp8 layers",
-    )
-    model.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute each layer in the backward instead of keeping its activations",
-    )
-    model.add_argument(
-        "--offload-activations",
-        action="store_true",
-        help="keep every layer's saved activations (but the last layer's) in pinned host memory between forward "
-        "and backward (Transformer Engine's offloading; GPUs only, not with --activation-checkpointing)",
-    )
-    model.add_argument(
-        "--keep-gathered",
-        action="store_true",
-        help="keep layers gathered between forward and backward (FSDP2 "
-        "reshard_after_forward=False): one all-gather less per layer and step, more memory",
-    )
-    model.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=ParallelConfig.dp_replicate,
-        help="hybrid sharding (HSDP): replicate the model over R groups, each sharding it over the world size / R "
-        "ranks (e.g. a node), so the all-gathers stay within a group",
-    )
-    model.add_argument(
-        "--tp",
-        type=int,
-        default=ParallelConfig.tp,
-        help="tensor parallelism: split every layer (heads, MLP columns, and the tokens between them) over T "
-        "consecutive ranks, e.g. the GPUs of a node; FSDP2 shards over the world size / T groups",
-    )
-    model.add_argument(
-        "--cp",
-        type=int,
-        default=ParallelConfig.cp,
-        help="context parallelism: run each micro-batch's layers across C ranks, each holding its chunks of every "
-        "protein (for proteins too long for one GPU; --max-length sets the crop)",
-    )
-    model.add_argument("--compile", action="store_true", help="torch.compile each layer (torch backend)")
-    model.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=ModelConfig.cuda_graphs,
-        help="replay the TE layers as CUDA graphs (one GPU: FSDP2-sharded layers run eagerly)",
-    )
-    model.add_argument(
-        "--lora-rank",
-        type=int,
-        default=ModelConfig.lora_rank,
-        help="train LoRA adapters of this rank (PEFT) and the head",
-    )
-    model.add_argument(
-        "--lora-alpha",
-        type=float,
-        default=ModelConfig.lora_alpha,
-        help="LoRA scaling: updates are multiplied by alpha / rank",
-    )
-    model.add_argument(
-        "--lora-targets",
-        nargs="+",
-        default=list(ModelConfig.lora_targets),
-        help="PEFT target_modules: transformers' ESM names (query key value dense, attention.output.dense, "
-        "intermediate.dense, output.dense)",
-    )
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", nargs="+", required=True, help="FASTA/.txt/.parquet (mlm) or a labelled CSV")
-    data.add_argument(
-        "--token-budget", type=int, default=DataConfig.token_budget, help="tokens per micro-batch and rank"
-    )
-    data.add_argument(
-        "--max-length",
-        type=int,
-        default=DataConfig.max_length - 2,
-        help="longest protein in residues, as in nv-esm embed: longer ones are cropped to a window of this many "
-        "residues plus 2 tokens (a window of the tokenized protein, <cls>/<eos> where it reaches the ends, as "
-        "ESM-2 was trained)",
-    )
-    data.add_argument(
-        "--mask-prob",
-        type=float,
-        default=DataConfig.mask_prob,
-        help="MLM: fraction of residues to predict (80%% <mask>, 10%% random, 10%% kept)",
-    )
-    data.add_argument(
-        "--data-workers",
-        type=int,
-        choices=(0, 1),
-        default=DataConfig.workers,
-        help="1: a process prepares batches ahead; 0: none",
-    )
-
-    validation = parser.add_argument_group("validation")
-    validation.add_argument("--val-data", nargs="+", default=[], help="validation files, as --data")
-    validation.add_argument(
-        "--val-fraction",
-        type=float,
-        default=ValidationConfig.fraction,
-        help="set this fraction of --data aside for validation (the same records for every seed and world size)",
-    )
-    validation.add_argument(
-        "--val-every", type=int, default=ValidationConfig.every, help="validate every N steps (0: after the last)"
-    )
-
-    optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--steps", type=int, required=True, help="optimizer steps of the schedule")
-    optim.add_argument(
-        "--grad-accum", type=int, default=OptimizerConfig.grad_accum, help="micro-batches per rank and optimizer step"
-    )
-    optim.add_argument("--lr", type=float, default=OptimizerConfig.lr, help="peak learning rate (AdamW)")
-    optim.add_argument("--min-lr-ratio", type=float, default=OptimizerConfig.min_lr_ratio, help="final LR / peak LR")
-    optim.add_argument(
-        "--warmup-steps", type=int, default=OptimizerConfig.warmup_steps, help="steps of linear warm-up from 0 to --lr"
-    )
-    optim.add_argument(
-        "--decay",
-        choices=("linear", "cosine"),
-        default=OptimizerConfig.decay,
-        help="learning-rate decay after the warm-up, to --min-lr-ratio x --lr at --steps",
-    )
-    optim.add_argument(
-        "--weight-decay", type=float, default=OptimizerConfig.weight_decay, help="AdamW decoupled weight decay"
-    )
-    optim.add_argument("--betas", type=float, nargs=2, default=OptimizerConfig.betas, help="AdamW beta1 beta2")
-    optim.add_argument(
-        "--clip-grad", type=float, default=OptimizerConfig.clip_grad, help="max global grad norm (0: off)"
-    )
-    optim.add_argument(
-        "--skip-nonfinite",
-        action="store_true",
-        help="skip (and count) a step whose gradient norm is inf/nan instead of stopping the run; waits for the GPU "
-        "every step",
-    )
-    optim.add_argument("--precision", choices=("bf16", "fp32"), help="compute dtype (default bf16 on GPU)")
-    optim.add_argument(
-        "--seed",
-        type=int,
-        default=TrainConfig.seed,
-        help="seed of the data order, masking, a fresh initialisation and dropout",
-    )
-
-    run = parser.add_argument_group("run")
-    run.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, final export")
-    run.add_argument(
-        "--save-every",
-        type=int,
-        default=CheckpointConfig.save_every,
-        help="checkpoint every N steps (0: by --save-minutes only); always at the end and on Ctrl-C/SIGTERM",
-    )
-    run.add_argument(
-        "--save-minutes",
-        type=float,
-        default=CheckpointConfig.save_minutes,
-        help="also checkpoint when this many minutes passed since the last checkpoint (checked every --log-every "
-        "steps; 0: off)",
-    )
-    run.add_argument("--keep", type=int, default=CheckpointConfig.keep, help="checkpoints kept")
-    run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    run.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step, e.g. for job limits")
-    run.add_argument("--no-export", action="store_true", help="skip the consolidated Hub folder at the end")
-    run.add_argument(
-        "--no-checkpoint", action="store_true", help="write no checkpoint, hence no export (throughput tests)"
-    )
-    run.add_argument(
-        "--log-every", type=int, default=LoggingConfig.log_every, help="steps between logs (each waits for the GPU)"
-    )
-    run.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument(
-        "--profile-steps",
-        type=int,
-        default=LoggingConfig.profile_steps,
-        help="trace this many steps after the first --log-every ones (torch.profiler, OUT/profile/rank*.json.gz; "
-        "summarise with python -m nv_esm.trace_summary); their interval's tokens/s includes the tracing",
-    )
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    one_of = None  # the required mutually exclusive group of the `one_of` options (--model, --config)
+    for name, item in sorted(_options(TrainConfig), key=lambda pair: GROUPS.index(pair[0])):
+        group = groups[name]
+        if item.metadata.get("one_of"):
+            group = one_of = one_of or group.add_mutually_exclusive_group(required=True)
+        group.add_argument(_flag(item), **_argument(item))
     return parser
+
+
+def _section(cls: type, args: argparse.Namespace) -> Any:
+    """`cls` (`TrainConfig` or a section) of the options `build_parser()` parsed."""
+    return cls(
+        **{
+            item.name: _value(item, args) if "help" in item.metadata else _section(get_type_hints(cls)[item.name], args)
+            for item in fields(cls)
+        }
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` of the options `build_parser()` parsed."""
-    return TrainConfig(
-        model=ModelConfig(
-            init_from=args.model,
-            config_file=args.config,
-            task=args.task,
-            backend=args.backend,
-            fp8=args.fp8,
-            fp8_recipe=args.fp8_recipe,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            lora_targets=tuple(args.lora_targets),
-            cuda_graphs=args.cuda_graphs,
-        ),
-        data=DataConfig(
-            files=list(args.data),
-            token_budget=args.token_budget,
-            max_length=args.max_length + 2,  # tokens: the residues with <cls> and <eos>
-            mask_prob=args.mask_prob,
-            workers=args.data_workers,
-        ),
-        optimizer=OptimizerConfig(
-            steps=args.steps,
-            grad_accum=args.grad_accum,
-            lr=args.lr,
-            min_lr_ratio=args.min_lr_ratio,
-            warmup_steps=args.warmup_steps,
-            decay=args.decay,
-            weight_decay=args.weight_decay,
-            betas=tuple(args.betas),
-            clip_grad=args.clip_grad,
-            skip_nonfinite=args.skip_nonfinite,
-        ),
-        out=Path(args.out),
-        seed=args.seed,
-        parallel=ParallelConfig(
-            precision=args.precision,
-            dp_replicate=args.dp_replicate,
-            tp=args.tp,
-            cp=args.cp,
-            activation_checkpointing=args.activation_checkpointing,
-            offload_activations=args.offload_activations,
-            keep_gathered=args.keep_gathered,
-            compile=args.compile,
-        ),
-        validation=ValidationConfig(files=list(args.val_data), fraction=args.val_fraction, every=args.val_every),
-        checkpoint=CheckpointConfig(
-            enabled=not args.no_checkpoint,
-            save_every=args.save_every,
-            save_minutes=args.save_minutes,
-            keep=args.keep,
-            resume=args.resume,
-            stop_at_step=args.stop_at_step,
-            export=not args.no_export,
-        ),
-        logging=LoggingConfig(
-            log_every=args.log_every,
-            tensorboard=args.tensorboard,
-            profile_steps=args.profile_steps,
-            progress=not args.no_progress,
-        ),
-    )
+    return _section(TrainConfig, args)
 
 
 def parse_config(argv: list[str] | None = None, prog: str = PROG) -> TrainConfig:

@@ -23,8 +23,8 @@ from modeling_nv_esm import (
     NVEsmForTokenClassification,
     NVEsmRotaryEmbedding,
     resolve_backend,
-    tensor_parallel_split_dim,
 )
+from modeling_nv_esm_parallel import tensor_parallel_split_dim
 from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora

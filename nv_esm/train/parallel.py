@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modeling_nv_esm import tensor_parallel_split_dim
+from modeling_nv_esm_parallel import tensor_parallel_split_dim
 from nv_esm.train.config import ParallelConfig
 
 

@@ -1,0 +1,492 @@
+"""`NVEsmEncoder`: the layers and the final LayerNorm, how a batch runs through them (eager or as CUDA graphs, FP8
+regions, tensor and context parallelism, activation checkpointing and offloading).
+
+Part of the model's Hub remote code: imports the siblings below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+try:
+    from .configuration_nv_esm import NVEsmConfig
+    from .modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
+    from .modeling_nv_esm_layers import (
+        TE_INSTALL_HINT,
+        NVEsmTorchLayer,
+        attention_probabilities,
+        caller_fp8_enabled,
+        caller_fp8_weights_recipe,
+        drop_te_extra_state,
+        fp8_value,
+        fp8_weights_init,
+        holds_fp8_weights,
+        ignore_missing_te_extra_state,
+        import_transformer_engine,
+        make_fp8_recipe,
+        make_te_layer,
+        quantize_fp8_weights,
+        runs_in_fp32,
+        transformer_engine_available,
+    )
+    from .modeling_nv_esm_lora import has_active_adapters
+    from .modeling_nv_esm_parallel import (
+        TENSOR_PARALLEL_SPLITS,
+        ContextParallel,
+        EncoderInputs,
+        RankGroup,
+        gather_tokens,
+        is_sharded,
+        scatter_tokens,
+        several_ranks,
+        tensor_parallel_split_dim,
+    )
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from configuration_nv_esm import NVEsmConfig
+    from modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
+    from modeling_nv_esm_layers import (
+        TE_INSTALL_HINT,
+        NVEsmTorchLayer,
+        attention_probabilities,
+        caller_fp8_enabled,
+        caller_fp8_weights_recipe,
+        drop_te_extra_state,
+        fp8_value,
+        fp8_weights_init,
+        holds_fp8_weights,
+        ignore_missing_te_extra_state,
+        import_transformer_engine,
+        make_fp8_recipe,
+        make_te_layer,
+        quantize_fp8_weights,
+        runs_in_fp32,
+        transformer_engine_available,
+    )
+    from modeling_nv_esm_lora import has_active_adapters
+    from modeling_nv_esm_parallel import (
+        TENSOR_PARALLEL_SPLITS,
+        ContextParallel,
+        EncoderInputs,
+        RankGroup,
+        gather_tokens,
+        is_sharded,
+        scatter_tokens,
+        several_ranks,
+        tensor_parallel_split_dim,
+    )
+
+logger = logging.get_logger(__name__)
+
+
+class ActivationOffload(FreshWhenCopied):
+    """Transformer Engine's CPU offload context for the encoder's layers (`config.offload_activations`), built on
+    first use, and whether an offloaded training forward still waits for its backward. TE hands saved tensors back
+    by layer and position, so a second forward before the first one's backward would give that backward the second
+    forward's activations: it is refused."""
+
+    def __init__(self) -> None:
+        self.context: Any = None  # entered around each layer's forward
+        self.sync: Callable[[torch.Tensor], torch.Tensor] | None = None  # each layer's output passes through it
+        self.awaiting_backward = False
+
+    def build(self, num_layers: int) -> None:
+        """Offload every layer but the last. TE then finishes copying layer i out before layer i + 1 runs and
+        copies it back when layer i's backward starts (no overlap with compute)."""
+        if not transformer_engine_available():
+            raise ImportError(f"offload_activations uses Transformer Engine's offloading. {TE_INSTALL_HINT}")
+        offloading = importlib.import_module("transformer_engine.pytorch.cpu_offload")
+        if not hasattr(offloading, "DefaultOffloadSynchronizer") or offloading.NVTE_CPU_OFFLOAD_V1:
+            raise ImportError(
+                "offload_activations needs Transformer Engine's offloading of any saved tensor (TE 2.20's default; "
+                "not the NVTE_CPU_OFFLOAD_V1=1 code path, which offloads only what TE modules mark)."
+            )
+        self.context, self.sync = import_transformer_engine().get_cpu_offload_context(
+            enabled=True, num_layers=num_layers - 1, model_layers=num_layers
+        )
+
+    def forward_done(self, output: torch.Tensor) -> None:
+        """An offloaded forward finished with `output` (the last layer's): no other until its backward starts."""
+        if output.requires_grad:
+            self.awaiting_backward = True
+            output.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self.awaiting_backward = False
+
+
+class NVEsmEncoder(nn.Module):
+    """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
+
+    With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
+    captured once per shape (when, `StaticShapeGraphs` says) with Transformer Engine's `make_graphed_callables`:
+    one graph for the forward of all layers and one for their backward, replayed instead of launching every kernel
+    from Python.
+    """
+
+    def __init__(self, config: NVEsmConfig, backend: str) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        if backend == "te":
+            self.fp8_recipe = make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None
+            self.fp8_weight_recipes = self._fp8_weight_recipes()
+            with fp8_weights_init(None):  # high precision first: `hold_fp8_weights` quantizes with fitting scales
+                self.layers = nn.ModuleList(make_te_layer(config, i + 1) for i in range(config.num_hidden_layers))
+        else:
+            if config.fp8_weights:
+                raise ValueError("fp8_weights holds weights in Transformer Engine's FP8 tensors: needs backend='te'.")
+            self.layers = nn.ModuleList(NVEsmTorchLayer(config) for _ in range(config.num_hidden_layers))
+            self.fp8_recipe = None
+            self.fp8_weight_recipes = [None] * config.num_hidden_layers
+            if config.uses_fp8:
+                logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
+        self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.tensor_parallel: RankGroup | None = None  # set by `enable_tensor_parallel`
+        self.context_parallel: ContextParallel | None = None  # set by `enable_context_parallel`
+        self.graphs = StaticShapeGraphs()
+        self._offload = ActivationOffload()
+        self.register_state_dict_post_hook(drop_te_extra_state)
+        self.register_load_state_dict_post_hook(ignore_missing_te_extra_state)
+        self.register_load_state_dict_pre_hook(quantize_fp8_weights)
+        self.hold_fp8_weights()  # on the meta device (from_pretrained), after loading instead
+
+    def _fp8_weight_recipes(self) -> list[Any]:
+        """Per layer, the recipe its weights are held in FP8 with, or None: `config.fp8_weights` holds the FP8
+        layers' weights with `fp8_recipe`; a caller's `te.quantized_model_init` around the construction holds
+        every layer's with its recipe."""
+        config = self.config
+        if config.fp8_weights:
+            return [self.fp8_recipe if precision == "fp8" else None for precision in config.layer_precision]
+        return [caller_fp8_weights_recipe()] * config.num_hidden_layers
+
+    def hold_fp8_weights(self) -> None:
+        """Hold the weights of the layers `fp8_weight_recipes` names in FP8: each is rebuilt on the GPU inside
+        `quantized_model_init` and its current weights quantized into it (`fp8_value`). Runs when the model is
+        built, and in `from_pretrained` after loading (a model built on the meta device has no weights yet); layers
+        already in FP8 are left as they are. The rebuild draws no random numbers from the caller's generators.
+
+        In eval mode (as `from_pretrained` leaves a model) or without gradients (a build under `torch.no_grad()`)
+        only the FP8 rows are kept, half the bytes of bf16: what inference reads. Otherwise their transposes too
+        (Hopper's backward GEMMs read them); a training forward of a rows-only model makes them when it needs
+        them."""
+        converted, grad = False, torch.is_grad_enabled()
+        for index, recipe in enumerate(self.fp8_weight_recipes):
+            old = self.layers[index]
+            if recipe is None or holds_fp8_weights(old):
+                continue
+            weights = dict(old.named_parameters())
+            if any(value.device.type == "meta" for value in weights.values()):
+                continue
+            dtype = next(iter(weights.values())).dtype
+            devices = [torch.cuda.current_device()]
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.training and grad):
+                with fp8_weights_init(recipe):  # the FP8 layouts quantized now follow torch.is_grad_enabled()
+                    new = make_te_layer(self.config, index + 1, params_dtype=dtype)
+                with torch.no_grad():
+                    for name, parameter in new.named_parameters():
+                        parameter.copy_(fp8_value(parameter, weights[name]))
+            self.layers[index], converted = new.train(old.training), True
+        if converted:
+            gc.collect()  # the old layers' fused modules and adapter targets refer to each other
+            self.graphs.clear()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        inputs: EncoderInputs,
+        output_hidden_states: bool,
+        attention_sink: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
+        layer's output, with the last one LayerNormed as in ESM and transformers. `attention_sink`, if given,
+        receives each layer's attention probabilities (`attention_probabilities`) as the layers run."""
+        if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not caller_fp8_enabled():
+            raise ValueError(
+                "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
+                "te.autocast(enabled=True, recipe=...), or load it with layer_precision and fp8_weights=True."
+            )
+        if inputs.static_shape:
+            states = self.graphs.run(self, hidden_states, inputs)
+            if states is not None:
+                return states, None
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        tp = self.tensor_parallel
+        layout = inputs.context_parallel
+        if (tp is not None or layout is not None) and attention_sink is not None:
+            raise ValueError(
+                "attention maps (output_attentions, predict_contacts) are not supported with tensor or context "
+                "parallelism."
+            )
+        if tp is not None:  # each rank runs its share of the tokens between the layers' products
+            hidden_states = scatter_tokens(hidden_states, tp, summed=False)
+        elif layout is not None:  # each rank runs its chunks of every protein
+            if self.backend == "te" and runs_in_fp32(hidden_states):
+                raise ValueError(
+                    "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention "
+                    "kernels take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under "
+                    "torch.autocast."
+                )
+            hidden_states = layout.own_tokens(hidden_states)
+        with self.fp8_region():
+            hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states, attention_sink)
+        if tp is not None or layout is not None:
+            whole = (lambda h: gather_tokens(h, tp, replicated=True)) if tp is not None else layout.all_tokens
+            hidden_states = whole(hidden_states)
+            if all_hidden_states is not None:
+                all_hidden_states[1:] = [whole(h) for h in all_hidden_states[1:]]
+        hidden_states = self.emb_layer_norm_after(hidden_states)
+        if all_hidden_states is None:
+            return hidden_states, None
+        all_hidden_states[-1] = hidden_states
+        return hidden_states, tuple(all_hidden_states)
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        inputs: EncoderInputs,
+        all_hidden_states: list | None = None,
+        attention_sink: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states` and
+        handing each layer's attention probabilities to `attention_sink`."""
+        offload = self.activation_offload(hidden_states)
+        try:
+            for index, layer in enumerate(self.layers):
+                if attention_sink is not None:
+                    attention_sink(attention_probabilities(layer, hidden_states, inputs, self.config))
+                with self.layer_precision(index), offload.context if offload else contextlib.nullcontext():
+                    hidden_states = self.run_layer(layer, hidden_states, inputs)
+                if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
+                    hidden_states = offload.sync(hidden_states)
+                if all_hidden_states is not None:
+                    all_hidden_states.append(hidden_states)
+        except BaseException:
+            if offload:  # TE's context counts layers: a forward cut short leaves it out of step
+                self._offload = ActivationOffload()
+            raise
+        if offload:
+            offload.forward_done(hidden_states)
+        return hidden_states
+
+    def enable_tensor_parallel(self, tensor_parallel: RankGroup) -> None:
+        """Split every layer across the ranks of `tensor_parallel` (Megatron-style tensor parallelism with
+        sequence parallelism, `TENSOR_PARALLEL_SPLITS`): the layers are rebuilt as this rank's part, holding the
+        matching slices of the current weights (none on the meta device). Packed (THD) layers only; the model's
+        inputs and outputs stay whole on every rank. Raises ValueError for what it does not support: padded
+        layers, dropout, head or MLP sizes the group size does not divide, LoRA adapters, activation offloading,
+        a second call."""
+        config, size = self.config, tensor_parallel.size
+        self._refuse_parallelism(
+            "tensor parallelism",
+            {
+                "it was enabled already": self.tensor_parallel is not None,
+                "it does not combine with context parallelism yet": self.context_parallel is not None,
+                f"{config.num_attention_heads} heads do not split over {size} ranks": (
+                    config.num_attention_heads % size
+                ),
+                f"intermediate_size {config.intermediate_size} does not split over {size} ranks": (
+                    config.intermediate_size % size
+                ),
+            },
+        )
+        old = self.layers
+        device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
+        with torch.device("meta"):
+            layers = nn.ModuleList(
+                make_te_layer(config, i + 1, tensor_parallel)
+                if self.backend == "te"
+                else NVEsmTorchLayer(config, tensor_parallel)
+                for i in range(len(old))
+            ).to(dtype)
+        if device.type != "meta":
+            layers.to_empty(device=device)
+            with torch.no_grad():
+                for new_layer, old_layer in zip(layers, old):
+                    whole = dict(old_layer.named_parameters())
+                    for name, parameter in new_layer.named_parameters():
+                        dim = TENSOR_PARALLEL_SPLITS.get(name)
+                        value = whole[name] if dim is None else whole[name].chunk(size, dim)[tensor_parallel.rank]
+                        parameter.copy_(value)
+        layers.train(self.training)
+        self.layers, self.tensor_parallel = layers, tensor_parallel
+        self.graphs.clear()
+
+    def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
+        """Run each batch's layers across the ranks of `context_parallel`: each rank runs its chunks of every
+        protein (`ContextParallelLayout`) and attention exchanges keys and values (Transformer Engine's ring of
+        point-to-point transfers on the TE backend, an all-gather in the twin), so a protein too long for one GPU
+        runs on several. Every rank keeps whole weights and gets the whole batch's outputs. Packed (THD) layers
+        only. Raises ValueError for what it does not support: padded layers, dropout, tensor parallelism, LoRA
+        adapters, activation offloading, a second call."""
+        self._refuse_parallelism(
+            "context parallelism",
+            {
+                "it was enabled already": self.context_parallel is not None,
+                "it does not combine with tensor parallelism yet": self.tensor_parallel is not None,
+            },
+        )
+        if self.backend == "te":
+            stream = torch.cuda.Stream()
+            for layer in self.layers:
+                layer.set_context_parallel_group(
+                    context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
+                )
+        self.context_parallel = context_parallel
+        self.graphs.clear()
+
+    def _refuse_parallelism(self, kind: str, refusals: dict[str, Any]) -> None:
+        """ValueError naming the first true reason among `refusals` and the ones tensor and context parallelism
+        share: padded layers, dropout, LoRA adapters, activation offloading."""
+        config = self.config
+        shared = {
+            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
+            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
+                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
+            ),
+            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
+            "activation offloading is not supported": config.offload_activations,
+            "weights held in FP8 (fp8_weights) are not supported": any(self.fp8_weight_recipes),
+        }
+        for reason, refused in {**refusals, **shared}.items():
+            if refused:
+                raise ValueError(f"{kind}: {reason}.")
+
+    @property
+    def parallel_ranks(self) -> RankGroup | None:
+        """The tensor- or context-parallel group the layers run across (they share each batch), or None."""
+        return self.tensor_parallel or self.context_parallel
+
+    def partial_gradients(self) -> tuple[RankGroup | None, list[torch.Tensor]]:
+        """The tensor- or context-parallel group and the gradients (local shards under FSDP2) that each of its ranks
+        computed from its own tokens only, so that their sum over the group is the gradient: with tensor
+        parallelism the whole layer parameters (LayerNorms, output biases), with context parallelism every layer
+        parameter. (None, []) without either."""
+        ranks = self.parallel_ranks
+        if ranks is None:
+            return None, []
+        grads = []
+        for name, parameter in self.layers.named_parameters(prefix="layers"):
+            split = self.tensor_parallel is not None and tensor_parallel_split_dim(name) is not None
+            if parameter.grad is not None and not split:
+                grads.append(parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad)
+        return ranks, grads
+
+    def reduce_partial_gradients(self) -> None:
+        """Sum the `partial_gradients` over their group (one all-reduce)."""
+        ranks, grads = self.partial_gradients()
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        torch.distributed.all_reduce(flat, group=ranks.group)
+        for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(summed.view_as(grad))
+
+    def activation_offload(self, hidden_states: torch.Tensor) -> ActivationOffload | None:
+        """With `config.offload_activations`, in train mode with gradients: the built `ActivationOffload` whose
+        context each layer runs in. None otherwise. Raises RuntimeError while an offloaded forward waits for its
+        backward, and ValueError with gradient checkpointing or off CUDA."""
+        if not (self.config.offload_activations and self.training and torch.is_grad_enabled()):
+            return None
+        if self._offload.awaiting_backward:
+            raise RuntimeError(
+                "offload_activations: this model ran a training forward whose backward has not run yet; another "
+                "one now would give that backward the wrong activations. Call backward first, or load the model "
+                "with offload_activations=False to run several forwards per backward."
+            )
+        if self.gradient_checkpointing:
+            raise ValueError(
+                "offload_activations with gradient checkpointing offloads nothing (Transformer Engine's context does "
+                "not reach the checkpointed layer inputs; measured on an H100): use one of them."
+            )
+        if hidden_states.device.type != "cuda":
+            raise ValueError(
+                f"offload_activations moves GPU activations to host memory; this model runs on "
+                f"{hidden_states.device.type}. Load it with offload_activations=False."
+            )
+        if self._offload.context is None:
+            self._offload.build(len(self.layers))
+        return self._offload
+
+    def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """One layer, `layer(hidden_states, inputs)` on both backends; recomputed in backward under gradient
+        checkpointing (TE's checkpoint on the TE backend: it keeps FP8 scaling state consistent when recomputing)."""
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return layer(hidden_states, inputs)
+        if self.backend == "te":
+            return import_transformer_engine().checkpoint(layer, hidden_states, inputs, use_reentrant=False)
+        return self._gradient_checkpointing_func(layer.__call__, hidden_states, inputs)
+
+    def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
+        """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
+        train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
+        offloading, layers not sharded by FSDP, no module hooks (a replay would not call them), not inside
+        `torch.compile`, another CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a
+        process group of several ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to
+        `main_grad` instead).
+
+        Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
+        would overwrite memory that backward reads. (A training forward must be followed by its backward; an
+        eager call in between gave NaN gradients.)"""
+        if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
+            return False
+        if self.parallel_ranks is not None:  # eager: the layers' collectives are not captured
+            return False
+        if self.graphs.awaiting_backward():
+            raise RuntimeError(
+                "cuda_graphs=True: this model ran a training forward whose backward has not run yet, and another "
+                "forward now would overwrite what that backward reads. Call backward first (or, to drop that forward, "
+                "model.esm.encoder.graphs.clear()), or load the model with cuda_graphs=False to run several forwards "
+                "per backward."
+            )
+        if output_hidden_states or self.training != torch.is_grad_enabled():
+            return False
+        if self.training and (self.gradient_checkpointing or self.config.offload_activations or several_ranks()):
+            return False
+        if (
+            torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()
+            or getattr(self, "_is_replica", False)
+        ):
+            return False
+        if any(has_active_adapters(layer) for layer in self.layers):  # PEFT's adapters: eager
+            return False
+        if self.fp8_recipe is None and caller_fp8_enabled():  # the caller's te.autocast: not in our graphs' state
+            return False
+        return not is_sharded(self.layers[0]) and not has_module_hooks(self)
+
+    def pads_for_fp8(self) -> bool:
+        """Whether this call's FP8 GEMMs need the token count padded (`FP8_TOKEN_MULTIPLE`): FP8 layers of the
+        model's own (`layer_precision`), or FP8 turned on by the caller around it (`te.autocast(enabled=True,
+        recipe=...)`, any recipe)."""
+        return self.fp8_recipe is not None or (self.backend == "te" and caller_fp8_enabled())
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
+        self._offload = ActivationOffload()  # its stream belongs to the device the model was on
+        return super()._apply(fn, recurse)
+
+    def fp8_region(self) -> contextlib.AbstractContextManager:
+        """One FP8 autocast around all layers when any layer is FP8 (TE backend only).
+
+        One region, not one per layer: Transformer Engine reduces amaxes and updates scales when the outermost
+        region exits, so per-layer regions would repeat that work for every layer."""
+        if self.fp8_recipe is None:
+            return contextlib.nullcontext()
+        ranks = self.parallel_ranks  # one set of scales for the weights they share
+        group = None if ranks is None else ranks.group
+        return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe, amax_reduction_group=group)
+
+    def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
+        """Inside `fp8_region`: FP8 stays on for layers marked "fp8" and is switched off for the others."""
+        if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
+            return contextlib.nullcontext()
+        return import_transformer_engine().autocast(enabled=False)

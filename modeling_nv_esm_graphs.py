@@ -1,0 +1,395 @@
+"""CUDA graphs of the encoder layers: the static-shape buckets (`static_shape`), capture and replay
+(`StaticShapeGraphs`), and the `main_grad` buffers training replays accumulate into.
+
+Part of the model's Hub remote code: imports the batch, parallel and layers siblings below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+try:
+    from .modeling_nv_esm_batch import PackedSequences
+    from .modeling_nv_esm_layers import import_transformer_engine
+    from .modeling_nv_esm_parallel import EncoderInputs
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from modeling_nv_esm_batch import PackedSequences
+    from modeling_nv_esm_layers import import_transformer_engine
+    from modeling_nv_esm_parallel import EncoderInputs
+
+logger = logging.get_logger(__name__)
+
+
+def static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[int, int, int]:
+    """The bucket a packed batch runs in under CUDA graphs: `(tokens, sequence slots, max_length)`.
+
+    Tokens round up in steps of 1/8 of the power of two below them, and of 256 below 4096 tokens (padding under
+    1/8 of the tokens or under 256; multiples of 256, so also of `FP8_TOKEN_MULTIPLE`). `max_length` rounds up to
+    a power of two (at least 64) up to 512, to 1026 above (ESM-2's longest protein: 1024 residues, <cls> and
+    <eos>) and to a multiple of 512 past 1026. The slots (proteins, dummy proteins of at most `max_length` tokens
+    holding the padding, then empty ones) round up to a power of two, at least 16 and at least the number of
+    proteins a quarter of `max_length` long that fill the tokens: full batches of length-sorted proteins under one
+    token budget (`nv-esm embed`) then share one shape per `max_length` bucket (empty slots cost the attention
+    kernels next to nothing), and a run of similar batches uses a few.
+    """
+    step = max(256, 1 << max(num_tokens.bit_length() - 4, 0))
+    tokens = -(-num_tokens // step) * step
+    if max_length <= 512:
+        length = max(64, 1 << (max_length - 1).bit_length())
+    else:
+        length = 1026 if max_length <= 1026 else -(-max_length // 512) * 512
+    dummies = -(-(tokens - num_tokens) // length)
+    slots = max(16, 1 << (max(num_sequences + dummies, tokens // (length // 4)) - 1).bit_length())
+    return tokens, slots, length
+
+
+class FreshWhenCopied:
+    """Runtime state of one model object (captured CUDA graphs, an offload context holding a CUDA stream) that
+    `copy.deepcopy` and pickling give as new, empty state: a copied or loaded model builds its own."""
+
+    def __deepcopy__(self, memo: dict) -> FreshWhenCopied:
+        return type(self)()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+class StaticShapeLayers(nn.Module):
+    """The encoder's layers and final LayerNorm for one static packed shape: what one CUDA graph holds.
+
+    Not a submodule of the encoder (it holds the encoder, whose parameters are the graph's); its `training` flag
+    is set directly, as `.train()` would also switch the encoder's layers.
+    """
+
+    def __init__(self, encoder: nn.Module, max_length: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.max_length = max_length
+
+    def forward(
+        self, hidden_states: torch.Tensor, cu_seq_lens: torch.Tensor, rotary_angles: torch.Tensor
+    ) -> torch.Tensor:
+        """`[T, hidden]` packed states with `cu_seq_lens [slots + 1]` and `rotary_angles [max_length, head_dim]`."""
+        packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, hidden_states.shape[0])
+        states = self.encoder.run_layers(hidden_states, EncoderInputs(rotary_angles, packed=packed))
+        return self.encoder.emb_layer_norm_after(states)
+
+
+def host_shape(
+    captured: Iterable[tuple[int, int, int]], num_tokens: int, num_sequences: int, max_length: int
+) -> tuple[int, int, int] | None:
+    """The smallest of the `captured` static shapes `(tokens, slots, max_length)` that holds a packed batch of
+    `num_tokens` tokens in `num_sequences` proteins of at most `max_length` tokens (its padding in dummy proteins of
+    the shape's `max_length`, as `pad_packed` lays it out), by tokens, then slots x max_length; None if none does."""
+    fitting = [
+        (tokens, slots, length)
+        for tokens, slots, length in captured
+        if tokens >= num_tokens
+        and length >= max_length
+        and slots >= num_sequences + -(-(tokens - num_tokens) // length)
+    ]
+    return min(fitting, key=lambda shape: (shape[0], shape[1] * shape[2]), default=None)
+
+
+def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
+    """What besides the shape tells the graphs apart: train mode, gradients, dtype, autocast, inference mode."""
+    return (
+        encoder.training,
+        hidden_states.requires_grad,
+        hidden_states.dtype,
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
+        torch.is_inference_mode_enabled(),
+    )
+
+
+class StaticShapeGraphs(FreshWhenCopied):
+    """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
+    captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
+    shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which costs less
+    than an eager run, until the padding it has added there comes to `padding_before_capture` replays of that graph
+    (about what a capture costs): then its own shape is captured. Padding is counted in tokens, so a shape held by a
+    graph of as many tokens (more slots or a longer `max_length`, which cost the attention kernels next to nothing)
+    stays there. With no graph to hold it, its shape is captured the `capture_at_use`-th time it is met and runs
+    eagerly before. A shape met once, such as the last, partly filled batch of each `nv-esm embed` shard, so never
+    pays a capture.
+
+    A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
+    replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
+    output is copied out
+    of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
+    optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
+    are captured anew. Gradient hooks on parameters also see TE's warm-up gradients while a shape is captured.
+    A capture that runs out of GPU memory frees every graph, their memory pool and the shared weight-gradient
+    buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
+    """
+
+    capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
+    padding_before_capture = 4  # graph replays' worth of tokens
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, nn.Module | None] = {}
+        self._uses: dict[tuple, int] = {}  # eager runs of each shape not captured yet
+        self._padding: dict[tuple, int] = {}  # padding tokens each shape not captured yet added to hosting graphs
+        self._pool: Any = None
+        self._parameter_storage: tuple[tuple[int, bool], ...] = ()
+        self._awaiting_backward = False
+        self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
+        self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
+
+    def clear(self) -> None:
+        """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
+        (PyTorch's allocator asserts, the capture fails and leaves the CUDA generator in capture mode, so every
+        later random op on the GPU raises)."""
+        self._graphs.clear()
+        self._uses.clear()
+        self._padding.clear()
+        self._pool = None
+        self._awaiting_backward = False
+        self._weights = None
+        self._out_of_memory = False
+
+    def awaiting_backward(self) -> bool:
+        """Whether a training replay's backward has not started yet."""
+        return self._awaiting_backward
+
+    def shape_for(
+        self, encoder: nn.Module, hidden_states: torch.Tensor, packed: PackedSequences
+    ) -> tuple[int, int, int] | None:
+        """The static shape `(tokens, slots, max_length)` to pad this packed batch (`[T, hidden]` states) to before
+        `run`, or None: run it eagerly, unpadded (an inference shape not captured yet, with no graph to hold it)."""
+        if self._out_of_memory:
+            return None
+        self._check_parameters(encoder)
+        num_sequences = packed.cu_seq_lens.numel() - 1
+        own = static_shape(packed.num_tokens, num_sequences, packed.max_length)
+        mode = _graph_mode(encoder, hidden_states)
+        key = (*own, *mode)
+        if key in self._graphs or encoder.training:  # training: captured at first use
+            return own
+        captured = [shape[:3] for shape, graph in self._graphs.items() if graph is not None and shape[3:] == mode]
+        host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
+        if host is not None:
+            padding = self._padding.get(key, 0) + host[0] - own[0]
+            if padding <= self.padding_before_capture * host[0]:
+                self._padding[key] = padding
+                return host
+            return own  # its padding has cost about a capture: capture its own shape
+        self._uses[key] = self._uses.get(key, 0) + 1
+        return own if self._uses[key] >= self.capture_at_use else None
+
+    def run(self, encoder: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
+        """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
+        `shape_for` gave); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier
+        one ran out of memory: the encoder then runs it eagerly."""
+        if self._out_of_memory:
+            return None
+        autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        packed = inputs.packed
+        key = (hidden_states.shape[0], packed.cu_seq_lens.numel() - 1, packed.max_length)
+        key = (*key, *_graph_mode(encoder, hidden_states))
+        if key not in self._graphs:
+            graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
+            if self._out_of_memory:
+                return None
+            self._graphs[key] = graph
+        graph = self._graphs[key]
+        if graph is None:
+            return None
+        if hidden_states.requires_grad:  # the graph's backward accumulates into main_grad: make it each .grad
+            if self._weights is None:
+                self._weights = _graph_weights(encoder)
+            _point_grads_at_main_grads(self._weights)
+        with encoder.fp8_region():
+            states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
+        if states.requires_grad:
+            self._awaiting_backward = True
+            states.register_hook(self._backward_started)
+        return states
+
+    def _check_parameters(self, encoder: nn.Module) -> None:
+        """Graphs read the parameters' storage and fix at capture which parameters get gradients: when either
+        changed, drop them."""
+        storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
+        if storage != self._parameter_storage:
+            self.clear()
+            self._parameter_storage = storage
+
+    def _free_after_out_of_memory(self, encoder: nn.Module) -> None:
+        """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
+        self.clear()
+        self._out_of_memory = True
+        for weight in _graph_weights(encoder, create=False):
+            del weight.main_grad
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self._awaiting_backward = False
+
+    def _capture(
+        self, encoder: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, autocast_dtype: Any
+    ) -> nn.Module | None:
+        te = import_transformer_engine()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        layers = StaticShapeLayers(encoder, inputs.packed.max_length)
+        layers.training = encoder.training
+        sample = (
+            hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
+            inputs.packed.cu_seq_lens.clone(),
+            inputs.rotary_angles.clone(),
+        )
+        shape = f"{hidden_states.shape[0]} tokens, {inputs.packed.cu_seq_lens.numel() - 1} slots, " + (
+            f"max_length {inputs.packed.max_length}, {'training' if encoder.training else 'inference'}"
+        )
+        started = time.perf_counter()
+        parameters = list(encoder.parameters())
+        grads = [parameter.grad for parameter in parameters]  # TE does not put them back if capture fails
+        training = hidden_states.requires_grad
+        weights = _graph_weights(encoder) if training else []
+        accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
+        try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
+            with (
+                _expandable_segments(),
+                _fused_wgrad_accumulation(encoder, training),
+                torch.autocast(
+                    "cuda",
+                    dtype=autocast_dtype or torch.bfloat16,
+                    enabled=autocast_dtype is not None,
+                    cache_enabled=False,
+                ),
+            ):
+                graph = te.make_graphed_callables(
+                    layers,
+                    sample,
+                    enabled=encoder.fp8_recipe is not None,
+                    recipe=encoder.fp8_recipe,
+                    pool=self._pool,
+                    # Inference needs one eager forward before capture (lazy set-up: cuDNN plans, workspaces); it
+                    # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
+                    # captures`). Training keeps TE's three forward+backward passes.
+                    num_warmup_iters=3 if training else 1,
+                    post_warmup_hook=torch.cuda.empty_cache,  # warm-up memory (a side stream) back before capture
+                )
+        except Exception as error:  # e.g. a capture that meets another live autograd graph: run this shape eagerly
+            importlib.import_module("transformer_engine.pytorch.graph").set_capture_end()
+            if "__call__" in vars(StaticShapeLayers):  # TE's FP8 wrapper, left in place when capture fails
+                del StaticShapeLayers.__call__
+            for parameter, grad in zip(parameters, grads):
+                parameter.grad = grad
+            _restore_main_grads(weights, accumulated)
+            if isinstance(error, torch.OutOfMemoryError):
+                self._free_after_out_of_memory(encoder)
+                logger.warning(
+                    f"CUDA graph capture ran out of GPU memory ({shape}); the graphs are freed and this model runs "
+                    "eagerly from now on (load it with cuda_graphs=False to skip capturing)."
+                )
+                return None
+            logger.warning(
+                f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
+            )
+            return None
+        _restore_main_grads(weights, accumulated)
+        torch.cuda.empty_cache()
+        logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
+        return graph
+
+
+@contextlib.contextmanager
+def _expandable_segments() -> Any:
+    """Within: the CUDA caching allocator maps new memory as expandable segments (unless the process already does).
+
+    The graphs' shared pool keeps every segment it gets; with fixed-size segments each new, larger shape needed
+    new ones beside the blocks of the smaller shapes (650M at 64 proteins: 42 GB in the pool for 33 GB of tensors,
+    then out of memory at the third shape). Expandable segments grow in place, so freed blocks merge and the
+    shapes share them. The warm-up's eager memory is mapped the same way and unmapped by `empty_cache`."""
+    process_setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    set_allocator = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )  # the first from torch 2.12 on
+    if set_allocator is None or "expandable_segments:True" in process_setting:
+        yield
+        return
+    set_allocator("expandable_segments:True")
+    try:
+        yield
+    finally:
+        set_allocator("expandable_segments:False")
+
+
+def _graph_weights(encoder: nn.Module, create: bool = True) -> list[nn.Parameter]:
+    """The GEMM weights of the TE layers that get gradients (QKV, projection, fc1, fc2), each given a `main_grad`
+    (`create`), or those that have one (not `create`)."""
+    weights = []
+    for module in encoder.layers.modules():
+        if hasattr(module, "fuse_wgrad_accumulation"):
+            for name, parameter in module.named_parameters(recurse=False):
+                if name in ("weight", "fc1_weight", "fc2_weight") and parameter.requires_grad:
+                    weights.append(parameter)
+    if not create:
+        return [weight for weight in weights if hasattr(weight, "main_grad")]
+    for weight in weights:
+        main_grad = getattr(weight, "main_grad", None)
+        layout = (weight.shape, weight.dtype, weight.device)
+        if not isinstance(main_grad, torch.Tensor) or (main_grad.shape, main_grad.dtype, main_grad.device) != layout:
+            weight.main_grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    return weights
+
+
+@contextlib.contextmanager
+def _fused_wgrad_accumulation(encoder: nn.Module, enabled: bool) -> Any:
+    """Within: TE modules write weight gradients into `main_grad` (captured so in a graph); after: ordinary grads."""
+    modules = [m for m in encoder.layers.modules() if hasattr(m, "fuse_wgrad_accumulation")]
+    for module in modules:
+        module.fuse_wgrad_accumulation = enabled
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.fuse_wgrad_accumulation = False
+
+
+def _point_grads_at_main_grads(weights: list[nn.Parameter]) -> None:
+    """Make each weight's `.grad` its `main_grad`: zeroed if `.grad` was None, holding `.grad` if it was another
+    tensor, untouched if it already is (gradient accumulation across replays)."""
+    unset = [weight for weight in weights if weight.grad is None]
+    if unset:
+        torch._foreach_zero_([weight.main_grad for weight in unset])
+    for weight in weights:
+        if weight.grad is not weight.main_grad:
+            if weight.grad is not None:
+                weight.main_grad.copy_(weight.grad)
+            weight.grad = weight.main_grad
+
+
+def _main_grads_in_use(weights: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    """CPU copies of the `main_grad`s that hold accumulated gradients (`.grad` is `main_grad`), else None."""
+    return [weight.main_grad.cpu() if weight.grad is weight.main_grad else None for weight in weights]
+
+
+def _restore_main_grads(weights: list[nn.Parameter], accumulated: list[torch.Tensor | None]) -> None:
+    """Undo what a capture's warm-up steps added to the `main_grad`s."""
+    for weight, saved in zip(weights, accumulated):
+        if saved is None:
+            weight.main_grad.zero_()
+        else:
+            weight.main_grad.copy_(saved)
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether any submodule has forward or backward hooks."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(m, kind, None) for m in module.modules() for kind in kinds)

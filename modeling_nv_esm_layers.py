@@ -1,0 +1,507 @@
+"""The encoder layers: the backend decision (`resolve_backend`, Transformer Engine imported on demand), FP8 recipes
+and weights held in FP8, the exact PyTorch twin (`NVEsmTorchLayer`), TE's `TransformerLayer` as NVEsm calls it
+(`make_te_layer`), attention maps (`attention_probabilities`) and TE's state-dict hooks.
+
+Part of the model's Hub remote code: imports the batch, parallel and LoRA siblings below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .configuration_nv_esm import NVEsmConfig
+    from .modeling_nv_esm_lora import (
+        add_lora_targets,
+        has_active_adapters_in,
+        mlp_with_updates,
+        refuse_adapters_on_fused_modules,
+        with_qkv_updates,
+        with_update,
+    )
+    from .modeling_nv_esm_parallel import EncoderInputs, RankGroup, gather_tokens, scatter_tokens
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from configuration_nv_esm import NVEsmConfig
+    from modeling_nv_esm_lora import (
+        add_lora_targets,
+        has_active_adapters_in,
+        mlp_with_updates,
+        refuse_adapters_on_fused_modules,
+        with_qkv_updates,
+        with_update,
+    )
+    from modeling_nv_esm_parallel import EncoderInputs, RankGroup, gather_tokens, scatter_tokens
+
+TE_INSTALL_HINT = (
+    "Install NVIDIA Transformer Engine for PyTorch on a CUDA machine "
+    "(pip install --no-build-isolation 'transformer-engine[pytorch]'), "
+    "or pass backend='torch' to run the PyTorch implementation."
+)
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """Whether `transformer_engine.pytorch` imports in this environment."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # ImportError, or a broken install raising OSError/RuntimeError on load
+        return False
+    return True
+
+
+def import_transformer_engine() -> Any:
+    """Return `transformer_engine.pytorch`, or raise an ImportError that says how to install it."""
+    if not transformer_engine_available():
+        raise ImportError(f"backend='te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
+    return importlib.import_module("transformer_engine.pytorch")
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now,
+    to run on `device` (None: the GPU when one is visible). `"auto"` is Transformer Engine when it is installed and
+    the model runs on CUDA; `"te"` where that does not hold raises ValueError saying what is missing. The one
+    decider of the model and of every command (`nv-esm embed`, `nv-esm train`)."""
+    if backend not in ("auto", "te", "torch"):
+        raise ValueError(f"backend must be 'auto', 'te' or 'torch', got {backend!r}.")
+    if backend == "torch":
+        return "torch"
+    on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if backend == "te":
+        if not on_cuda:
+            where = "no CUDA GPU is visible" if device is None else f"this run is on {device}"
+            raise ValueError(
+                f"backend 'te' runs Transformer Engine layers on a CUDA GPU, and {where}. {TE_INSTALL_HINT}"
+            )
+        if not transformer_engine_available():
+            raise ValueError(f"backend 'te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
+        return "te"
+    return "te" if on_cuda and transformer_engine_available() else "torch"
+
+
+@functools.cache
+def _fp8_state_manager() -> Any:
+    """Transformer Engine's `FP8GlobalStateManager` (found once: the model asks it at every forward), or None."""
+    if not transformer_engine_available():
+        return None
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE >= 2.8 / older
+        try:
+            return importlib.import_module(name).FP8GlobalStateManager
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def caller_fp8_enabled() -> bool:
+    """Whether Transformer Engine's FP8 autocast is on where the model is called (a caller's `te.autocast`); False
+    without TE."""
+    manager = _fp8_state_manager()
+    return manager is not None and bool(manager.is_fp8_enabled())
+
+
+def caller_fp8_weights_recipe() -> Any:
+    """The recipe of a caller's `te.quantized_model_init` around the model's construction (TE modules built now hold
+    their weights in FP8 with it), or None outside one."""
+    manager = _fp8_state_manager()
+    if manager is None or not manager.with_fp8_parameters():
+        return None
+    return manager.get_fp8_recipe()
+
+
+def fp8_weights_init(recipe: Any) -> contextlib.AbstractContextManager:
+    """Transformer Engine's `quantized_model_init` (`fp8_model_init` before TE 2.8): TE modules built inside hold
+    their weights in FP8 quantized with `recipe`, or in high precision when `recipe` is None."""
+    te = import_transformer_engine()
+    init = getattr(te, "quantized_model_init", None) or te.fp8_model_init
+    return init(enabled=recipe is not None, recipe=recipe)
+
+
+def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """What to copy into `parameter` to give it `value`: `value` itself, or for a weight held in FP8 (a TE quantized
+    tensor) `value` quantized by the parameter's own quantizer, so that the copy takes the FP8 data and scales as
+    they are. Per-tensor delayed scaling first gets the scale its recipe would reach for `value` (`fp8 max / amax`),
+    not the 1.0 it starts with. Raises RuntimeError when the FP8 values are more than 10% (relative norm) from
+    `value`: a quantization gone wrong must not become silently wrong outputs."""
+    quantizer = getattr(parameter, "_quantizer", None)
+    if quantizer is None:
+        return value
+    value = value.detach().to(parameter.device, parameter.dtype)
+    usages = parameter.get_usages()  # the copy takes FP8 data as it is only when the layouts match
+    quantizer.set_usage(rowwise=usages.get("rowwise", True), columnwise=usages.get("columnwise", False))
+    if type(quantizer).__name__ == "Float8Quantizer":  # delayed scaling
+        name = getattr(quantizer.dtype, "name", str(quantizer.dtype))  # TE's DType enum: str() is its number
+        fp8_max = torch.finfo(torch.float8_e4m3fn if "E4M3" in name else torch.float8_e5m2).max
+        largest = value.abs().max().float().clamp(min=torch.finfo(torch.float32).tiny)
+        quantizer.scale.copy_((fp8_max / largest).to(quantizer.scale))
+    quantized = quantizer.quantize(value)
+    error = (quantized.dequantize().float() - value.float()).norm() / value.float().norm().clamp(min=1e-30)
+    if error > 0.1:
+        raise RuntimeError(
+            f"quantizing a weight to FP8 ({type(quantizer).__name__}) is off by {error.item():.0%}; this "
+            "Transformer Engine version holds FP8 weights differently: load the model without fp8_weights"
+        )
+    return quantized
+
+
+def holds_fp8_weights(layer: nn.Module) -> bool:
+    """Whether a TE layer's weights are FP8 tensors (`quantized_model_init`)."""
+    return any(hasattr(parameter, "_quantizer") for parameter in layer.parameters())
+
+
+def make_fp8_recipe(name: str) -> Any:
+    """The Transformer Engine recipe object for `config.fp8_recipe`."""
+    recipe = importlib.import_module("transformer_engine.common.recipe")
+    return {
+        "delayed": recipe.DelayedScaling,
+        "current": recipe.Float8CurrentScaling,
+        "block": recipe.Float8BlockScaling,
+    }[name]()
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """ESM's exact (erf) GELU."""
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` -> `[-x2, x1]` for halves x1, x2 of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, heads, S, d]` by `angles [S, d]` (float32 math, result in x's dtype)."""
+    x32 = x.float()
+    return (x32 * angles.cos() + rotate_half(x32) * angles.sin()).to(x.dtype)
+
+
+class NVEsmLayerNormLinear(nn.Module):
+    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear`.
+
+    With `tensor_parallel` (column-parallel): `out_features` is this rank's rows; the LayerNormed tokens of all
+    ranks are gathered before the product, `[T / size, in] -> [T, out]`."""
+
+    def __init__(
+        self, in_features: int, out_features: int, eps: float, tensor_parallel: RankGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tensor_parallel = tensor_parallel
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(in_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        if self.tensor_parallel is not None:
+            normed = gather_tokens(normed, self.tensor_parallel)
+        return with_qkv_updates(self, normed, F.linear(normed, self.weight, self.bias))
+
+
+class NVEsmLinear(nn.Module):
+    """Linear with the parameter names of `transformer_engine.pytorch.Linear` (the attention output projection;
+    not an `nn.Linear`, so that PEFT adapts it only as `attention.output.dense`, as on TE).
+
+    With `tensor_parallel` (row-parallel): `in_features` is this rank's columns; the ranks' partial products are
+    summed and scattered by tokens before the bias is added, `[T, in] -> [T / size, out]`."""
+
+    def __init__(self, in_features: int, out_features: int, tensor_parallel: RankGroup | None = None) -> None:
+        super().__init__()
+        self.tensor_parallel = tensor_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel is not None:
+            return scatter_tokens(F.linear(x, self.weight), self.tensor_parallel, summed=True) + self.bias
+        return with_update(self.__dict__.get("lora_targets"), x, F.linear(x, self.weight, self.bias))
+
+
+class NVEsmLayerNormMLP(nn.Module):
+    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`.
+
+    With `tensor_parallel`: `intermediate_size` is this rank's part; fc1 is column-parallel and fc2 row-parallel
+    (tokens gathered after the LayerNorm, summed and scattered before fc2's bias), `[T / size, hidden]` in and out.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, eps: float, tensor_parallel: RankGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.tensor_parallel = tensor_parallel
+        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size))
+        self.fc1_weight = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.fc1_bias = nn.Parameter(torch.zeros(intermediate_size))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.fc2_bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tensor_parallel
+        if tp is None:
+            return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
+        normed = gather_tokens(
+            F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps), tp
+        )
+        activated = gelu(F.linear(normed, self.fc1_weight, self.fc1_bias))
+        return scatter_tokens(F.linear(activated, self.fc2_weight), tp, summed=True) + self.fc2_bias
+
+
+class NVEsmSelfAttention(nn.Module):
+    """Pre-LN rotary self-attention with the parameter names of TE's `MultiheadAttention`.
+
+    `layernorm_qkv.weight` rows are interleaved per head, `[h0: q, k, v | h1: q, k, v | ...]`, as TE's
+    default `qkv_weight_interleaved=True`. Attention is `torch.nn.functional.scaled_dot_product_attention`.
+    With `tensor_parallel`, this rank's `num_heads / size` heads attend over all tokens.
+    """
+
+    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
+        super().__init__()
+        size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.num_heads = config.num_attention_heads // size
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_probs_dropout_prob
+        width = self.num_heads * self.head_dim
+        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * width, config.layer_norm_eps, tensor_parallel)
+        self.proj = NVEsmLinear(width, config.hidden_size, tensor_parallel)
+
+    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
+        qkv = self.layernorm_qkv(hidden_states)
+        if inputs.context_parallel is not None:
+            return self.proj(self.attend_across_ranks(qkv, inputs))
+        key_mask = inputs.key_mask
+        if inputs.packed is not None:  # attention runs on the padded view, the rest stays packed
+            qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
+        batch, length = qkv.shape[:2]
+        query, key, value = qkv.view(batch, length, self.num_heads, 3, self.head_dim).transpose(1, 2).unbind(3)
+        # ESM scales the query before the rotation (as transformers does), then attends with scale 1.
+        query = apply_rotary(query * self.head_dim**-0.5, inputs.rotary_angles[:length])
+        key = apply_rotary(key, inputs.rotary_angles[:length])
+        context = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=None if key_mask is None else key_mask[:, None, None, :],
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=1.0,
+        )
+        context = context.transpose(1, 2).reshape(batch, length, -1)
+        if inputs.packed is not None:
+            context = inputs.packed.pack(context)
+        return self.proj(context)
+
+    def attend_across_ranks(self, qkv: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        """Context parallelism: this rank's queries `[T_local, 3 * hidden] -> [T_local, hidden]` attend to the
+        keys and values of every rank (all-gathered: simpler than Transformer Engine's ring, the same result)."""
+        layout = inputs.context_parallel
+        qkv = qkv.view(qkv.shape[0], self.num_heads, 3, self.head_dim)
+        keys_values = gather_tokens(qkv[:, :, 1:].contiguous(), layout.cp)[layout.from_rank_order]
+        key, value = layout.padded.unpack(keys_values).permute(0, 2, 1, 3, 4).unbind(3)  # [N, heads, L, d]
+        query = layout.local.unpack(qkv[:, :, 0]).transpose(1, 2)  # [N, heads, L / size, d]
+        query_angles = layout.local.unpack(inputs.rotary_angles[layout.local_positions])[:, None]
+        query = apply_rotary(query * self.head_dim**-0.5, query_angles)
+        key = apply_rotary(key, inputs.rotary_angles[: key.shape[2]])
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=layout.key_mask[:, None, None, :], scale=1.0
+        )
+        return layout.local.pack(context.transpose(1, 2).flatten(2))
+
+
+class NVEsmTorchLayer(nn.Module):
+    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it (with
+    `tensor_parallel`: as `set_parallel_mode=True, sequence_parallel=True` configures it)."""
+
+    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
+        super().__init__()
+        self.self_attention = NVEsmSelfAttention(config, tensor_parallel)
+        size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.layernorm_mlp = NVEsmLayerNormMLP(
+            config.hidden_size, config.intermediate_size // size, config.layer_norm_eps, tensor_parallel
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        attention = self.self_attention
+        add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
+
+    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+        refuse_adapters_on_fused_modules(self)
+        hidden_states = hidden_states + self.dropout(self.self_attention(hidden_states, inputs))
+        return hidden_states + self.dropout(self.layernorm_mlp(hidden_states))
+
+
+@functools.cache
+def te_layer_class() -> type[nn.Module]:
+    """`NVEsmTELayer`: TE's `TransformerLayer` called as the twin is, `layer(hidden_states, inputs)`.
+
+    Built on first use, as it subclasses a Transformer Engine class. Its parameters and state dict are
+    `TransformerLayer`'s, unchanged."""
+    te = import_transformer_engine()
+
+    class NVEsmTELayerNormLinear(te.LayerNormLinear):
+        """TE's fused LayerNorm + QKV projection, plus the query/key/value adapters' updates when PEFT added any."""
+
+        def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+            qkv = super().forward(inp, *args, **kwargs)
+            if not has_active_adapters_in(self.__dict__.get("lora_targets")):
+                return qkv
+            normed = F.layer_norm(inp, inp.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            return with_qkv_updates(self, normed, qkv)
+
+    class NVEsmTELinear(te.Linear):
+        """TE's attention output projection, plus the `attention.output.dense` adapter's update."""
+
+        def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            result = super().forward(inp, *args, **kwargs)
+            folder = self.__dict__.get("lora_targets")
+            if isinstance(result, tuple):  # (output, bias) with return_bias
+                return (with_update(folder, inp, result[0]), *result[1:])
+            return with_update(folder, inp, result)
+
+    class NVEsmTELayerNormMLP(te.LayerNormMLP):
+        """TE's fused LayerNorm + MLP; with fc1/fc2 adapters, the same computation unfused (TE's tanh GELU)."""
+
+        def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            folders = self.__dict__.get("lora_targets", ())
+            if not any(has_active_adapters_in(folder) for folder in folders):
+                return super().forward(inp, *args, **kwargs)
+            gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+            output = mlp_with_updates(self, inp, gelu_tanh, add_fc2_bias=not self.return_bias)
+            return (output, self.fc2_bias) if self.return_bias else output
+
+    class NVEsmTELayer(te.TransformerLayer):
+        def __init__(self, *args: Any, config: NVEsmConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            attention = self.self_attention
+            attention.layernorm_qkv.__class__ = NVEsmTELayerNormLinear  # same state, forwards that add adapters
+            attention.proj.__class__ = NVEsmTELinear
+            self.layernorm_mlp.__class__ = NVEsmTELayerNormMLP
+            add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
+
+        def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:  # type: ignore[override]
+            """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
+            refuse_adapters_on_fused_modules(self)
+            return super().forward(hidden_states, **inputs.te_kwargs)
+
+    for cls in (NVEsmTELayerNormLinear, NVEsmTELinear, NVEsmTELayerNormMLP, NVEsmTELayer):
+        cls.__qualname__ = cls.__name__  # module-level names, so that models pickle (torch.save(model))
+        globals()[cls.__name__] = cls
+    return NVEsmTELayer
+
+
+def make_te_layer(
+    config: NVEsmConfig,
+    layer_number: int,
+    tensor_parallel: RankGroup | None = None,
+    params_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based);
+    with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism). Parameters in
+    `params_dtype` (default: torch's default dtype)."""
+    init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
+    on_meta = torch.get_default_device().type == "meta"
+    parallel: dict[str, Any] = {}
+    if tensor_parallel is not None:
+        parallel = dict(
+            set_parallel_mode=True,
+            tp_group=tensor_parallel.group,
+            tp_size=tensor_parallel.size,
+            sequence_parallel=True,
+        )
+    return te_layer_class()(
+        config=config,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        layernorm_epsilon=config.layer_norm_eps,
+        hidden_dropout=config.hidden_dropout_prob,
+        attention_dropout=config.attention_probs_dropout_prob,
+        init_method=init_method,
+        output_layer_init_method=init_method,
+        layer_number=layer_number,
+        kv_channels=config.head_dim,
+        self_attn_mask_type="padding",
+        layer_type="encoder",
+        fuse_qkv_params=True,
+        qkv_weight_interleaved=True,
+        bias=True,
+        activation=config.hidden_act,
+        normalization="LayerNorm",
+        attn_input_format=config.attn_input_format,
+        params_dtype=params_dtype or torch.get_default_dtype(),
+        device="meta" if on_meta else "cuda",
+        **parallel,
+    )
+
+
+def attention_probabilities(
+    layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, config: NVEsmConfig
+) -> torch.Tensor:
+    """`[N, heads, L, L]` float32 softmax attention of `layer` on the right-padded view of its input states.
+
+    An explicit (unfused) pass from the layer's own LayerNorm + QKV weights, which both backends name alike, so it
+    serves Transformer Engine layers too (their fused kernels form no maps). Zeros at padded keys and queries.
+    """
+    qkv_weights = layer.self_attention.layernorm_qkv
+    normed = F.layer_norm(
+        hidden_states,
+        hidden_states.shape[-1:],
+        qkv_weights.layer_norm_weight,
+        qkv_weights.layer_norm_bias,
+        config.layer_norm_eps,
+    )
+    qkv = with_qkv_updates(qkv_weights, normed, F.linear(normed, qkv_weights.weight, qkv_weights.bias))
+    key_mask = inputs.key_mask
+    if inputs.packed is not None:
+        qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
+    batch, length = qkv.shape[:2]
+    if key_mask is None:
+        key_mask = torch.ones((batch, length), dtype=torch.bool, device=qkv.device)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    query, key, _ = qkv.view(batch, length, heads, 3, head_dim).transpose(1, 2).unbind(3)
+    query = apply_rotary(query * head_dim**-0.5, inputs.rotary_angles[:length])
+    key = apply_rotary(key, inputs.rotary_angles[:length])
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2))
+    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
+
+
+def runs_in_fp32(hidden_states: torch.Tensor) -> bool:
+    """Whether layers given `hidden_states` compute in fp32: fp32 states (the weights' dtype, also under FSDP2's
+    mixed precision) and no autocast to a 16-bit dtype."""
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return torch.get_autocast_dtype(hidden_states.device.type) == torch.float32
+    return hidden_states.dtype == torch.float32
+
+
+def drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required; weights held in
+    FP8 (`fp8_weights`) appear as the plain tensors of their values (`dequantize`), which any checkpoint holds."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.endswith("._extra_state"):
+            del state_dict[key]
+        elif hasattr(state_dict[key], "_quantizer") and hasattr(state_dict[key], "dequantize"):
+            state_dict[key] = state_dict[key].dequantize()
+
+
+def quantize_fp8_weights(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook: the values loaded into weights held in FP8 are quantized here (`fp8_value`: scales fitted,
+    result checked), so that `load_state_dict` copies FP8 data as it is."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters(prefix=prefix.rstrip(".")):
+            if hasattr(parameter, "_quantizer") and torch.is_tensor(state_dict.get(name)):
+                state_dict[name] = fp8_value(parameter, state_dict[name])
+
+
+def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load hook: strict loading does not require TE's `_extra_state` entries."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if not key.endswith("._extra_state")]

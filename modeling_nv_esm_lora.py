@@ -1,0 +1,192 @@
+"""LoRA for fused layers: `NVEsmLoraTarget`s under transformers' names for stock PEFT to wrap, and the updates the
+fused modules (TE's or the twin's) add to their outputs.
+
+Part of the model's Hub remote code: imports nothing of the model's other files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .configuration_nv_esm import NVEsmConfig
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from configuration_nv_esm import NVEsmConfig
+
+# PEFT target names: transformers' `EsmLayer` paths of each layer's projections, so that a `LoraConfig` written for
+# `facebook/esm2_*` (e.g. `target_modules=["query", "key", "value", "dense"]`) adapts the same projections here.
+LORA_TARGETS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+)
+
+
+class _FusedRows(torch.Tensor):
+    """Rows of a fused weight, gathered into a tensor; assigning its `.data` writes them back.
+
+    `NVEsmLoraTarget.weight` for query/key/value, whose rows interleave per head in `layernorm_qkv.weight`: PEFT
+    merges an adapter with `weight.data += delta` (or `weight.data = merged`), so the fused weight takes it."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results of operations are plain tensors
+
+    @staticmethod
+    def __new__(cls, fused: torch.Tensor, rows: torch.Tensor) -> _FusedRows:
+        gathered = fused.detach().index_select(0, rows)
+        tensor = torch.Tensor._make_subclass(cls, gathered)
+        tensor._fused, tensor._rows, tensor._gathered = fused, rows, gathered
+        return tensor
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        return self._gathered
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._fused.data.index_copy_(0, self._rows, value.to(self._fused.dtype))
+        self._gathered = value
+
+
+class NVEsmLoraTarget(nn.Linear):
+    """One projection of a layer under its transformers name (`LORA_TARGETS`), for PEFT to attach LoRA adapters to.
+
+    Stock PEFT wraps it as it wraps any `nn.Linear`. It holds no weight of its own: `forward` returns 0, so PEFT's
+    wrapper returns just the adapters' update, which the fused module it stands for (QKV, output projection, fc1 or
+    fc2, on both backends) adds to its own output. `weight` and `bias` are that module's parameters (for query, key
+    and value, their rows of the fused QKV weight), so PEFT's merge (`merge_and_unload`) writes into them.
+    """
+
+    def __init__(
+        self, fused: nn.Module, parameter: str, in_features: int, out_features: int, part: int | None, heads: int
+    ) -> None:
+        nn.Module.__init__(self)  # no parameters: nn.Linear's __init__ would make some
+        self.in_features, self.out_features = in_features, out_features
+        self.__dict__["_fused"] = fused  # a plain reference: the layer holds the fused module
+        self._parameter, self._part, self._heads = parameter, part, heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(())
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return self._fused_part(f"{self._parameter}weight")
+
+    @property
+    def bias(self) -> torch.Tensor:  # type: ignore[override]
+        return self._fused_part(f"{self._parameter}bias")
+
+    def _fused_part(self, name: str) -> torch.Tensor:
+        tensor = getattr(self._fused, name)
+        if self._part is None:
+            return tensor
+        head_dim = tensor.shape[0] // (3 * self._heads)  # rows [h0: q, k, v | h1: q, k, v | ...]
+        heads = torch.arange(self._heads, device=tensor.device)[:, None] * 3 * head_dim
+        rows = heads + self._part * head_dim + torch.arange(head_dim, device=tensor.device)
+        return _FusedRows(tensor, rows.flatten())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class NVEsmLoraTargets(nn.Module):
+    """A folder of `NVEsmLoraTarget`s (as transformers' `EsmAttention`, `EsmIntermediate`, ... are of Linears)."""
+
+
+def add_lora_targets(layer: nn.Module, qkv: nn.Module, proj: nn.Module, mlp: nn.Module, config: NVEsmConfig) -> None:
+    """Give `layer` its `LORA_TARGETS` and tell each fused module (`qkv`: LayerNorm + QKV, `proj`, `mlp`: LayerNorm
+    + fc1 + GELU + fc2; TE's or the twins) which targets' updates to add (`lora_targets`, plain attributes)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+
+    def folder(**targets: nn.Module) -> NVEsmLoraTargets:
+        module = NVEsmLoraTargets()
+        for name, target in targets.items():
+            module.add_module(name.rstrip("_"), target)
+        return module
+
+    attention_self = folder(
+        **{
+            name: NVEsmLoraTarget(qkv, "", hidden, hidden, part, heads)
+            for part, name in enumerate(("query", "key", "value"))
+        }
+    )
+    attention_self.num_heads = heads  # how `with_qkv_updates` interleaves the updates
+    attention_output = folder(dense=NVEsmLoraTarget(proj, "", hidden, hidden, None, heads))
+    intermediate = folder(dense=NVEsmLoraTarget(mlp, "fc1_", hidden, config.intermediate_size, None, heads))
+    output = folder(dense=NVEsmLoraTarget(mlp, "fc2_", config.intermediate_size, hidden, None, heads))
+    layer.attention = folder(self_=attention_self, output=attention_output)
+    layer.intermediate, layer.output = intermediate, output
+    qkv.__dict__["lora_targets"] = attention_self
+    proj.__dict__["lora_targets"] = attention_output
+    mlp.__dict__["lora_targets"] = (intermediate, output)
+
+
+def _updates(folder: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The updates of `folder`'s targets for input `x` (0 where an adapter is off), or None when none has one."""
+    if not has_active_adapters_in(folder):
+        return None
+    return [target(x) for target in folder._modules.values()]
+
+
+def with_qkv_updates(fused: nn.Module, normed: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """`qkv [..., 3 * hidden]` (rows interleaved per head) plus the query/key/value adapters' updates of the
+    LayerNormed input `normed`."""
+    folder = fused.__dict__.get("lora_targets")
+    updates = None if folder is None else _updates(folder, normed)
+    if updates is None:
+        return qkv
+    heads = folder.num_heads
+    shape = (*qkv.shape[:-1], qkv.shape[-1] // 3)
+    parts = [update.to(qkv.dtype).expand(shape).unflatten(-1, (heads, -1)) for update in updates]
+    return qkv + torch.stack(parts, dim=-2).flatten(-3)
+
+
+def with_update(folder: nn.Module | None, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """`output` plus the update of `folder`'s one target (`dense`) for its input `x`."""
+    updates = None if folder is None else _updates(folder, x)
+    return output if updates is None else output + updates[0].to(output.dtype)
+
+
+def has_active_adapters_in(folder: nn.Module | None) -> bool:
+    """Whether PEFT has wrapped any target of `folder` (a `NVEsmLoraTargets`)."""
+    return folder is not None and any(type(target) is not NVEsmLoraTarget for target in folder._modules.values())
+
+
+def has_active_adapters(layer: nn.Module) -> bool:
+    """Whether PEFT has wrapped any of `layer`'s `LORA_TARGETS`."""
+    folders = (layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
+    return any(has_active_adapters_in(folder) for folder in folders)
+
+
+def mlp_with_updates(
+    mlp: nn.Module, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor], add_fc2_bias: bool
+) -> torch.Tensor:
+    """LayerNorm -> fc1 (+ update) -> `activation` -> fc2 (+ update), unfused, from `mlp`'s parameters (the twin's
+    or TE's `LayerNormMLP`); without fc2's bias unless `add_fc2_bias`."""
+    intermediate, output = mlp.__dict__.get("lora_targets", (None, None))
+    normed = F.layer_norm(x, x.shape[-1:], mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps)
+    hidden = with_update(intermediate, normed, F.linear(normed, mlp.fc1_weight, mlp.fc1_bias))
+    activated = activation(hidden)
+    return with_update(output, activated, F.linear(activated, mlp.fc2_weight, mlp.fc2_bias if add_fc2_bias else None))
+
+
+def refuse_adapters_on_fused_modules(layer: nn.Module) -> None:
+    """ValueError when PEFT wrapped a fused module of `layer` itself: its adapter would see the input before the
+    LayerNorm (or TE's tuple output) and could not merge; the `LORA_TARGETS` are the projections inside."""
+    for name, module in (
+        ("layernorm_qkv", layer.self_attention.layernorm_qkv),
+        ("proj", layer.self_attention.proj),
+        ("layernorm_mlp", layer.layernorm_mlp),
+    ):
+        if getattr(module, "base_layer", None) is not None:
+            raise ValueError(
+                f"a LoRA adapter on `{name}` is not supported: it is a fused module. Target the projections by "
+                'their transformers names: "query", "key", "value", "dense" (attention.output.dense, '
+                "intermediate.dense, output.dense)."
+            )

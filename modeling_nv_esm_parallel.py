@@ -1,0 +1,291 @@
+"""Running one batch's layers across ranks: tensor parallelism (token scatter/gather, `TENSOR_PARALLEL_SPLITS`),
+context parallelism (`ContextParallelLayout`) and the encoder's per-batch inputs (`EncoderInputs`).
+
+Part of the model's Hub remote code: imports `modeling_nv_esm_batch` below it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .modeling_nv_esm_batch import PackedSequences
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from modeling_nv_esm_batch import PackedSequences
+
+# The layer parameters that tensor parallelism splits across its ranks, by name inside a layer, with the dimension
+# they are split along: query/key/value rows (interleaved per head, so each rank gets whole heads) and fc1 rows
+# (column-parallel), and the columns of the attention output projection and of fc2 (row-parallel). Every other
+# layer parameter (LayerNorms, the two output biases) is whole on each rank and sees only that rank's tokens, so
+# its gradient there is a partial sum over the tensor-parallel ranks.
+TENSOR_PARALLEL_SPLITS = {
+    "self_attention.layernorm_qkv.weight": 0,
+    "self_attention.layernorm_qkv.bias": 0,
+    "self_attention.proj.weight": 1,
+    "layernorm_mlp.fc1_weight": 0,
+    "layernorm_mlp.fc1_bias": 0,
+    "layernorm_mlp.fc2_weight": 1,
+}
+
+
+def tensor_parallel_split_dim(name: str) -> int | None:
+    """The dimension along which tensor parallelism splits the parameter `name` (a model's, an encoder's or a layer
+    list's: `....layers.<i>.<name in the layer>`; `TENSOR_PARALLEL_SPLITS`), or None for one every rank holds
+    whole."""
+    _, in_layers, rest = f".{name}".partition(".layers.")
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """The ranks that share a batch under tensor or context parallelism: the process `group`, its `size` and this
+    process's `rank` in it. Tensor parallelism: each rank holds `1/size` of every layer's heads and MLP columns
+    and, between the layers' matrix products, `1/size` of the tokens (sequence parallelism)."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, group: Any) -> RankGroup:
+        distributed = torch.distributed
+        return cls(group, distributed.get_world_size(group), distributed.get_rank(group))
+
+
+def _collective(name: str, older_name: str) -> Callable:
+    distributed = torch.distributed
+    return getattr(distributed, name, None) or getattr(distributed, older_name)
+
+
+def _all_gather_tokens(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
+    """`[t, ...]` on each rank -> `[size * t, ...]`, the ranks' tokens in rank order."""
+    gathered = x.new_empty((ranks.size * x.shape[0], *x.shape[1:]))
+    _collective("all_gather_single", "all_gather_into_tensor")(gathered, x.contiguous(), group=ranks.group)
+    return gathered
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
+    """`[T, ...]` partial sums on each rank -> this rank's `[T / size, ...]` of their sum."""
+    part = x.new_empty((x.shape[0] // ranks.size, *x.shape[1:]))
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(part, x.contiguous(), group=ranks.group)
+    return part
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather the tokens `[T / size, ...] -> [T, ...]`. Backward: when the ranks use the gathered tokens
+    differently (they feed split weights), each rank's gradient is partial and is reduce-scattered; when every
+    rank computes the same from them (`replicated`), each keeps its own part of its (whole) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ranks: RankGroup, replicated: bool) -> torch.Tensor:
+        ctx.ranks, ctx.replicated = ranks, replicated
+        return _all_gather_tokens(x, ranks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.replicated:
+            return grad.chunk(ctx.ranks.size)[ctx.ranks.rank].contiguous(), None, None
+        return _reduce_scatter_tokens(grad, ctx.ranks), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """This rank's tokens `[T, ...] -> [T / size, ...]`: of the ranks' sum (`summed`: the partial products of a
+    row-parallel weight, reduce-scattered) or of a tensor every rank holds whole. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Tensor:
+        ctx.ranks = ranks
+        return _reduce_scatter_tokens(x, ranks) if summed else x.chunk(ranks.size)[ranks.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_tokens(grad, ctx.ranks), None, None
+
+
+def gather_tokens(x: torch.Tensor, ranks: RankGroup, replicated: bool = False) -> torch.Tensor:
+    """`_GatherTokens`: `[T / size, ...] -> [T, ...]`."""
+    return _GatherTokens.apply(x, ranks, replicated)
+
+
+def scatter_tokens(x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Tensor:
+    """`_ScatterTokens`: `[T, ...] -> [T / size, ...]`."""
+    return _ScatterTokens.apply(x, ranks, summed)
+
+
+@dataclass(frozen=True)
+class ContextParallel(RankGroup):
+    """A context-parallel group: each of its `size` ranks runs the layers on part of every protein's tokens
+    (`ContextParallelLayout`) and exchanges keys and values with the others in attention. `ranks`: the group's
+    global ranks (Transformer Engine's ring needs them)."""
+
+    ranks: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, group: Any) -> ContextParallel:
+        distributed = torch.distributed
+        ranks = tuple(distributed.get_process_group_ranks(group))
+        return cls(group, len(ranks), distributed.get_rank(group), ranks)
+
+
+@dataclass
+class ContextParallelLayout:
+    """Where each token of a packed batch runs under context parallelism, Transformer Engine's THD layout: every
+    protein is padded to a multiple of `2 * size` tokens and cut into `2 * size` chunks; rank r runs chunks r and
+    `2 * size - 1 - r` of each (the early and late chunks of a protein attend to few and many keys: one of each
+    balances the work), protein after protein. Every rank runs `num_tokens_padded / size` tokens.
+
+    Attributes:
+        cp: the group.
+        cu_seq_lens: `[N + 1]` int32, the real lengths (with a dummy protein when the token count was rounded up).
+        cu_seq_lens_padded: `[N + 1]` int32, the padded lengths (each a multiple of `2 * size`).
+        max_length: the longest padded protein (an upper bound).
+        to_padded: `[T]` each real token's place in the padded batch.
+        rank_order: `[T_padded]` the padded batch's tokens in rank order (rank 0's, then rank 1's, ...), as places
+            in the padded batch; `from_rank_order` is its inverse.
+        local_positions: `[T_padded / size]` their positions in their protein.
+        local: the packing of this rank's tokens (each protein's two chunks side by side).
+        padded: the packing of the padded batch.
+        key_mask: `[N, max_length]` True for the real tokens of each padded protein.
+    """
+
+    cp: ContextParallel
+    cu_seq_lens: torch.Tensor
+    cu_seq_lens_padded: torch.Tensor
+    max_length: int
+    to_padded: torch.Tensor
+    rank_order: torch.Tensor
+    from_rank_order: torch.Tensor
+    local_positions: torch.Tensor
+    local: PackedSequences
+    padded: PackedSequences
+    key_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, packed: PackedSequences, cp: ContextParallel, token_multiple: int = 1) -> ContextParallelLayout:
+        """The layout of `packed` (real proteins); the padded token count is also rounded up to a multiple of
+        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count)."""
+        unit, device = 2 * cp.size, packed.cu_seq_lens.device
+        lengths = packed.cu_seq_lens.diff().long()
+        padded_lengths = (lengths + unit - 1) // unit * unit
+        num_padded = int(padded_lengths.sum())
+        multiple = math.lcm(unit, token_multiple * cp.size)
+        max_length = -(-packed.max_length // unit) * unit
+        if num_padded % multiple:
+            extra = -num_padded % multiple
+            dummy = torch.tensor([extra], device=device)
+            lengths, padded_lengths = torch.cat([lengths, dummy]), torch.cat([padded_lengths, dummy])
+            max_length, num_padded = max(max_length, extra), num_padded + extra
+        cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        cu_seq_lens_padded = F.pad(padded_lengths.cumsum(0), (1, 0)).to(torch.int32)
+        sequences = torch.arange(len(lengths), device=device)
+        protein = torch.repeat_interleave(sequences, padded_lengths, output_size=num_padded)
+        position = torch.arange(num_padded, device=device) - cu_seq_lens_padded[protein]
+        chunk = position // (padded_lengths[protein] // unit)
+        owner = torch.where(chunk < cp.size, chunk, unit - 1 - chunk)
+        rank_order = torch.argsort(owner * num_padded + torch.arange(num_padded, device=device))
+        from_rank_order = torch.empty_like(rank_order)
+        from_rank_order[rank_order] = torch.arange(num_padded, device=device)
+        num_local = num_padded // cp.size
+        own = rank_order[cp.rank * num_local : (cp.rank + 1) * num_local]
+        num_real = packed.cu_seq_lens.numel() - 1
+        real = torch.repeat_interleave(sequences[:num_real], lengths[:num_real], output_size=packed.num_tokens)
+        to_padded = cu_seq_lens_padded[real] + torch.arange(packed.num_tokens, device=device) - packed.cu_seq_lens[real]
+        return cls(
+            cp=cp,
+            cu_seq_lens=cu_seq_lens,
+            cu_seq_lens_padded=cu_seq_lens_padded,
+            max_length=max_length,
+            to_padded=to_padded,
+            rank_order=rank_order,
+            from_rank_order=from_rank_order,
+            local_positions=position[own],
+            local=PackedSequences.right_padded(cu_seq_lens_padded // cp.size, max_length // cp.size, num_local),
+            padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
+            key_mask=torch.arange(max_length, device=device) < lengths[:, None],
+        )
+
+    def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """`[T, ...]` (every rank holds them all) -> this rank's `[T_padded / size, ...]` (zeros at padding).
+        Backward gathers every rank's part, so what computed `states` gets its whole gradient on each rank."""
+        padded = states.new_zeros((self.padded.num_tokens, *states.shape[1:])).index_copy(0, self.to_padded, states)
+        return scatter_tokens(padded[self.rank_order], self.cp, summed=False)
+
+    def all_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """This rank's `[T_padded / size, ...]` -> every real token `[T, ...]` (the same on every rank)."""
+        gathered = gather_tokens(states, self.cp, replicated=True)
+        return gathered[self.from_rank_order][self.to_padded]
+
+
+@dataclass
+class EncoderInputs:
+    """What every encoder layer needs besides the hidden states, in the layout the layers run in.
+
+    Attributes:
+        rotary_angles: `[L, head_dim]` float32 rotary angles for positions `0..L-1`.
+        key_mask: BSHD only: `[B, S]` bool, True for tokens; None when nothing is padded.
+        packed: THD only: the packing of the hidden states `[T, hidden]`.
+        static_shape: THD only: the batch was padded to a bucket (`static_shape`) to run as a CUDA graph.
+        context_parallel: THD with context parallelism only: which tokens this rank's layers run (`packed` is then
+            the whole batch's packing).
+    """
+
+    rotary_angles: torch.Tensor
+    key_mask: torch.Tensor | None = None
+    packed: PackedSequences | None = None
+    static_shape: bool = False
+    context_parallel: ContextParallelLayout | None = None
+
+    @functools.cached_property
+    def te_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward` (built once per batch)."""
+        kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
+        layout = self.context_parallel
+        if layout is not None:  # real and padded lengths of the whole batch; TE finds this rank's part
+            kwargs.update(
+                self_attn_mask_type="padding",
+                cu_seqlens_q=layout.cu_seq_lens,
+                cu_seqlens_kv=layout.cu_seq_lens,
+                cu_seqlens_q_padded=layout.cu_seq_lens_padded,
+                cu_seqlens_kv_padded=layout.cu_seq_lens_padded,
+                max_seqlen_q=layout.max_length,
+                max_seqlen_kv=layout.max_length,
+                pad_between_seqs=True,
+            )
+        elif self.packed is not None:
+            cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
+            kwargs.update(
+                self_attn_mask_type="padding",
+                cu_seqlens_q=cu_seq_lens,
+                cu_seqlens_kv=cu_seq_lens,
+                max_seqlen_q=max_length,
+                max_seqlen_kv=max_length,
+            )
+        elif self.key_mask is not None:
+            kwargs.update(self_attn_mask_type="padding", attention_mask=~self.key_mask[:, None, None, :])
+        else:
+            kwargs.update(self_attn_mask_type="no_mask")
+        return kwargs
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of a `torch.distributed` process group."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) manages `module`: its parameters move between calls, so no graphs."""
+    fsdp = importlib.import_module("torch.distributed.fsdp") if torch.distributed.is_available() else None
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))

@@ -1,0 +1,371 @@
+"""Converting a checkpoint (`convert`, `convert_hf_to_nv`, `convert_nv_to_hf`), both directions, and checking an
+existing conversion (`verify_folder`).
+
+The source is a local folder (single or sharded safetensors), a Hub id or, into NVEsm, an original fair-esm `.pt`
+(`nv_esm.conversion_plan.open_source`). Its plan is streamed into a staging folder beside OUT with the companion
+files (config.json, tokenizer, LICENSE, remote code, model card), optionally checked on real proteins
+(`nv_esm.verification.verify`), and moved into place only when everything succeeded. `verify_folder` reads OUT as
+data (none of its code runs): its files against those the converter writes, its tensors bit for bit against SRC's
+mapped through the table, then the logit table.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configuration_nv_esm import NVEsmConfig
+from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, format_bytes, parse_size, read_json, weight_files
+from nv_esm.conversion_plan import (
+    HF_TO_TE,
+    TE_TO_HF,
+    Direction,
+    Source,
+    Step,
+    canonical_keys,
+    count_bytes,
+    count_parameters,
+    dtype_name,
+    open_source,
+    plan_steps,
+    run_step,
+    weights_dtype_name,
+    write_weights,
+)
+from nv_esm.hub_folder import (
+    check_out,
+    copy_remote_code,
+    nv_config_dict,
+    staging_folder,
+    write_license,
+    write_tokenizer,
+)
+from nv_esm.model_card import ConvertedCheckpoint, model_card
+from nv_esm.state_dict_mapping import HEADS, RULES, CheckpointMismatch, hf_config_from_nv, nv_config_from_hf
+from nv_esm.verification import (
+    ModelLoader,
+    VerificationFailed,
+    VerifyReport,
+    compare_files,
+    load_nv,
+    load_transformers,
+    verifiable_dtype,
+    verifiable_head,
+    verify,
+    verify_device,
+)
+
+# --------------------------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to convert.
+
+    Attributes:
+        revision: Hub revision of the source.
+        dtype: "float32", "bfloat16" or "float16" for the written weights; None keeps the source's.
+        max_shard_size: Largest safetensors file, in bytes.
+        force: Replace a non-empty OUT.
+        verify: Compare source and converted models on real proteins before OUT is put in place.
+        verify_atol: Tolerance of --verify (None: by dtype, see `nv_esm.verification.default_atol`).
+        verify_device: Where --verify runs: "auto" (the GPU when there is one), "cpu" or "cuda".
+        progress: Show progress bars (None: only on a terminal).
+        hub_repo_id: Where the folder will be uploaded, for the model card's examples.
+    """
+
+    revision: str | None = None
+    dtype: str | None = None
+    max_shard_size: int = field(default_factory=lambda: parse_size(DEFAULT_MAX_SHARD_SIZE))
+    force: bool = False
+    verify: bool = False
+    verify_atol: float | None = None
+    verify_device: str = "auto"
+    progress: bool | None = None
+    hub_repo_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion wrote."""
+
+    config: NVEsmConfig
+    out: Path
+    parameters: int
+    nbytes: int
+    shards: int
+    seconds: float
+    report: VerifyReport | None
+
+    def summary(self) -> str:
+        return (
+            f"wrote {self.out}: {self.parameters:,} parameters, {format_bytes(self.nbytes)} in {self.shards} "
+            f"shard{'s' if self.shards > 1 else ''}, {self.seconds:.1f} s"
+        )
+
+
+def convert(
+    direction: Direction,
+    source: str | Path,
+    out: Path,
+    options: ConvertOptions | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> ConversionResult:
+    """Convert `source` into `out` (see the module docstring); `config_overrides` go into the NVEsm config."""
+    start = time.perf_counter()
+    options = options or ConvertOptions()
+    out = Path(out)
+    check_out(out, options.force)
+    opened = open_source(source, options.revision)
+    check_not_source(out, opened)
+    config = source_config(opened, direction, config_overrides or {})
+    steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
+    if options.verify:  # refuse what verifying would refuse before converting
+        verifiable_head(opened.head)
+        verifiable_dtype(weights_dtype_name(steps))
+        verify_device(options.verify_device)
+    with staging_folder(out, options.force) as staging:
+        shards = write_weights(staging, steps, opened, config, direction, options.max_shard_size, options.progress)
+        write_companions(staging, opened, config, direction, steps)
+        report = None
+        if options.verify:
+            reference = reference_model(opened)
+            report = verify(
+                reference, staging, direction.to_nv, staging, options.verify_atol, device=options.verify_device
+            )
+        if report is not None and not report.passed:
+            raise VerificationFailed(report)
+        if direction.to_nv:
+            repo = options.hub_repo_id or str(out)
+            card = model_card(converted_checkpoint(opened, steps), config, report, repo, opened.head)
+            (staging / "README.md").write_text(card)
+    seconds = time.perf_counter() - start
+    return ConversionResult(config, out, count_parameters(steps), count_bytes(steps), shards, seconds, report)
+
+
+def source_config(source: Source, direction: Direction, overrides: dict[str, Any]) -> NVEsmConfig:
+    """The NVEsm config of the conversion (a classifier's labels included); refuses a source of the other
+    direction."""
+    if direction.to_nv:
+        if source.kind == "nvesm":
+            raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
+        return nv_config_from_hf(source.config, source.head, **overrides)
+    if source.kind != "nvesm":
+        raise ValueError(
+            f"{source.spec} is not an NVEsm checkpoint ({source.kind}; model_type "
+            f"{source.config.get('model_type')!r}); te-to-hf reads folders written by hf-to-te."
+        )
+    return NVEsmConfig.from_dict({**source.config, **overrides})
+
+
+def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:
+    """config.json (naming the class of the source's head), tokenizer and LICENSE; for NVEsm also the remote code
+    (the model card comes last)."""
+    if direction.to_nv:
+        config_dict = nv_config_dict(config, HEADS[source.head].nv_class)
+    else:
+        config_dict = hf_config_from_nv(config, source.head)
+    config_dict["dtype"] = weights_dtype_name(steps)
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    write_tokenizer(out, source.folder, config.vocab_size)
+    if direction.to_nv:
+        copy_remote_code(out)
+    write_license(out, with_code=direction.to_nv)
+
+
+def check_not_source(out: Path, source: Source) -> None:
+    """Refuse an OUT that is, or contains, the source (replacing it would delete the source)."""
+    resolved, src = out.resolve(), source.path.resolve()
+    if resolved == src or resolved in src.parents:
+        raise ValueError(f"{out} holds the source checkpoint {source.path}; choose another output folder.")
+
+
+def converted_checkpoint(source: Source, steps: list[Step]) -> ConvertedCheckpoint:
+    """What the model card says about converting `source` with `steps`."""
+    return ConvertedCheckpoint(
+        name=source.hub_id or Path(source.spec).name,
+        hub_id=source.hub_id,
+        source_kind=source.kind,
+        source_nbytes=source.nbytes,
+        source_dtype=dtype_name(source.store.info[steps[0].inputs[0]].dtype),
+        dtype=weights_dtype_name(steps),
+        parameters=count_parameters(steps),
+        nbytes=count_bytes(steps),
+    )
+
+
+def reference_model(source: Source) -> ModelLoader:
+    """Loads `source` in float32 as the reference of the logit check (see `nv_esm.verification.verify`)."""
+    if source.kind == "fair-esm":
+        return partial(_load_fair_esm, source)
+    load = load_nv if source.kind == "nvesm" else load_transformers
+    return partial(load, source.path, torch.float32, label=source.spec)
+
+
+def _load_fair_esm(source: Source, device: str) -> tuple[Any, str]:
+    """transformers' `EsmForMaskedLM` (float32) with the tensors of a fair-esm `.pt`, renamed through the table."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    model = EsmForMaskedLM(EsmConfig(**{k: v for k, v in source.config.items() if k != "model_type"}))
+    state = {
+        name: source.store.load(key).float()
+        for name, key in canonical_keys(source.store.info, source.canonical).items()
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.decoder.weight"}:
+        raise CheckpointMismatch(set(missing) - {"lm_head.decoder.weight"}, unexpected)
+    model.tie_weights()
+    return model.to(device).eval(), f"transformers EsmForMaskedLM float32 ({source.spec})"
+
+
+def convert_hf_to_nv(
+    source: Path | str, out: Path, *, options: ConvertOptions | None = None, **config_overrides: object
+) -> NVEsmConfig:
+    """Convert a transformers ESM-2 folder, Hub id or fair-esm `.pt` into an NVEsm folder; returns the config."""
+    return convert(HF_TO_TE, source, out, options, config_overrides).config
+
+
+def convert_nv_to_hf(source: Path | str, out: Path, *, options: ConvertOptions | None = None) -> NVEsmConfig:
+    """Convert an NVEsm folder back into a transformers ESM-2 folder; returns the NVEsm config."""
+    return convert(TE_TO_HF, source, out, options).config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checking an existing conversion (`verify SRC OUT`)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FolderCheck:
+    """OUT compared with SRC: its files (as the converter writes them), its tensors (bit for bit), the logit table."""
+
+    direction: Direction
+    dtype: str
+    files: int
+    file_mismatches: list[str]
+    compared: int
+    mismatches: list[str]
+    report: VerifyReport
+
+    @property
+    def passed(self) -> bool:
+        return not self.file_mismatches and not self.mismatches and self.report.passed
+
+    @property
+    def differences(self) -> str:
+        return _differences(len(self.file_mismatches) + len(self.mismatches))
+
+    def text(self) -> str:
+        """What `verify` prints: the file check and the tensor check (a line per difference), then the logit table."""
+        lines = [
+            f"files: every file of OUT against what the converter writes from SRC ({self.files} byte for byte or, "
+            f"config.json, field by field; weights below; a model card not compared): "
+            f"{_differences(len(self.file_mismatches))}",
+            *(f"  DIFFERS {mismatch}" for mismatch in self.file_mismatches),
+            f"tensors: {self.compared} of SRC mapped through the rules ({self.direction.name}, {self.dtype}) and "
+            f"compared with OUT bit for bit: {_differences(len(self.mismatches))}",
+            *(f"  DIFFERS {mismatch}" for mismatch in self.mismatches),
+        ]
+        return "\n".join([*lines, "", self.report.table()])
+
+
+def _differences(count: int) -> str:
+    return f"{count} difference{'s' * (count != 1)}" if count else "all identical"
+
+
+def verify_folder(
+    source_spec: str | Path,
+    out: Path,
+    revision: str | None = None,
+    atol: float | None = None,
+    device: str = "auto",
+) -> FolderCheck:
+    """Check OUT, a folder converted from SRC (either direction, told by what the two are): its files against those
+    the converter writes (`nv_esm.verification.compare_files`), its tensors (`compare_tensors`), then the logit
+    table of `verify`. OUT is read as data: its code is compared, never run, and the proteins are tokenized with
+    the tokenizer made from SRC."""
+    out = Path(out)
+    if not out.is_dir():
+        raise ValueError(f"{out}: no such folder.")
+    source, converted = open_source(source_spec, revision), open_source(out)
+    if source.kind != "nvesm" and converted.kind == "nvesm":
+        direction = HF_TO_TE
+    elif source.kind == "nvesm" and converted.kind == "transformers":
+        direction = TE_TO_HF
+    else:
+        raise ValueError(
+            f"verify compares SRC with the folder converted from it (transformers or fair-esm SRC and NVEsm OUT, or "
+            f"NVEsm SRC and transformers OUT); {source.spec} is {source.kind} and {out} is {converted.kind}."
+        )
+    out_dtype = read_json(out / "config.json").get("dtype", "float32")
+    verifiable_head(source.head)
+    verifiable_dtype(out_dtype)
+    verify_device(device)
+    config, steps = expected_conversion(source, converted, direction)
+    compared, mismatches = compare_tensors(source, converted, direction, config, steps)
+    with tempfile.TemporaryDirectory() as folder:
+        expected = Path(folder)
+        write_companions(expected, source, config, direction, steps)
+        files, file_mismatches = compare_files(out, expected, weight_files(out), direction.to_nv)
+        report = verify(reference_model(source), out, direction.to_nv, expected, atol, device=device)
+    return FolderCheck(direction, out_dtype, files, file_mismatches, compared, mismatches, report)
+
+
+def expected_conversion(source: Source, out: Source, direction: Direction) -> tuple[NVEsmConfig, list[Step]]:
+    """The config and steps of converting `source` as `out` was converted: to `out`'s dtype and, into NVEsm, its
+    padded vocabulary size (whose padding rows `compare_tensors` checks)."""
+    other_way = TE_TO_HF if direction.to_nv else HF_TO_TE
+    out_config = source_config(out, other_way, {})
+    overrides = {"padded_vocab_size": out_config.padded_vocab_size} if direction.to_nv else {}
+    config = source_config(source, direction, overrides)
+    stored = canonical_keys(out.store.info, out.canonical)
+    embedding = direction.targets(RULES[0])[0]
+    dtype = out.store.info[stored[embedding]].dtype if embedding in stored else None
+    return config, plan_steps(source, config, direction, dtype)
+
+
+def compare_tensors(
+    source: Source, out: Source, direction: Direction, config: NVEsmConfig, steps: list[Step]
+) -> tuple[int, list[str]]:
+    """Map each tensor of `source` through `RULES` (`steps`, from `expected_conversion`), cast as the converter
+    casts to the dtype of `out`'s weights, and compare it bit for bit with `out`'s, one rule at a time (memory for
+    one rule's tensors). Returns how many tensors were compared and a line per difference."""
+    stored = canonical_keys(out.store.info, out.canonical)
+    expected = {name for step in steps for name, _ in step.outputs}
+    mismatches = [f"{name}: missing in OUT" for name in sorted(expected - stored.keys())]
+    mismatches += [f"{stored[name]}: in OUT, not made from SRC" for name in sorted(stored.keys() - expected)]
+    for step in steps:
+        for (name, info), tensor in zip(step.outputs, run_step(step, source, config, direction)):
+            if name not in stored:
+                continue
+            found = out.store.info[stored[name]]
+            if found != info:
+                mismatches.append(
+                    f"{name}: {list(found.shape)} {found.dtype}, from SRC {list(info.shape)} {info.dtype}"
+                )
+                continue
+            differ, largest = count_differences(out.store.load(stored[name]), tensor)
+            if differ:
+                mismatches.append(
+                    f"{name}: {differ} of {tensor.numel()} values differ, largest |difference| {largest:.3g}"
+                )
+    return len(expected), mismatches
+
+
+def count_differences(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """How many elements of two tensors of one shape and dtype differ in their bits, and the largest |a - b|."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a, b = a.reshape(-1), b.reshape(-1)
+    differ = a.view(bits) != b.view(bits)
+    if not differ.any():
+        return 0, 0.0
+    return int(differ.sum()), (a[differ].double() - b[differ].double()).abs().max().item()

@@ -1,0 +1,278 @@
+"""The model side of `nv-esm embed`: loading the checkpoint (`load_config`, `load_model`) and running it over the
+proteins of one shard (`ShardEmbedder`), packed to a token budget, into the shard's tensors (see `nv_esm.embed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import modeling_nv_esm
+from configuration_nv_esm import fp8_layer_precision
+from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
+from nv_esm.embed_plan import SAVE_DTYPES, EmbedSettings, Piece, embedded_residues, pieces_of
+
+
+def load_config(checkpoint: str) -> Any:
+    """The NVEsm config of `checkpoint`, read as data (config.json); a transformers ESM-2 checkpoint is refused with
+    the conversion command."""
+    from transformers import PretrainedConfig
+
+    from configuration_nv_esm import NVEsmConfig
+
+    looks_local = checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1
+    if looks_local and not Path(checkpoint).expanduser().is_dir():
+        raise ValueError(f"{checkpoint}: no such folder (a checkpoint is a local folder or a Hub id, org/name).")
+    config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
+    model_type = config_dict.get("model_type")
+    if model_type != NVEsmConfig.model_type:
+        raise ValueError(
+            f"{checkpoint} is a {model_type!r} checkpoint, not NVEsm; convert it first: "
+            f"nv-esm convert hf-to-te {checkpoint} OUT"
+        )
+    return NVEsmConfig.from_pretrained(checkpoint)
+
+
+def load_model(
+    checkpoint: str,
+    config: Any,
+    backend: str,
+    fp8: str,
+    cuda_graphs: bool,
+    device: torch.device,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
+    on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend` gives it. Without the data-dependent
+    input checks, which wait for the device: `ShardEmbedder` packs the inputs itself from checked records. The
+    installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
+    `trust_remote_code` and where it differs (`remote_code_differences`)."""
+    from transformers import AutoModel
+
+    from nv_esm.hub_folder import remote_code_differences
+
+    options = {
+        "layer_precision": fp8_layer_precision(fp8, config.num_hidden_layers),
+        "cuda_graphs": cuda_graphs,
+        "check_inputs": False,
+        "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "backend": backend,
+        "add_pooling_layer": False,
+    }
+    differing = remote_code_differences(checkpoint)
+    if differing and trust_remote_code:
+        print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
+        model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, **options)
+    else:
+        if differing:
+            print(
+                f"note: {checkpoint}'s {', '.join(differing)} differ from this nv-esm's; its weights run in the "
+                "installed model code (--trust-remote-code runs its own, for folders you trust)",
+                file=sys.stderr,
+            )
+        model = modeling_nv_esm.NVEsmModel.from_pretrained(checkpoint, use_safetensors=True, **options)
+    return model.to(device).eval()
+
+
+class ShardEmbedder:
+    """Runs the model over the proteins of one shard, length-sorted and packed to a token budget.
+
+    On CUDA nothing in the loop waits for the GPU but the results of the batch before: inputs go up from pinned
+    memory and results come back into pinned memory without blocking, so the GPU runs batch k while the CPU packs
+    batch k + 1 and files the results of batch k - 1 (the model is loaded without data-dependent input checks, which
+    would wait for the GPU: the command builds the packed inputs itself).
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: EmbedSettings, max_tokens: int) -> None:
+        self.model = model
+        self.settings = settings
+        self.max_tokens = max_tokens
+        self.device = model.embeddings.word_embeddings.weight.device
+        self.last_layer = model.config.num_hidden_layers
+
+    def __call__(self, sequences: list[str], statuses: list[str], progress: Any) -> dict[str, torch.Tensor]:
+        """The shard's tensors (see `nv_esm.embed`'s docstring) for `sequences` (all embedded; statuses say how)."""
+        pieces = [
+            piece
+            for row, (sequence, status) in enumerate(zip(sequences, statuses))
+            for piece in pieces_of(row, sequence, status, self.settings.max_length)
+        ]
+        lengths = [
+            embedded_residues(len(sequence), status, self.settings.max_length)
+            for sequence, status in zip(sequences, statuses)
+        ]
+        outputs = _ShardOutputs(lengths, statuses, self.settings, self.model.config.hidden_size)
+        pieces_left = [0] * len(sequences)
+        for piece in pieces:
+            pieces_left[piece.row] += 1
+        in_flight: _BatchResults | None = None
+        for batch in length_sorted_batches([piece.tokens for piece in pieces], self.max_tokens):
+            batch_pieces = [pieces[index] for index in batch]
+            launched = self._launch(batch_pieces, outputs.needs_residues(batch_pieces))
+            if in_flight is not None:
+                progress.update(self._collect(in_flight, outputs, pieces_left))
+            in_flight = launched
+        if in_flight is not None:
+            progress.update(self._collect(in_flight, outputs, pieces_left))
+        return outputs.tensors()
+
+    @torch.no_grad()
+    def _launch(self, pieces: list[Piece], need_residues: bool) -> _BatchResults:
+        """Queue one packed batch on the device; its results arrive in host memory once `ready` is reached."""
+        packed = pack_proteins([piece.tokens for piece in pieces])
+        num_tokens = packed["input_ids"].shape[1]
+        input_ids = self._upload(packed["input_ids"])
+        cu_seq_lens = self._upload(packed["cu_seq_lens_q"])
+        packing = {"cu_seq_lens_q": cu_seq_lens, "max_length_q": packed["max_length_q"]}
+        residue_positions = None
+        if need_residues:  # found on the CPU: a boolean index on the device would wait for it
+            is_residue = residue_token_mask(packed["cu_seq_lens_q"], num_tokens)
+            residue_positions = self._upload(is_residue.nonzero().squeeze(1))
+        layers = self.settings.layers
+        with self._autocast():
+            output = self.model(input_ids, output_hidden_states=layers != (self.last_layer,), **packing)
+            contacts = (
+                self.model.predict_contacts(input_ids, **packing) if "contacts" in self.settings.include else None
+            )
+        results = _BatchResults(pieces)
+        for layer in layers:
+            states = (output.last_hidden_state if output.hidden_states is None else output.hidden_states[layer])[0]
+            states = states.float()
+            results.cls[layer] = self._download(pool_proteins(states, cu_seq_lens, "cls"))
+            results.mean[layer] = self._download(pool_proteins(states, cu_seq_lens, "mean"))
+            if residue_positions is not None:
+                results.residues[layer] = self._download(states.index_select(0, residue_positions))
+        if contacts is not None:
+            results.contacts = self._download(contacts.float())
+        if self.device.type == "cuda":
+            results.ready = torch.cuda.Event()
+            results.ready.record()
+        return results
+
+    def _collect(self, results: _BatchResults, outputs: _ShardOutputs, pieces_left: list[int]) -> int:
+        """File a launched batch's results (waiting for them if needed); the number of proteins it finished."""
+        if results.ready is not None:
+            results.ready.synchronize()
+        for layer in self.settings.layers:
+            residues = results.residues.get(layer)
+            if residues is not None and residues.is_pinned():  # the shard keeps views of them: leave the pinned
+                residues = residues.clone()  # buffer to the allocator's cache (the rest is copied out by `add`)
+            outputs.add(layer, results.pieces, results.cls[layer], results.mean[layer], residues)
+        if results.contacts is not None:
+            outputs.add_contacts(results.pieces, results.contacts)
+        finished = 0
+        for piece in results.pieces:  # a protein is done when its last piece (window) is
+            pieces_left[piece.row] -= 1
+            finished += pieces_left[piece.row] == 0
+        return finished
+
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _download(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+@dataclass
+class _BatchResults:
+    """One launched batch's per-layer results in host memory (complete once the `ready` event is reached)."""
+
+    pieces: list[Piece]
+    cls: dict[int, torch.Tensor] = field(default_factory=dict)  # [n, hidden]
+    mean: dict[int, torch.Tensor] = field(default_factory=dict)  # [n, hidden]
+    residues: dict[int, torch.Tensor] = field(default_factory=dict)  # [residues of the batch, hidden]
+    contacts: torch.Tensor | None = None  # [n, L - 2, L - 2]
+    ready: Any = None  # torch.cuda.Event on CUDA
+
+
+class _ShardOutputs:
+    """Per-protein results of a shard, filled piece by piece; windows are averaged residue by residue."""
+
+    def __init__(self, lengths: list[int], statuses: list[str], settings: EmbedSettings, hidden: int) -> None:
+        self.lengths = lengths
+        self.statuses = statuses
+        self.settings = settings
+        count = len(lengths)
+        self.cls = {layer: torch.zeros(count, hidden) for layer in settings.layers}
+        self.mean = {layer: torch.zeros(count, hidden) for layer in settings.layers}
+        self.residues: dict[int, list[torch.Tensor | None]] = {layer: [None] * count for layer in settings.layers}
+        self.windows = [0] * count
+        self.coverage: list[torch.Tensor | None] = [None] * count
+        self.contacts: list[torch.Tensor | None] = [None] * count
+
+    def needs_residues(self, pieces: list[Piece]) -> bool:
+        """Whether a batch of `pieces` needs its residue states: per-residue outputs, or windows to stitch."""
+        return "per_residue" in self.settings.include or any(self.statuses[p.row] == "windowed" for p in pieces)
+
+    def add(
+        self, layer: int, pieces: list[Piece], cls: torch.Tensor, mean: torch.Tensor, residues: torch.Tensor | None
+    ) -> None:
+        offset = 0
+        for index, piece in enumerate(pieces):
+            count = len(piece.tokens) - 2
+            self.cls[layer][piece.row] += cls[index]
+            if self.statuses[piece.row] != "windowed":
+                self.mean[layer][piece.row] = mean[index]
+                if "per_residue" in self.settings.include:
+                    self.residues[layer][piece.row] = residues[offset : offset + count]
+            else:
+                total = self.residues[layer][piece.row]
+                if total is None:
+                    total = self.residues[layer][piece.row] = torch.zeros(self.lengths[piece.row], cls.shape[1])
+                total[piece.start : piece.start + count] += residues[offset : offset + count]
+                if layer == self.settings.layers[0]:
+                    self.windows[piece.row] += 1
+                    if self.coverage[piece.row] is None:
+                        self.coverage[piece.row] = torch.zeros(self.lengths[piece.row])
+                    self.coverage[piece.row][piece.start : piece.start + count] += 1
+            offset += count
+
+    def add_contacts(self, pieces: list[Piece], contacts: torch.Tensor) -> None:
+        for index, piece in enumerate(pieces):
+            count = len(piece.tokens) - 2
+            self.contacts[piece.row] = contacts[index, :count, :count].clone()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        dtype = SAVE_DTYPES[self.settings.save_dtype]
+        for row, status in enumerate(self.statuses):
+            if status == "windowed":  # residues: mean over the windows holding each; cls: mean over windows
+                for layer in self.settings.layers:
+                    self.residues[layer][row] /= self.coverage[row][:, None]
+                    self.mean[layer][row] = self.residues[layer][row].mean(0)
+                    self.cls[layer][row] /= self.windows[row]
+        result: dict[str, torch.Tensor] = {}
+        for layer in self.settings.layers:
+            if "mean" in self.settings.include:
+                result[f"mean.layer_{layer}"] = self.mean[layer].to(dtype)
+            if "cls" in self.settings.include:
+                result[f"cls.layer_{layer}"] = self.cls[layer].to(dtype)
+            if "per_residue" in self.settings.include:
+                result[f"per_residue.layer_{layer}"] = _cat(self.residues[layer], (0, self.cls[layer].shape[1]), dtype)
+        if "per_residue" in self.settings.include:
+            result["residue_offsets"] = _offsets(self.lengths)
+        if "contacts" in self.settings.include:
+            result["contacts"] = _cat([contacts.flatten() for contacts in self.contacts], (0,), dtype)
+            result["contact_offsets"] = _offsets([length * length for length in self.lengths])
+        return result
+
+
+def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(tensors).to(dtype) if tensors else torch.zeros(empty_shape, dtype=dtype)
+
+
+def _offsets(counts: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)

@@ -1,0 +1,209 @@
+"""The output folder of `nv-esm embed`: shards, `index.tsv`, `manifest.json`, and the lock of a run.
+
+Every file is written under a temporary name and renamed (`write_shard`, `write_index`), so a folder never holds a
+half-written file under its final name. `prepare_output` keeps the finished shards of an earlier run only when its
+manifest holds equal settings (`EmbedSettings`, the checkpoint's fingerprint included); `output_lock` holds the
+folder while a run writes it; `iter_embeddings` reads a finished folder back, protein by protein.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nv_esm.embed_plan import EmbedSettings, Record, embedded_residues
+
+FORMAT = "nv-esm-embed/1"
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.tsv"
+SHARD_PREFIX = "embeddings-"
+# The process's umask, read once here (reading it sets it, which shard-writing threads must not race with).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+# Settings added to the manifest after runs were written without them: the value they had then.
+_SETTINGS_BEFORE = {"strip_stop": False}
+SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
+LOCK_NAME = ".nv-esm-embed.lock"
+OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?|\.nv-esm-embed\.lock")
+
+
+def shard_name(shard: int) -> str:
+    return f"{SHARD_PREFIX}{shard:05d}.safetensors"
+
+
+def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> None:
+    """Create `folder`, or check that it holds an earlier run of this command with equal settings (its finished
+    shards are then kept). Refuses a folder with anything else in it; with other settings, refuses unless
+    `overwrite`, which deletes only the files this command writes (the manifest last)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = list(folder.iterdir())
+    foreign = sorted(path.name for path in entries if not (path.is_file() and OUR_NAMES.fullmatch(path.name)))
+    if foreign:
+        raise FileExistsError(
+            f"{folder} holds files nv-esm embed did not write ({', '.join(foreign[:5])}); choose a new or empty folder."
+        )
+    manifest = folder / MANIFEST_NAME
+    current = {"format": FORMAT, **_jsonable(settings)}
+    if any(path.name != LOCK_NAME for path in entries) and not manifest.exists():
+        raise FileExistsError(
+            f"{folder} holds shards but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty folder."
+        )
+    if manifest.exists():
+        earlier = {**_SETTINGS_BEFORE, **_read_manifest(manifest)}
+        changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
+        if changed and not overwrite:
+            details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
+            raise FileExistsError(
+                f"{folder} holds a run with other settings ({details}). Its shards would not match: pass "
+                "--overwrite to delete them, or choose another folder."
+            )
+        if changed:
+            for path in sorted(entries, key=lambda path: path.name == MANIFEST_NAME):
+                if path.name != LOCK_NAME:
+                    path.unlink()
+    for stale in folder.glob("*.tmp"):
+        stale.unlink()
+    _write_atomically(manifest, json.dumps(current, indent=2) + "\n")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a manifest of nv-esm embed ({error}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a manifest of nv-esm embed (format {FORMAT}).")
+    return manifest
+
+
+def _jsonable(settings: EmbedSettings) -> dict[str, Any]:
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(settings).items()}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) -> None:
+    """`tensors` as safetensors under `path` (written to a temporary name, synced, then renamed), ids in metadata."""
+    temporary = path.with_name(path.name + ".tmp")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
+    temporary.chmod(0o666 & ~_UMASK)  # as index.tsv and manifest.json (safetensors writes 0600)
+    with open(temporary, "rb") as file:
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def shard_ids(path: Path) -> list[str] | None:
+    """The ids a finished shard holds, or None if `path` is missing or not a readable shard."""
+    try:
+        with safe_open(path, "pt") as shard:
+            return json.loads(shard.metadata()["ids"])
+    except Exception:  # missing, cut off, or not ours: not finished
+        return None
+
+
+def index_rows(records: list[Record], shard_size: int, max_length: int) -> list[tuple[Record, int, str, int, int]]:
+    """(record, shard, shard file, row, residues embedded) per record; skipped: ("", -1, 0)."""
+    rows, row, current = [], 0, -1
+    for position, record in enumerate(records):
+        shard = position // shard_size
+        row = 0 if shard != current else row
+        current = shard
+        if record.status.startswith("skipped"):
+            rows.append((record, shard, "", -1, 0))
+            continue
+        used = embedded_residues(record.residues, record.status, max_length)
+        rows.append((record, shard, shard_name(shard), row, used))
+        row += 1
+    return rows
+
+
+def write_index(folder: Path, records: list[Record], shard_size: int, max_length: int) -> None:
+    """`index.tsv`: id, record, residues, status, shard, row, embedded_residues. Checks first that every shard is
+    there and holds the ids the index gives it."""
+    rows = index_rows(records, shard_size, max_length)
+    expected: dict[str, list[str]] = {}
+    for record, _, name, _, _ in rows:
+        if name:
+            expected.setdefault(name, []).append(record.id)
+    for name, ids in expected.items():
+        if shard_ids(folder / name) != ids:
+            raise RuntimeError(f"{folder / name} is missing or does not hold the proteins the index gives it.")
+    lines = ["id\trecord\tresidues\tstatus\tshard\trow\tembedded_residues\tstop_removed"]
+    for record, _, name, row, used in rows:
+        stop = "yes" if record.stop_removed else "no"
+        lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{name}\t{row}\t{used}\t{stop}")
+    _write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
+
+
+def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(id, outputs) of every embedded protein of a finished `nv-esm embed` folder, in FASTA order. Outputs are
+    keyed as in the shards: `mean.layer_L`/`cls.layer_L` `[hidden]`, `per_residue.layer_L` `[residues, hidden]`,
+    `contacts` `[residues, residues]`. Raises if the run has not finished (no index.tsv)."""
+    folder = Path(folder)
+    if not (folder / INDEX_NAME).exists():
+        raise FileNotFoundError(f"{folder} has no {INDEX_NAME}: the run has not finished (a rerun completes it).")
+    names = [path.name for path in folder.iterdir() if SHARD_PATTERN.fullmatch(path.name)]
+    for name in sorted(names, key=lambda name: int(SHARD_PATTERN.fullmatch(name).group(1))):
+        with safe_open(folder / name, "pt") as shard:
+            ids = json.loads(shard.metadata()["ids"])
+            tensors = {key: shard.get_tensor(key) for key in shard.keys()}
+        residue_offsets = tensors.pop("residue_offsets", None)
+        contact_offsets = tensors.pop("contact_offsets", None)
+        for row, protein_id in enumerate(ids):
+            outputs = {}
+            for key, tensor in tensors.items():
+                if key.startswith("per_residue."):
+                    outputs[key] = tensor[residue_offsets[row] : residue_offsets[row + 1]]
+                elif key == "contacts":
+                    flat = tensor[contact_offsets[row] : contact_offsets[row + 1]]
+                    side = int(round(flat.numel() ** 0.5))
+                    outputs[key] = flat.view(side, side)
+                else:
+                    outputs[key] = tensor[row]
+            yield protein_id, outputs
+
+
+@contextlib.contextmanager
+def output_lock(folder: Path) -> Iterator[None]:
+    """Hold `folder` while this run writes it: another run into it (one with --overwrite would replace this run's
+    shards under it) is refused until this one ends. An advisory lock (`flock`) on `LOCK_NAME`, which the system
+    releases if the process dies; the file is removed at the end."""
+    import fcntl
+    import socket
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    with open(path, "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            raise FileExistsError(
+                f"{folder} is being written by another nv-esm embed run ({holder}); wait for it to end, or choose "
+                "another folder."
+            ) from None
+        file.truncate(0)
+        file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        file.flush()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)

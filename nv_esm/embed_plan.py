@@ -1,0 +1,226 @@
+"""The plan of an `nv-esm embed` run: the first pass over the FASTA file and the settings it fixes.
+
+`plan_run` checks the command's arguments against the checkpoint and reads every record once (`scan_fasta`: ids
+unique, ESM-2's letters by `modeling_nv_esm.protein_residues`, lengths against `--max-length`), so a bad record
+stops the run before any work, with its id. `EmbedSettings` are what decides the numbers written (the manifest);
+`Record` is one record as the first pass found it. In the second pass, `records_by_shard` pairs the file's records
+with the plan, shard by shard, and `pieces_of` cuts a protein into the model's inputs (`Piece`: whole, cropped or
+windowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+import modeling_nv_esm
+from modeling_nv_esm_batch import STOP_MARK, protein_residues
+from nv_esm.alphabet import CLS, EOS, iter_fasta
+from nv_esm.checkpoint_io import update_digest
+from nv_esm.data import residue_ids
+
+OUTPUTS = ("mean", "cls", "per_residue", "contacts")
+TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
+INVALID_POLICIES = ("error", "skip")
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EmbedSettings:
+    """Everything that decides the numbers written (the manifest; a rerun resumes only if they are equal)."""
+
+    checkpoint: str  # a fingerprint of the weights (`checkpoint_fingerprint`), not how the path was spelled
+    fasta_sha256: str
+    precision: str  # "bf16" (CUDA) or "fp32" (CPU)
+    layers: tuple[int, ...]  # absolute: 0 (embedding output) .. num_hidden_layers
+    include: tuple[str, ...]
+    max_length: int  # residues
+    too_long: str
+    invalid: str
+    strip_stop: bool
+    shard_size: int
+    backend: str
+    fp8: str
+    save_dtype: str
+
+
+@dataclass
+class Record:
+    """One FASTA record as the first pass found it."""
+
+    id: str
+    number: int  # 1-based position in the file
+    residues: int  # after a stop mark is removed
+    status: str  # embedded | cropped | windowed | skipped: too long | skipped: invalid letter | skipped: empty
+    stop_removed: bool = False  # a trailing '*' removed (--strip-stop)
+
+
+@dataclass
+class Piece:
+    """One model input: a whole protein, its crop, or one window of it."""
+
+    row: int  # the protein's row in its shard
+    start: int  # first residue of the piece in the protein
+    tokens: torch.Tensor  # [residues + 2] int64, `<cls>` and `<eos>` included
+
+
+def scan_fasta(
+    path: Path, max_length: int, too_long: str, invalid: str, strip_stop: bool = False
+) -> tuple[list[Record], str]:
+    """First pass: every record's id, length and status, and the file's SHA-256. Raises `ValueError` naming the
+    record for a duplicate or missing id, an empty record or an invalid letter (`modeling_nv_esm.protein_residues`,
+    with `invalid="error"`; with "skip" the record is skipped and the index says why) or a protein longer than
+    `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing '*' is removed, not refused."""
+    records: list[Record] = []
+    first_seen: dict[str, int] = {}
+    digest = hashlib.sha256()
+    with open(path, "rb") as raw:
+        lines = text_lines(raw, path, digest)
+        for number, (header, sequence) in enumerate(iter_fasta(lines, path, empty_ok=True), 1):
+            record_id = header.split()[0] if header.split() else ""
+            if not record_id:
+                raise ValueError(f"{path}: record {number} has no id (an empty '>' header line).")
+            if record_id in first_seen:
+                raise ValueError(
+                    f"{path}: id {record_id!r} appears twice (records {first_seen[record_id]} and {number}); "
+                    "ids name the outputs, so they must be unique."
+                )
+            first_seen[record_id] = number
+            stop_removed = strip_stop and sequence.endswith(STOP_MARK)
+            residues = len(sequence) - stop_removed
+            try:
+                protein_residues(sequence, f"{path}: record {record_id!r} (record {number})", strip_stop)
+                problem = None
+            except ValueError as error:
+                problem = str(error)
+            if problem is not None:
+                if invalid == "error":
+                    raise ValueError(f"{problem.removesuffix('.')} (--invalid skip skips it).")
+                status = "skipped: empty" if residues == 0 else "skipped: invalid letter"
+            elif residues <= max_length:
+                status = "embedded"
+            elif too_long == "error":
+                raise ValueError(
+                    f"{path}: record {record_id!r} (record {number}) has {residues} residues, more than "
+                    f"--max-length {max_length}; choose --too-long skip, crop or window, or raise --max-length."
+                )
+            else:
+                status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
+            records.append(Record(record_id, number, residues, status, stop_removed))
+    if not records:
+        raise ValueError(f"{path}: no FASTA records.")
+    return records, digest.hexdigest()
+
+
+def text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]:
+    """UTF-8 lines of a binary file (a byte-order mark skipped), each fed to `digest` first."""
+    for number, line in enumerate(raw, 1):
+        if digest is not None:
+            digest.update(line)
+        try:
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}).") from None
+
+
+def tokenize(sequence: str) -> torch.Tensor:
+    """`[residues + 2]` int64 ids: `<cls>`, one per residue (either case; lower case reads as upper case), `<eos>`,
+    by `nv_esm.data.residue_ids`' byte table (the GPU waits while a shard is tokenized). A character outside the
+    alphabet raises ValueError: the first pass refused them, so the file changed since."""
+    try:
+        ids = residue_ids(sequence)
+    except ValueError as error:
+        raise ValueError(f"{error} The first pass took it: the FASTA file changed during the run.") from None
+    return torch.frombuffer(bytearray([CLS]) + ids + bytearray([EOS]), dtype=torch.uint8).long()
+
+
+def pieces_of(row: int, sequence: str, status: str, max_length: int) -> list[Piece]:
+    """The model inputs of one protein: itself; its first `max_length` residues (`cropped`); or windows of
+    `max_length` residues every `max_length // 2` residues, the last one ending at the protein's end (`windowed`)."""
+    if status == "cropped":
+        sequence = sequence[:max_length]
+    if status != "windowed":
+        return [Piece(row, 0, tokenize(sequence))]
+    stride = max(max_length // 2, 1)
+    starts = [*range(0, len(sequence) - max_length, stride), len(sequence) - max_length]
+    return [Piece(row, start, tokenize(sequence[start : start + max_length])) for start in starts]
+
+
+def embedded_residues(residues: int, status: str, max_length: int) -> int:
+    """Residues of a protein that reach the outputs: a crop keeps `max_length` of them."""
+    return min(residues, max_length) if status == "cropped" else residues
+
+
+def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
+    """What identifies the weights, however the path is spelled: for a folder, SHA-256 over config.json and every
+    byte of each weight file (a file edited in place, even to the same size, changes it; reading them costs seconds
+    next to an embedding run); for a Hub id, the id and its commit."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        return f"{checkpoint}@{getattr(config, '_commit_hash', None) or 'unknown revision'}"
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.iterdir()):
+        if path.suffix not in (".safetensors", ".bin"):
+            continue
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+        update_digest(digest, path)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tuple[EmbedSettings, list[Record]]:
+    """Check the arguments against the checkpoint and make the first pass over the FASTA file."""
+    longest = config.max_protein_length - 2
+    max_length = longest if args.max_length is None else args.max_length
+    if not 1 <= max_length <= longest:
+        raise ValueError(f"--max-length must be 1 to {longest} (the checkpoint's max_protein_length - 2).")
+    states = config.num_hidden_layers + 1
+    if any(not -states <= layer < states for layer in args.layers):
+        raise ValueError(
+            f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
+        )
+    backend = modeling_nv_esm.resolve_backend(args.backend, device)
+    if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":  # --cuda-graphs asked for, not the default
+        raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
+    records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid, args.strip_stop)
+    settings = EmbedSettings(
+        checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+        fasta_sha256=fasta_sha256,
+        precision="bf16" if device.type == "cuda" else "fp32",
+        layers=tuple(sorted({layer % states for layer in args.layers})),
+        include=tuple(output for output in OUTPUTS if output in args.include),
+        max_length=max_length,
+        too_long=args.too_long,
+        invalid=args.invalid,
+        strip_stop=args.strip_stop,
+        shard_size=args.shard_size,
+        backend=backend,
+        fp8=args.fp8,
+        save_dtype=args.save_dtype,
+    )
+    return settings, records
+
+
+def records_by_shard(
+    sequences: Iterator[tuple[str, str]], records: list[Record], shard_size: int
+) -> Iterator[tuple[int, list[tuple[Record, str]]]]:
+    """(shard, [(record, sequence), ...]) in file order, pairing the second pass with the first pass's records."""
+    batch: list[tuple[Record, str]] = []
+    position = -1
+    for position, (header, sequence) in enumerate(sequences):
+        record = records[position] if position < len(records) else None
+        if record is None or header.split()[0] != record.id or len(sequence) != record.residues + record.stop_removed:
+            raise ValueError(f"the FASTA file changed during the run (at record {position + 1}); run again.")
+        batch.append((record, sequence))
+        if len(batch) == shard_size:
+            yield position // shard_size, batch
+            batch = []
+    if position + 1 != len(records):
+        raise ValueError(f"the FASTA file changed during the run (it ends after {position + 1} records); run again.")
+    if batch:
+        yield (len(records) - 1) // shard_size, batch

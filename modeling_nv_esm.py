@@ -31,6 +31,8 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
+# Every sibling is imported here directly: older transformers (5.6, the oldest supported) copies only the model
+# file's direct relative imports into its modules cache (tests/test_layout.py checks it).
 try:
     from .configuration_nv_esm import NVEsmConfig
     from .modeling_nv_esm_batch import (
@@ -53,6 +55,7 @@ try:
         wants_dict,
     )
     from .modeling_nv_esm_encoder import NVEsmEncoder
+    from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from .modeling_nv_esm_lora import NVEsmLoraTarget
     from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, EncoderInputs, RankGroup
@@ -78,6 +81,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         wants_dict,
     )
     from modeling_nv_esm_encoder import NVEsmEncoder
+    from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from modeling_nv_esm_lora import NVEsmLoraTarget
     from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, EncoderInputs, RankGroup
@@ -829,6 +833,7 @@ __all__ = [
     "NVEsmModel",
     "NVEsmPreTrainedModel",
     "PackedSequences",
+    "StaticShapeGraphs",  # imported here so that every sibling is a direct relative import of this file (below)
     "pack_proteins",
     "protein_residues",
     "resolve_backend",

@@ -129,9 +129,9 @@ def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     they are. Per-tensor delayed scaling first gets the scale its recipe would reach for `value` (`fp8 max / amax`),
     not the 1.0 it starts with. Raises RuntimeError when the FP8 values are more than 10% (relative norm) from
     `value`: a quantization gone wrong must not become silently wrong outputs."""
-    quantizer = getattr(parameter, "_quantizer", None)
-    if quantizer is None:
+    if not is_fp8_tensor(parameter):
         return value
+    quantizer = parameter._quantizer
     value = value.detach().to(parameter.device, parameter.dtype)
     usages = parameter.get_usages()  # the copy takes FP8 data as it is only when the layouts match
     quantizer.set_usage(rowwise=usages.get("rowwise", True), columnwise=usages.get("columnwise", False))
@@ -150,9 +150,14 @@ def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return quantized
 
 
+def is_fp8_tensor(tensor: object) -> bool:
+    """Whether `tensor` is a Transformer Engine quantized (FP8) tensor: a weight held in FP8 (`fp8_weights`)."""
+    return hasattr(tensor, "_quantizer") and hasattr(tensor, "dequantize")
+
+
 def holds_fp8_weights(layer: nn.Module) -> bool:
     """Whether a TE layer's weights are FP8 tensors (`quantized_model_init`)."""
-    return any(hasattr(parameter, "_quantizer") for parameter in layer.parameters())
+    return any(is_fp8_tensor(parameter) for parameter in layer.parameters())
 
 
 def make_fp8_recipe(name: str) -> Any:
@@ -488,7 +493,7 @@ def drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_
     for key in [k for k in state_dict if k.startswith(prefix)]:
         if key.endswith("._extra_state"):
             del state_dict[key]
-        elif hasattr(state_dict[key], "_quantizer") and hasattr(state_dict[key], "dequantize"):
+        elif is_fp8_tensor(state_dict[key]):
             state_dict[key] = state_dict[key].dequantize()
 
 
@@ -497,7 +502,7 @@ def quantize_fp8_weights(module: nn.Module, state_dict: dict, prefix: str, *args
     result checked), so that `load_state_dict` copies FP8 data as it is."""
     with torch.no_grad():
         for name, parameter in module.named_parameters(prefix=prefix.rstrip(".")):
-            if hasattr(parameter, "_quantizer") and torch.is_tensor(state_dict.get(name)):
+            if is_fp8_tensor(parameter) and torch.is_tensor(state_dict.get(name)):
                 state_dict[name] = fp8_value(parameter, state_dict[name])
 
 

@@ -3,7 +3,8 @@
 The fields are those of `transformers.EsmConfig` that ESM-2 uses, plus what Transformer Engine needs
 (`padded_vocab_size`, `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`). Every value is
 checked in `__init__`: an inconsistent config raises `ValueError` naming the field and what is allowed.
-This file imports nothing from Transformer Engine.
+`UNSUPPORTED_COMBINATIONS` is the one table of features that do not combine, which the model and nv-esm train
+refuse from (`refused_combination`). This file imports nothing from Transformer Engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -41,6 +43,47 @@ LOAD_TIME_OPTIONS = (
 
 # An ESM-2 has at most 48 layers (15B); the bound stops a mistyped config from allocating without end.
 MAX_LAYERS = 1024
+
+# The features some others do not combine with (`UNSUPPORTED_COMBINATIONS`), each with how messages name it.
+FEATURES = {
+    "tensor_parallel": "tensor parallelism",  # layers split over ranks: enable_tensor_parallel, nv-esm train --tp
+    "context_parallel": "context parallelism",  # each batch's layers across ranks: enable_context_parallel, --cp
+    "padded_layers": "padded layers",  # attn_input_format="bshd"
+    "dropout": "dropout",  # attention_probs_dropout_prob or hidden_dropout_prob above 0
+    "lora": "LoRA adapters",  # PEFT's adapters in the layers: nv-esm train --lora-rank
+    "offload_activations": "activation offloading",  # offload_activations, --offload-activations
+    "activation_checkpointing": "activation checkpointing",  # gradient checkpointing, --activation-checkpointing
+    "fp8_weights": "weights held in FP8",  # fp8_weights
+    "compile": "torch.compile",  # of each layer: nv-esm train --compile
+    "te_layers": "Transformer Engine layers",  # the layers of the te backend
+}
+
+# What tensor and context parallelism each refuse, in the order they are checked, as their refusals read
+# ("tensor parallelism: LoRA adapters are not supported.").
+_PARALLELISM_REFUSALS = {
+    "padded_layers": "it needs packed layers (attn_input_format='thd')",
+    "dropout": "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)",
+    "lora": "LoRA adapters are not supported",
+    "offload_activations": "activation offloading is not supported",
+    "fp8_weights": "weights held in FP8 (fp8_weights) are not supported",
+    "compile": "torch.compile is not supported",
+}
+
+# The pairs of `FEATURES` that do not combine, (feature, other): reason, in the order they are checked (the first
+# refused pair is reported). Messages name `feature` first; the reason is a short clause that they word around it,
+# "{other}" standing for the other feature's name. The model and nv-esm train read it (`refused_combination`).
+UNSUPPORTED_COMBINATIONS: dict[tuple[str, str], str] = {
+    ("offload_activations", "activation_checkpointing"): (
+        "offloads nothing (Transformer Engine's offloading does not reach the checkpointed layer inputs)"
+    ),
+    **{
+        (parallelism, other): reason
+        for parallelism in ("tensor_parallel", "context_parallel")
+        for other, reason in _PARALLELISM_REFUSALS.items()
+    },
+    ("context_parallel", "tensor_parallel"): "it does not combine with {other} yet",
+    ("compile", "te_layers"): "Transformer Engine layers are fused already",
+}
 
 
 class NVEsmConfig(PretrainedConfig):
@@ -316,6 +359,34 @@ def fp8_layer_precision(mode: str, num_layers: int) -> list[str | None] | None:
     if mode == "all" or num_layers <= 2:
         return ["fp8"] * num_layers
     return [None] + ["fp8"] * (num_layers - 2) + [None]
+
+
+def refused_combination(features: Iterable[str], subject: str | None = None) -> tuple[str, str, str] | None:
+    """The first pair of `features` that `UNSUPPORTED_COMBINATIONS` refuses, as (feature, other, reason with
+    "{other}" filled in), or None. With `subject` (asked for too), only its pairs count and it is `feature`.
+    Raises ValueError for a name that is not in `FEATURES`."""
+    asked = set(features) | ({subject} if subject else set())
+    if asked - FEATURES.keys():
+        raise ValueError(f"unknown features {sorted(asked - FEATURES.keys())}; known: {list(FEATURES)}")
+    for (feature, other), reason in UNSUPPORTED_COMBINATIONS.items():
+        if feature in asked and other in asked and subject in (None, feature, other):
+            if subject == other:
+                feature, other = other, feature
+            return feature, other, reason.format(other=FEATURES[other])
+    return None
+
+
+def refuse_combinations(
+    features: Iterable[str],
+    message: Callable[[str, str, str], str] | None = None,
+    subject: str | None = None,
+) -> None:
+    """Raise ValueError(message(feature, other, reason)) for the `refused_combination` of `features` and `subject`,
+    if any. The default message names the feature and gives the reason: "tensor parallelism: LoRA adapters are not
+    supported."."""
+    refused = refused_combination(features, subject)
+    if refused is not None:
+        raise ValueError(message(*refused) if message else f"{FEATURES[refused[0]]}: {refused[2]}.")
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:

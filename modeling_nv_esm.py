@@ -36,55 +36,45 @@ from transformers.modeling_outputs import (
 try:
     from .configuration_nv_esm import NVEsmConfig
     from .modeling_nv_esm_batch import (
-        FP8_TOKEN_MULTIPLE,
         InputBatch,
         PackedSequences,
         check_extra_inputs,
         check_tensor,
         first_token_states,
         length_sorted_batches,
-        maps_to_input_layout,
         pack_proteins,
-        pad_packed,
-        pad_packed_to_multiple,
-        pad_padded_for_fp8,
         pool_proteins,
         protein_residues,
         raise_on_failed_checks,
-        run_token_ids,
         wants_dict,
     )
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import NVEsmLoraTarget
-    from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, EncoderInputs, RankGroup
+    from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
     from modeling_nv_esm_batch import (
-        FP8_TOKEN_MULTIPLE,
         InputBatch,
         PackedSequences,
         check_extra_inputs,
         check_tensor,
         first_token_states,
         length_sorted_batches,
-        maps_to_input_layout,
         pack_proteins,
-        pad_packed,
-        pad_packed_to_multiple,
-        pad_padded_for_fp8,
         pool_proteins,
         protein_residues,
         raise_on_failed_checks,
-        run_token_ids,
         wants_dict,
     )
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import NVEsmLoraTarget
-    from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, EncoderInputs, RankGroup
+    from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
 
 # ESM-2 was trained masking 15% of tokens, 80% of those with <mask>: token dropout rescales to this ratio.
 MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -331,8 +321,8 @@ class NVEsmPreTrainedModel(PreTrainedModel):
 class NVEsmModel(NVEsmPreTrainedModel):
     """ESM-2 encoder: embeddings, rotary table, transformer layers, final LayerNorm.
 
-    Attributes:
-        backend: `"te"` or `"torch"`, resolved from `config.backend` when the model was built.
+    The layers' backend is resolved once, when the model is built (`resolve_backend`), and held by the encoder
+    (`encoder.backend`, the object every backend-dependent step asks).
     """
 
     # The task models' heads, which a base model loaded from their checkpoints leaves out by design (transformers
@@ -344,13 +334,17 @@ class NVEsmModel(NVEsmPreTrainedModel):
         state (`pooler_output`); ESM-2's checkpoints hold no pooler, so it starts untrained. The task models
         build their `esm` without it."""
         super().__init__(config)
-        self.backend = resolve_backend(config.backend)
         self.embeddings = NVEsmEmbeddings(config)
         self.rotary_embeddings = NVEsmRotaryEmbedding(config)
-        self.encoder = NVEsmEncoder(config, self.backend)
+        self.encoder = NVEsmEncoder(config, resolve_backend(config.backend))
         self.contact_head = NVEsmContactPredictionHead(config)
         self.pooler = NVEsmPooler(config) if add_pooling_layer else None
         self.post_init()
+
+    @property
+    def backend(self) -> str:
+        """`"te"` or `"torch"`: the layers' backend, resolved from `config.backend` when the model was built."""
+        return self.encoder.backend.name
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -408,13 +402,14 @@ class NVEsmModel(NVEsmPreTrainedModel):
             max_length_k,
         )
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
-        eager = output_hidden_states or output_attentions
-        hidden_states, inputs, restore = self._to_run_layout(hidden_states, batch, eager)
         maps: list[torch.Tensor] = []
         last_hidden_state, all_hidden_states = self.encoder(
-            hidden_states, inputs, output_hidden_states, maps.append if output_attentions else None
+            hidden_states,
+            batch,
+            self.rotary_embeddings,
+            output_hidden_states,
+            maps.append if output_attentions else None,
         )
-        last_hidden_state = restore(last_hidden_state)
         cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
         pooler_output = None
         if self.pooler is not None:
@@ -422,8 +417,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         output = NVEsmModelOutput(
             last_hidden_state=last_hidden_state,
             pooler_output=pooler_output,
-            hidden_states=None if all_hidden_states is None else tuple(map(restore, all_hidden_states)),
-            attentions=tuple(maps_to_input_layout(m, batch).to(last_hidden_state.dtype) for m in maps) or None,
+            hidden_states=all_hidden_states,
+            attentions=tuple(batch.maps_to_input_layout(m).to(last_hidden_state.dtype) for m in maps) or None,
             cu_seq_lens=cu_seq_lens,
         )
         return output if wants_dict(return_dict, self.config) else output.to_tuple()
@@ -454,9 +449,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             input_ids, attention_mask, position_ids, None, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k
         )
         hidden_states = self._embed(input_ids, None, batch)
-        hidden_states, inputs, _ = self._to_run_layout(hidden_states, batch, True)
-        contacts = StreamedContacts(self.contact_head.regression, run_token_ids(input_ids, batch), self.config)
-        self.encoder(hidden_states, inputs, False, contacts.add_layer)
+        contacts = StreamedContacts(self.contact_head.regression, batch.run_token_ids(input_ids), self.config)
+        self.encoder(hidden_states, batch, self.rotary_embeddings, attention_sink=contacts.add_layer)
         result = contacts.probabilities()
         if batch.input_is_packed:
             return result
@@ -550,12 +544,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
                 f"inputs_embeds must be [..., hidden_size={self.config.hidden_size}], got shape "
                 f"{tuple(inputs_embeds.shape)}."
             )
-        device = tokens.device
-        if self.backend == "te" and device.type != "cuda":
-            raise ValueError(
-                f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
-                "Move the model and inputs to a GPU, or load the model with backend='torch' to run on the CPU."
-            )
+        self.encoder.backend.check_device(tokens.device)
         packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None or position_ids is not None
         if packed:
             return InputBatch.packed_from(
@@ -582,64 +571,6 @@ class NVEsmModel(NVEsmPreTrainedModel):
             )
         token_ids = input_ids.reshape(-1) if batch.input_is_packed else packing.pack(input_ids)
         return self.embeddings(token_ids, batch.lengths, packing.sequence_index)
-
-    def _to_run_layout(
-        self, hidden_states: torch.Tensor, batch: InputBatch, eager: bool
-    ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
-        """Move embeddings from `_embed`'s layout to the layout the layers run in (`config.attn_input_format`).
-
-        Packed runs take `[T, hidden]`. Padded runs take the right-padded view `[N, max_length, hidden]`: a padded
-        input with padding on the left, or wider than its longest protein, is laid out anew, so every protein
-        sees positions `0..length-1` and none of the padding. FP8 runs pad the token count to a multiple of
-        `FP8_TOKEN_MULTIPLE`, tensor-parallel runs to a multiple of the group size (times that with FP8), which
-        splits the tokens; context-parallel runs pad each protein (`ContextParallelLayout`); CUDA-graph runs pad
-        the packed batch to its static shape (`static_shape`) unless the call needs the layers run `eager`
-        (per-layer outputs or attention maps).
-
-        Returns the states, the per-layer inputs, and `restore`, which maps an output of the layers back to the
-        input layout: `[B, S, ...]` with zeros at padding for padded inputs, `[1, T, ...]` for packed ones.
-        """
-        packing = batch.packed
-        if packing is None:  # a padded input without padding, run padded: nothing moves
-            return self._padded_run(hidden_states, None, lambda states: states)
-        if batch.input_is_packed:
-            run, to_input = packing, lambda states: states.unsqueeze(0)
-        else:
-            run = PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
-            to_input = packing.unpack
-        if self.config.attn_input_format == "bshd":
-            return self._padded_run(
-                run.unpack(hidden_states), run.key_mask(), lambda states: to_input(run.pack(states))
-            )
-        num_tokens = run.num_tokens
-        graphed = self.encoder.uses_cuda_graphs(eager)
-        shape = self.encoder.graphs.shape_for(self.encoder, hidden_states, run) if graphed else None
-        multiple = FP8_TOKEN_MULTIPLE if self.encoder.pads_for_fp8() else 1
-        if self.encoder.context_parallel is not None:
-            layout = ContextParallelLayout.of(run, self.encoder.context_parallel, multiple)
-            inputs = EncoderInputs(self.rotary_embeddings(layout.max_length), packed=run, context_parallel=layout)
-            return hidden_states, inputs, lambda states: to_input(states)
-        if self.encoder.tensor_parallel is not None:
-            multiple *= self.encoder.tensor_parallel.size
-        if shape is not None:
-            hidden_states, run = pad_packed(hidden_states, run, *shape)
-        elif num_tokens % multiple:
-            hidden_states, run = pad_packed_to_multiple(hidden_states, run, multiple)
-        inputs = EncoderInputs(self.rotary_embeddings(run.max_length), packed=run, static_shape=shape is not None)
-        return hidden_states, inputs, lambda states: to_input(states[:num_tokens])
-
-    def _padded_run(
-        self,
-        hidden_states: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        to_input: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, EncoderInputs, Callable[[torch.Tensor], torch.Tensor]]:
-        """`_to_run_layout` for right-padded states `[B, L, hidden]` with `key_mask [B, L]` (None: no padding)."""
-        length = hidden_states.shape[1]
-        if self.encoder.pads_for_fp8() and (hidden_states.shape[0] * length) % FP8_TOKEN_MULTIPLE:
-            hidden_states, key_mask = pad_padded_for_fp8(hidden_states, key_mask)
-        inputs = EncoderInputs(self.rotary_embeddings(hidden_states.shape[1]), key_mask=key_mask)
-        return hidden_states, inputs, lambda states: to_input(states[:, :length])
 
 
 class StreamedContacts:
@@ -832,8 +763,10 @@ __all__ = [
     "NVEsmForTokenClassification",
     "NVEsmModel",
     "NVEsmPreTrainedModel",
+    "ContextParallelLayout",  # these three are imported here so that every sibling is a direct relative import
     "PackedSequences",
-    "StaticShapeGraphs",  # imported here so that every sibling is a direct relative import of this file (below)
+    "RunLayout",  # of this file (see the imports)
+    "StaticShapeGraphs",
     "pack_proteins",
     "protein_residues",
     "resolve_backend",

@@ -6,6 +6,7 @@ Part of the model's Hub remote code (a flat sibling of `modeling_nv_esm.py`): im
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class PackedSequences:
         """`[T]` int64; index of each packed token in the flattened padded view `[B * S]` (computed on first use)."""
         if self._token_index is None:
             sequence_index = sequence_index_of_tokens(self.cu_seq_lens, self.num_tokens)
-            position = torch.arange(self.num_tokens, device=self.cu_seq_lens.device) - self.cu_seq_lens[sequence_index]
+            position = positions_in_proteins(self.cu_seq_lens, self.num_tokens, sequence_index)
             self._token_index = sequence_index * self.max_length + position
         return self._token_index
 
@@ -137,6 +138,11 @@ class PackedSequences:
     def sequence_index(self) -> torch.Tensor:
         """`[T]` the protein each packed token belongs to."""
         return self.token_index // self.padded_shape[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`[T]` each packed token's position in its protein (0 at its first token)."""
+        return positions_in_proteins(self.cu_seq_lens, self.num_tokens, self.sequence_index)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """`[B, S, ...]` -> `[T, ...]`, keeping only the tokens."""
@@ -194,6 +200,16 @@ def sequence_index_of_tokens(cu_seq_lens: torch.Tensor, num_tokens: int) -> torc
     return torch.bucketize(torch.arange(num_tokens, device=cu_seq_lens.device), boundaries, right=True)
 
 
+def positions_in_proteins(
+    cu_seq_lens: torch.Tensor, num_tokens: int, sequence_index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[T]` each of `num_tokens` packed tokens' position in its protein: the one place that computes it.
+    `sequence_index` (`sequence_index_of_tokens`), if the caller has it already."""
+    if sequence_index is None:
+        sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
+    return torch.arange(num_tokens, device=cu_seq_lens.device) - cu_seq_lens[sequence_index]
+
+
 def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]], enabled: bool = True) -> None:
     """Evaluate boolean scalar tensors with one device sync; raise ValueError with the first failing message.
 
@@ -204,39 +220,6 @@ def raise_on_failed_checks(checks: list[tuple[torch.Tensor, str]], enabled: bool
     for ok, (_, message) in zip(passed, checks):
         if not ok:
             raise ValueError(message)
-
-
-def maps_to_input_layout(maps: torch.Tensor, batch: InputBatch) -> torch.Tensor:
-    """One layer's attention probabilities from the run layout (`[N', heads, L', L']`, right-padded, maybe with
-    FP8 padding) to the documented output layout: `[B, heads, S, S]` where each padded input row's tokens lie,
-    or `[N, heads, L, L]` for packed inputs."""
-    packing = batch.packed
-    if packing is None:  # a padded input without padding ran as it came
-        width = int(batch.lengths[0])  # every row is a protein of the input's width
-        return maps[:, :, :width, :width]
-    count, length = packing.cu_seq_lens.numel() - 1, packing.max_length
-    maps = maps[:count, :, :length, :length]
-    if batch.input_is_packed:
-        return maps
-    rows, width = packing.padded_shape
-    sequence = packing.sequence_index
-    position = torch.arange(packing.num_tokens, device=maps.device) - packing.cu_seq_lens[sequence]
-    column = torch.full((count, length), width, dtype=torch.long, device=maps.device)  # `width`: off the input
-    column[sequence, position] = packing.token_index % width
-    placed = maps.new_zeros(rows, width + 1, width + 1, maps.shape[1])
-    row_index = torch.arange(count, device=maps.device)[:, None, None]
-    placed[row_index, column[:, :, None], column[:, None, :]] = maps.permute(0, 2, 3, 1)
-    return placed[:, :width, :width].permute(0, 3, 1, 2)
-
-
-def run_token_ids(input_ids: torch.Tensor, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, L]` token ids in the right-padded run layout and the `[N, L]` bool mask of real tokens."""
-    packing = batch.packed
-    if packing is None:
-        return input_ids, torch.ones_like(input_ids, dtype=torch.bool)
-    packed_ids = input_ids.reshape(-1) if batch.input_is_packed else packing.pack(input_ids)
-    run = PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
-    return run.unpack(packed_ids), run.key_mask()
 
 
 def length_sorted_batches(token_lists: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
@@ -276,8 +259,7 @@ def residue_token_mask(
     has it already."""
     if sequence_index is None:
         sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
-    starts = cu_seq_lens[:-1].long()
-    position = torch.arange(num_tokens, device=cu_seq_lens.device) - starts[sequence_index]
+    position = positions_in_proteins(cu_seq_lens.long(), num_tokens, sequence_index)
     lengths = cu_seq_lens.diff().long()
     return (position > 0) & (position < lengths[sequence_index] - 1)
 
@@ -295,40 +277,6 @@ def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str)
     return sums / (lengths - 2).clamp_min(1)[:, None]
 
 
-def pad_packed_to_multiple(
-    hidden_states: torch.Tensor, packed: PackedSequences, multiple: int
-) -> tuple[torch.Tensor, PackedSequences]:
-    """Append a dummy protein of zeros so the token count is a multiple of `multiple` (FP8 GEMMs need
-    `FP8_TOKEN_MULTIPLE`; tensor parallelism splits the tokens over its ranks)."""
-    extra = -packed.num_tokens % multiple
-    num_sequences = packed.cu_seq_lens.numel() - 1
-    return pad_packed(
-        hidden_states, packed, packed.num_tokens + extra, num_sequences + 1, max(packed.max_length, extra)
-    )
-
-
-def pad_packed(
-    hidden_states: torch.Tensor, packed: PackedSequences, tokens: int, slots: int, max_length: int
-) -> tuple[torch.Tensor, PackedSequences]:
-    """Pad `[T, hidden]` to `[tokens, hidden]` with zero tokens in dummy proteins of at most `max_length` tokens
-    each, then empty proteins (`cu_seq_lens` repeats its last entry) up to `slots` proteins in all."""
-    num_sequences = packed.cu_seq_lens.numel() - 1
-    hidden_states = F.pad(hidden_states, (0, 0, 0, tokens - packed.num_tokens))
-    extra_slots = torch.arange(1, slots - num_sequences + 1, device=packed.cu_seq_lens.device)
-    ends = (packed.num_tokens + extra_slots * max_length).clamp_max(tokens).to(torch.int32)
-    cu_seq_lens = torch.cat([packed.cu_seq_lens.to(torch.int32), ends])
-    return hidden_states, PackedSequences.right_padded(cu_seq_lens, max_length, tokens)
-
-
-def pad_padded_for_fp8(hidden_states: torch.Tensor, key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad the sequence dimension to a multiple of `FP8_TOKEN_MULTIPLE`, masking the new positions."""
-    batch, length = hidden_states.shape[:2]
-    extra = -length % FP8_TOKEN_MULTIPLE
-    if key_mask is None:
-        key_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
-    return F.pad(hidden_states, (0, 0, 0, extra)), F.pad(key_mask, (0, extra), value=False)
-
-
 @dataclass
 class InputBatch:
     """A validated batch: its layout, per-protein lengths, and the packing used to change layout.
@@ -343,6 +291,47 @@ class InputBatch:
     input_is_packed: bool
     lengths: torch.Tensor
     packed: PackedSequences | None = None
+
+    @functools.cached_property
+    def run_packing(self) -> PackedSequences:
+        """The packing the layers run: the proteins' tokens packed in order, with the right-padded view
+        `[N, max_length]` (the input's own packing when it came packed). Needs `packed`."""
+        packing = self.packed
+        if self.input_is_packed:
+            return packing
+        return PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
+
+    def to_input_layout(self, states: torch.Tensor) -> torch.Tensor:
+        """Packed outputs `[T, ...]` (the proteins' tokens in order) -> the input's layout: `[1, T, ...]` for packed
+        inputs, `[B, S, ...]` with zeros at padding for padded ones."""
+        return states.unsqueeze(0) if self.input_is_packed else self.packed.unpack(states)
+
+    def maps_to_input_layout(self, maps: torch.Tensor) -> torch.Tensor:
+        """One layer's attention probabilities from the run layout (`[N', heads, L', L']`, right-padded, maybe with
+        FP8 padding) to the documented output layout: `[B, heads, S, S]` where each padded input row's tokens lie,
+        or `[N, heads, L, L]` for packed inputs."""
+        packing = self.packed
+        if packing is None:  # a padded input without padding ran as it came
+            width = int(self.lengths[0])  # every row is a protein of the input's width
+            return maps[:, :, :width, :width]
+        count, length = packing.cu_seq_lens.numel() - 1, packing.max_length
+        maps = maps[:count, :, :length, :length]
+        if self.input_is_packed:
+            return maps
+        rows, width = packing.padded_shape
+        column = torch.full((count, length), width, dtype=torch.long, device=maps.device)  # `width`: off the input
+        column[packing.sequence_index, packing.positions] = packing.token_index % width
+        placed = maps.new_zeros(rows, width + 1, width + 1, maps.shape[1])
+        row_index = torch.arange(count, device=maps.device)[:, None, None]
+        placed[row_index, column[:, :, None], column[:, None, :]] = maps.permute(0, 2, 3, 1)
+        return placed[:, :width, :width].permute(0, 3, 1, 2)
+
+    def run_token_ids(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[N, L]` token ids in the right-padded run layout and the `[N, L]` bool mask of real tokens."""
+        if self.packed is None:
+            return input_ids, torch.ones_like(input_ids, dtype=torch.bool)
+        packed_ids = input_ids.reshape(-1) if self.input_is_packed else self.packed.pack(input_ids)
+        return self.run_packing.unpack(packed_ids), self.run_packing.key_mask()
 
     @classmethod
     def padded_from(
@@ -456,10 +445,7 @@ class InputBatch:
                 (longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein.")
             )
         if position_ids is not None and cu_seq_lens_q is not None:
-            expected = (
-                torch.arange(num_tokens, device=cu_seq_lens.device)
-                - cu_seq_lens[sequence_index_of_tokens(cu_seq_lens, num_tokens)]
-            )
+            expected = positions_in_proteins(cu_seq_lens, num_tokens)
             checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
         raise_on_failed_checks(checks, config.check_inputs)
         max_length = int(longest) if max_length is None else max_length

@@ -17,68 +17,60 @@ from torch import nn
 from transformers.utils import logging
 
 try:
-    from .configuration_nv_esm import NVEsmConfig
+    from .configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
+    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
     from .modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
     from .modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
-        NVEsmTorchLayer,
+        Backend,
         attention_probabilities,
-        caller_fp8_enabled,
-        caller_fp8_weights_recipe,
         drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
         holds_fp8_weights,
         ignore_missing_te_extra_state,
         import_transformer_engine,
-        make_fp8_recipe,
-        make_te_layer,
         quantize_fp8_weights,
-        runs_in_fp32,
         transformer_engine_available,
     )
+    from .modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
     from .modeling_nv_esm_lora import has_active_adapters
     from .modeling_nv_esm_parallel import (
         TENSOR_PARALLEL_SPLITS,
         ContextParallel,
-        EncoderInputs,
+        ContextParallelLayout,
         RankGroup,
-        gather_tokens,
+        TensorParallelRun,
         is_sharded,
-        scatter_tokens,
         several_ranks,
         tensor_parallel_split_dim,
     )
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
-    from configuration_nv_esm import NVEsmConfig
+    from configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
+    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
     from modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
     from modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
-        NVEsmTorchLayer,
+        Backend,
         attention_probabilities,
-        caller_fp8_enabled,
-        caller_fp8_weights_recipe,
         drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
         holds_fp8_weights,
         ignore_missing_te_extra_state,
         import_transformer_engine,
-        make_fp8_recipe,
-        make_te_layer,
         quantize_fp8_weights,
-        runs_in_fp32,
         transformer_engine_available,
     )
+    from modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
     from modeling_nv_esm_lora import has_active_adapters
     from modeling_nv_esm_parallel import (
         TENSOR_PARALLEL_SPLITS,
         ContextParallel,
-        EncoderInputs,
+        ContextParallelLayout,
         RankGroup,
-        gather_tokens,
+        TensorParallelRun,
         is_sharded,
-        scatter_tokens,
         several_ranks,
         tensor_parallel_split_dim,
     )
@@ -131,23 +123,15 @@ class NVEsmEncoder(nn.Module):
     from Python.
     """
 
-    def __init__(self, config: NVEsmConfig, backend: str) -> None:
+    def __init__(self, config: NVEsmConfig, backend: Backend) -> None:
+        """`backend`: the object `resolve_backend` gives (`TEBackend` or `TorchBackend`)."""
         super().__init__()
         self.config = config
         self.backend = backend
-        if backend == "te":
-            self.fp8_recipe = make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None
-            self.fp8_weight_recipes = self._fp8_weight_recipes()
-            with fp8_weights_init(None):  # high precision first: `hold_fp8_weights` quantizes with fitting scales
-                self.layers = nn.ModuleList(make_te_layer(config, i + 1) for i in range(config.num_hidden_layers))
-        else:
-            if config.fp8_weights:
-                raise ValueError("fp8_weights holds weights in Transformer Engine's FP8 tensors: needs backend='te'.")
-            self.layers = nn.ModuleList(NVEsmTorchLayer(config) for _ in range(config.num_hidden_layers))
-            self.fp8_recipe = None
-            self.fp8_weight_recipes = [None] * config.num_hidden_layers
-            if config.uses_fp8:
-                logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
+        backend.check_config(config)
+        self.fp8_recipe = backend.fp8_recipe(config)
+        self.fp8_weight_recipes = self._fp8_weight_recipes()
+        self.layers = backend.make_layers(config)
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
         self.tensor_parallel: RankGroup | None = None  # set by `enable_tensor_parallel`
@@ -166,7 +150,7 @@ class NVEsmEncoder(nn.Module):
         config = self.config
         if config.fp8_weights:
             return [self.fp8_recipe if precision == "fp8" else None for precision in config.layer_precision]
-        return [caller_fp8_weights_recipe()] * config.num_hidden_layers
+        return [self.backend.caller_fp8_weights_recipe()] * config.num_hidden_layers
 
     def hold_fp8_weights(self) -> None:
         """Hold the weights of the layers `fp8_weight_recipes` names in FP8: each is rebuilt on the GPU inside
@@ -190,7 +174,7 @@ class NVEsmEncoder(nn.Module):
             devices = [torch.cuda.current_device()]
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.training and grad):
                 with fp8_weights_init(recipe):  # the FP8 layouts quantized now follow torch.is_grad_enabled()
-                    new = make_te_layer(self.config, index + 1, params_dtype=dtype)
+                    new = self.backend.make_layer(self.config, index + 1, params_dtype=dtype)
                 with torch.no_grad():
                     for name, parameter in new.named_parameters():
                         parameter.copy_(fp8_value(parameter, weights[name]))
@@ -202,69 +186,96 @@ class NVEsmEncoder(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        inputs: EncoderInputs,
-        output_hidden_states: bool,
+        batch: InputBatch,
+        rotary: RotaryTable,
+        output_hidden_states: bool = False,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """Run all layers. Returns the final (LayerNormed) states and, if asked, the embedding output, every
-        layer's output, with the last one LayerNormed as in ESM and transformers. `attention_sink`, if given,
-        receives each layer's attention probabilities (`attention_probabilities`) as the layers run."""
-        if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not caller_fp8_enabled():
+        """Run the layers and the final LayerNorm on `batch`'s embeddings: packed `[T, hidden]`, or `[B, S, hidden]`
+        when `batch.packed` is None (`NVEsmModel._embed`). The encoder lays them out as the layers run them
+        (`plan`), runs them as a CUDA graph or eagerly, and returns the final states in the input's layout and, if
+        asked, the embedding output and every layer's output (the last one LayerNormed, as in ESM and
+        transformers). `attention_sink`, if given, receives each layer's attention probabilities in the run layout
+        (`attention_probabilities`) as the layers run."""
+        if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not self.backend.caller_fp8_enabled():
             raise ValueError(
                 "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
                 "te.autocast(enabled=True, recipe=...), or load it with layer_precision and fp8_weights=True."
             )
-        if inputs.static_shape:
-            states = self.graphs.run(self, hidden_states, inputs)
-            if states is not None:
-                return states, None
-        all_hidden_states = [hidden_states] if output_hidden_states else None
-        tp = self.tensor_parallel
-        layout = inputs.context_parallel
-        if (tp is not None or layout is not None) and attention_sink is not None:
+        if self.parallel_ranks is not None and attention_sink is not None:
             raise ValueError(
                 "attention maps (output_attentions, predict_contacts) are not supported with tensor or context "
                 "parallelism."
             )
-        if tp is not None:  # each rank runs its share of the tokens between the layers' products
-            hidden_states = scatter_tokens(hidden_states, tp, summed=False)
-        elif layout is not None:  # each rank runs its chunks of every protein
-            if self.backend == "te" and runs_in_fp32(hidden_states):
-                raise ValueError(
-                    "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention "
-                    "kernels take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under "
-                    "torch.autocast."
-                )
-            hidden_states = layout.own_tokens(hidden_states)
+        eager = output_hidden_states or attention_sink is not None
+        hidden_states, layout = self.plan(hidden_states, batch, rotary, eager)
+        states = self.graphs.run(self, hidden_states, layout) if layout.static_shape else None
+        if states is not None:
+            return layout.to_input(states), None
+        all_hidden_states = [hidden_states] if output_hidden_states else None
         with self.fp8_region():
-            hidden_states = self.run_layers(hidden_states, inputs, all_hidden_states, attention_sink)
-        if tp is not None or layout is not None:
-            whole = (lambda h: gather_tokens(h, tp, replicated=True)) if tp is not None else layout.all_tokens
-            hidden_states = whole(hidden_states)
-            if all_hidden_states is not None:
-                all_hidden_states[1:] = [whole(h) for h in all_hidden_states[1:]]
-        hidden_states = self.emb_layer_norm_after(hidden_states)
+            states = self.body(hidden_states, layout, all_hidden_states, attention_sink)
         if all_hidden_states is None:
-            return hidden_states, None
-        all_hidden_states[-1] = hidden_states
-        return hidden_states, tuple(all_hidden_states)
+            return layout.to_input(states), None
+        all_hidden_states[-1] = states
+        return layout.to_input(states), tuple(map(layout.to_input, all_hidden_states))
+
+    def plan(
+        self, hidden_states: torch.Tensor, batch: InputBatch, rotary: RotaryTable, eager: bool
+    ) -> tuple[torch.Tensor, RunLayout]:
+        """The one place that decides how this batch runs: its run layout (`RunLayout`) and the states laid out for
+        it. Padded layers run `PaddedRun`; packed layers pad the tokens with dummy proteins (`pad_packed`) to a
+        CUDA graph's static shape when this call replays one (`uses_cuda_graphs`, `StaticShapeGraphs.shape_for`;
+        not when it needs the layers run `eager`: per-layer outputs or attention maps), else to the multiple FP8
+        (`FP8_TOKEN_MULTIPLE`) and tensor parallelism's ranks need; context parallelism pads each protein
+        (`ContextParallelLayout`)."""
+        fp8 = self.pads_for_fp8()
+        if batch.packed is None or self.config.attn_input_format == "bshd":
+            return PaddedRun.of(hidden_states, batch, rotary, fp8)
+        multiple = FP8_TOKEN_MULTIPLE if fp8 else 1
+        if self.context_parallel is not None:
+            self.backend.check_context_parallel_dtype(hidden_states)
+            layout = ContextParallelLayout.of(batch.run_packing, self.context_parallel, multiple, rotary, batch)
+            return hidden_states, layout
+        if self.tensor_parallel is not None:
+            tp = self.tensor_parallel
+            return TensorParallelRun.of(hidden_states, batch, rotary, multiple * tp.size, tp=tp)
+        shape = None
+        if self.uses_cuda_graphs(eager):
+            shape = self.graphs.shape_for(self, hidden_states, batch.run_packing)
+        return PackedRun.of(hidden_states, batch, rotary, multiple, shape)
+
+    def body(
+        self,
+        hidden_states: torch.Tensor,
+        layout: RunLayout,
+        all_hidden_states: list | None = None,
+        attention_sink: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The layers and the final LayerNorm on states in the run layout (inside `fp8_region`): what an eager call
+        runs and what each CUDA graph holds (`StaticShapeLayers`). Each rank runs its tokens (`own_tokens`), and
+        every output is gathered back (`all_tokens`) before the LayerNorm."""
+        states = self.run_layers(layout.own_tokens(hidden_states), layout, all_hidden_states, attention_sink)
+        if all_hidden_states is not None:
+            all_hidden_states[1:] = [layout.all_tokens(h) for h in all_hidden_states[1:]]
+        return self.emb_layer_norm_after(layout.all_tokens(states))
 
     def run_layers(
         self,
         hidden_states: torch.Tensor,
-        inputs: EncoderInputs,
+        layout: RunLayout,
         all_hidden_states: list | None = None,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """The layers alone (inside `fp8_region`), appending each layer's output to `all_hidden_states` and
-        handing each layer's attention probabilities to `attention_sink`."""
+        """The layers alone, appending each layer's output to `all_hidden_states` and handing each layer's attention
+        probabilities to `attention_sink`."""
         offload = self.activation_offload(hidden_states)
         try:
             for index, layer in enumerate(self.layers):
                 if attention_sink is not None:
-                    attention_sink(attention_probabilities(layer, hidden_states, inputs, self.config))
+                    attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
                 with self.layer_precision(index), offload.context if offload else contextlib.nullcontext():
-                    hidden_states = self.run_layer(layer, hidden_states, inputs)
+                    hidden_states = self.run_layer(layer, hidden_states, layout)
                 if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
                     hidden_states = offload.sync(hidden_states)
                 if all_hidden_states is not None:
@@ -286,10 +297,9 @@ class NVEsmEncoder(nn.Module):
         a second call."""
         config, size = self.config, tensor_parallel.size
         self._refuse_parallelism(
-            "tensor parallelism",
+            "tensor_parallel",
             {
                 "it was enabled already": self.tensor_parallel is not None,
-                "it does not combine with context parallelism yet": self.context_parallel is not None,
                 f"{config.num_attention_heads} heads do not split over {size} ranks": (
                     config.num_attention_heads % size
                 ),
@@ -301,12 +311,9 @@ class NVEsmEncoder(nn.Module):
         old = self.layers
         device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
         with torch.device("meta"):
-            layers = nn.ModuleList(
-                make_te_layer(config, i + 1, tensor_parallel)
-                if self.backend == "te"
-                else NVEsmTorchLayer(config, tensor_parallel)
-                for i in range(len(old))
-            ).to(dtype)
+            layers = nn.ModuleList(self.backend.make_layer(config, i + 1, tensor_parallel) for i in range(len(old))).to(
+                dtype
+            )
         if device.type != "meta":
             layers.to_empty(device=device)
             with torch.no_grad():
@@ -327,38 +334,34 @@ class NVEsmEncoder(nn.Module):
         runs on several. Every rank keeps whole weights and gets the whole batch's outputs. Packed (THD) layers
         only. Raises ValueError for what it does not support: padded layers, dropout, tensor parallelism, LoRA
         adapters, activation offloading, a second call."""
-        self._refuse_parallelism(
-            "context parallelism",
-            {
-                "it was enabled already": self.context_parallel is not None,
-                "it does not combine with tensor parallelism yet": self.tensor_parallel is not None,
-            },
-        )
-        if self.backend == "te":
-            stream = torch.cuda.Stream()
-            for layer in self.layers:
-                layer.set_context_parallel_group(
-                    context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
-                )
+        self._refuse_parallelism("context_parallel", {"it was enabled already": self.context_parallel is not None})
+        self.backend.join_context_parallel(self.layers, context_parallel)
         self.context_parallel = context_parallel
         self.graphs.clear()
 
-    def _refuse_parallelism(self, kind: str, refusals: dict[str, Any]) -> None:
-        """ValueError naming the first true reason among `refusals` and the ones tensor and context parallelism
-        share: padded layers, dropout, LoRA adapters, activation offloading."""
-        config = self.config
-        shared = {
-            "it needs packed layers (attn_input_format='thd')": config.attn_input_format != "thd",
-            "dropout is not supported (attention_probs_dropout_prob and hidden_dropout_prob must be 0)": (
-                config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0
-            ),
-            "LoRA adapters are not supported": any(hasattr(module, "lora_A") for module in self.modules()),
-            "activation offloading is not supported": config.offload_activations,
-            "weights held in FP8 (fp8_weights) are not supported": any(self.fp8_weight_recipes),
-        }
-        for reason, refused in {**refusals, **shared}.items():
+    def _refuse_parallelism(self, subject: str, own: dict[str, Any]) -> None:
+        """ValueError naming the first true reason among `own` (the limits of `subject`, "tensor_parallel" or
+        "context_parallel", itself), then the first of this encoder's features that `UNSUPPORTED_COMBINATIONS`
+        refuses with it: "tensor parallelism: LoRA adapters are not supported."."""
+        for reason, refused in own.items():
             if refused:
-                raise ValueError(f"{kind}: {reason}.")
+                raise ValueError(f"{FEATURES[subject]}: {reason}.")
+        refuse_combinations(self.features(), subject=subject)
+
+    def features(self) -> set[str]:
+        """The features of `UNSUPPORTED_COMBINATIONS` this encoder runs with now."""
+        config = self.config
+        active = {
+            "tensor_parallel": self.tensor_parallel is not None,
+            "context_parallel": self.context_parallel is not None,
+            "padded_layers": config.attn_input_format != "thd",
+            "dropout": config.attention_probs_dropout_prob > 0 or config.hidden_dropout_prob > 0,
+            "lora": any(hasattr(module, "lora_A") for module in self.modules()),
+            "offload_activations": config.offload_activations,
+            "activation_checkpointing": self.gradient_checkpointing,
+            "fp8_weights": any(self.fp8_weight_recipes),
+        }
+        return {feature for feature, on in active.items() if on}
 
     @property
     def parallel_ranks(self) -> RankGroup | None:
@@ -402,11 +405,11 @@ class NVEsmEncoder(nn.Module):
                 "one now would give that backward the wrong activations. Call backward first, or load the model "
                 "with offload_activations=False to run several forwards per backward."
             )
-        if self.gradient_checkpointing:
-            raise ValueError(
-                "offload_activations with gradient checkpointing offloads nothing (Transformer Engine's context does "
-                "not reach the checkpointed layer inputs; measured on an H100): use one of them."
-            )
+        refuse_combinations(
+            {"offload_activations", *(["activation_checkpointing"] if self.gradient_checkpointing else [])},
+            lambda _, __, reason: f"offload_activations with gradient checkpointing {reason}: use one of them.",
+            subject="offload_activations",
+        )
         if hidden_states.device.type != "cuda":
             raise ValueError(
                 f"offload_activations moves GPU activations to host memory; this model runs on "
@@ -416,14 +419,12 @@ class NVEsmEncoder(nn.Module):
             self._offload.build(len(self.layers))
         return self._offload
 
-    def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
-        """One layer, `layer(hidden_states, inputs)` on both backends; recomputed in backward under gradient
+    def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:
+        """One layer, `layer(hidden_states, layout)` on both backends; recomputed in backward under gradient
         checkpointing (TE's checkpoint on the TE backend: it keeps FP8 scaling state consistent when recomputing)."""
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
-            return layer(hidden_states, inputs)
-        if self.backend == "te":
-            return import_transformer_engine().checkpoint(layer, hidden_states, inputs, use_reentrant=False)
-        return self._gradient_checkpointing_func(layer.__call__, hidden_states, inputs)
+            return layer(hidden_states, layout)
+        return self.backend.checkpoint(layer, hidden_states, layout, self._gradient_checkpointing_func)
 
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
@@ -436,7 +437,7 @@ class NVEsmEncoder(nn.Module):
         Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
         would overwrite memory that backward reads. (A training forward must be followed by its backward; an
         eager call in between gave NaN gradients.)"""
-        if not (self.config.cuda_graphs and self.backend == "te" and self.config.attn_input_format == "thd"):
+        if not (self.config.cuda_graphs and self.backend.runs_cuda_graphs and self.config.attn_input_format == "thd"):
             return False
         if self.parallel_ranks is not None:  # eager: the layers' collectives are not captured
             return False
@@ -459,15 +460,15 @@ class NVEsmEncoder(nn.Module):
             return False
         if any(has_active_adapters(layer) for layer in self.layers):  # PEFT's adapters: eager
             return False
-        if self.fp8_recipe is None and caller_fp8_enabled():  # the caller's te.autocast: not in our graphs' state
-            return False
+        if self.fp8_recipe is None and self.backend.caller_fp8_enabled():  # the caller's te.autocast: not in the
+            return False  # graphs' state
         return not is_sharded(self.layers[0]) and not has_module_hooks(self)
 
     def pads_for_fp8(self) -> bool:
         """Whether this call's FP8 GEMMs need the token count padded (`FP8_TOKEN_MULTIPLE`): FP8 layers of the
         model's own (`layer_precision`), or FP8 turned on by the caller around it (`te.autocast(enabled=True,
         recipe=...)`, any recipe)."""
-        return self.fp8_recipe is not None or (self.backend == "te" and caller_fp8_enabled())
+        return self.fp8_recipe is not None or self.backend.caller_fp8_enabled()
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
@@ -479,14 +480,11 @@ class NVEsmEncoder(nn.Module):
 
         One region, not one per layer: Transformer Engine reduces amaxes and updates scales when the outermost
         region exits, so per-layer regions would repeat that work for every layer."""
-        if self.fp8_recipe is None:
-            return contextlib.nullcontext()
         ranks = self.parallel_ranks  # one set of scales for the weights they share
-        group = None if ranks is None else ranks.group
-        return import_transformer_engine().autocast(enabled=True, recipe=self.fp8_recipe, amax_reduction_group=group)
+        return self.backend.precision_region(self.fp8_recipe, None if ranks is None else ranks.group)
 
     def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
         """Inside `fp8_region`: FP8 stays on for layers marked "fp8" and is switched off for the others."""
         if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
             return contextlib.nullcontext()
-        return import_transformer_engine().autocast(enabled=False)
+        return self.backend.high_precision()

@@ -21,11 +21,11 @@ from transformers.utils import logging
 try:
     from .modeling_nv_esm_batch import PackedSequences
     from .modeling_nv_esm_layers import import_transformer_engine
-    from .modeling_nv_esm_parallel import EncoderInputs
+    from .modeling_nv_esm_layout import PackedRun, dummy_proteins
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from modeling_nv_esm_batch import PackedSequences
     from modeling_nv_esm_layers import import_transformer_engine
-    from modeling_nv_esm_parallel import EncoderInputs
+    from modeling_nv_esm_layout import PackedRun, dummy_proteins
 
 logger = logging.get_logger(__name__)
 
@@ -48,7 +48,7 @@ def static_shape(num_tokens: int, num_sequences: int, max_length: int) -> tuple[
         length = max(64, 1 << (max_length - 1).bit_length())
     else:
         length = 1026 if max_length <= 1026 else -(-max_length // 512) * 512
-    dummies = -(-(tokens - num_tokens) // length)
+    dummies = dummy_proteins(tokens - num_tokens, length)
     slots = max(16, 1 << (max(num_sequences + dummies, tokens // (length // 4)) - 1).bit_length())
     return tokens, slots, length
 
@@ -68,7 +68,8 @@ class FreshWhenCopied:
 
 
 class StaticShapeLayers(nn.Module):
-    """The encoder's layers and final LayerNorm for one static packed shape: what one CUDA graph holds.
+    """The encoder's body (`NVEsmEncoder.body`: layers and final LayerNorm) for one static packed shape: what one
+    CUDA graph holds.
 
     Not a submodule of the encoder (it holds the encoder, whose parameters are the graph's); its `training` flag
     is set directly, as `.train()` would also switch the encoder's layers.
@@ -83,9 +84,9 @@ class StaticShapeLayers(nn.Module):
         self, hidden_states: torch.Tensor, cu_seq_lens: torch.Tensor, rotary_angles: torch.Tensor
     ) -> torch.Tensor:
         """`[T, hidden]` packed states with `cu_seq_lens [slots + 1]` and `rotary_angles [max_length, head_dim]`."""
-        packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, hidden_states.shape[0])
-        states = self.encoder.run_layers(hidden_states, EncoderInputs(rotary_angles, packed=packed))
-        return self.encoder.emb_layer_norm_after(states)
+        num_tokens = hidden_states.shape[0]
+        packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, num_tokens)
+        return self.encoder.body(hidden_states, PackedRun(packed, rotary_angles, num_tokens))
 
 
 def host_shape(
@@ -99,7 +100,7 @@ def host_shape(
         for tokens, slots, length in captured
         if tokens >= num_tokens
         and length >= max_length
-        and slots >= num_sequences + -(-(tokens - num_tokens) // length)
+        and slots >= num_sequences + dummy_proteins(tokens - num_tokens, length)
     ]
     return min(fitting, key=lambda shape: (shape[0], shape[1] * shape[2]), default=None)
 
@@ -190,18 +191,18 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._uses[key] = self._uses.get(key, 0) + 1
         return own if self._uses[key] >= self.capture_at_use else None
 
-    def run(self, encoder: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor | None:
+    def run(self, encoder: nn.Module, hidden_states: torch.Tensor, layout: PackedRun) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
         `shape_for` gave); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier
         one ran out of memory: the encoder then runs it eagerly."""
         if self._out_of_memory:
             return None
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        packed = inputs.packed
+        packed = layout.packed
         key = (hidden_states.shape[0], packed.cu_seq_lens.numel() - 1, packed.max_length)
         key = (*key, *_graph_mode(encoder, hidden_states))
         if key not in self._graphs:
-            graph = self._capture(encoder, hidden_states, inputs, autocast_dtype)
+            graph = self._capture(encoder, hidden_states, packed, layout.rotary_angles, autocast_dtype)
             if self._out_of_memory:
                 return None
             self._graphs[key] = graph
@@ -213,7 +214,7 @@ class StaticShapeGraphs(FreshWhenCopied):
                 self._weights = _graph_weights(encoder)
             _point_grads_at_main_grads(self._weights)
         with encoder.fp8_region():
-            states = graph(hidden_states, packed.cu_seq_lens, inputs.rotary_angles).clone()
+            states = graph(hidden_states, packed.cu_seq_lens, layout.rotary_angles).clone()
         if states.requires_grad:
             self._awaiting_backward = True
             states.register_hook(self._backward_started)
@@ -240,20 +241,25 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._awaiting_backward = False
 
     def _capture(
-        self, encoder: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, autocast_dtype: Any
+        self,
+        encoder: nn.Module,
+        hidden_states: torch.Tensor,
+        packed: PackedSequences,
+        rotary_angles: torch.Tensor,
+        autocast_dtype: Any,
     ) -> nn.Module | None:
         te = import_transformer_engine()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        layers = StaticShapeLayers(encoder, inputs.packed.max_length)
+        layers = StaticShapeLayers(encoder, packed.max_length)
         layers.training = encoder.training
         sample = (
             hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
-            inputs.packed.cu_seq_lens.clone(),
-            inputs.rotary_angles.clone(),
+            packed.cu_seq_lens.clone(),
+            rotary_angles.clone(),
         )
-        shape = f"{hidden_states.shape[0]} tokens, {inputs.packed.cu_seq_lens.numel() - 1} slots, " + (
-            f"max_length {inputs.packed.max_length}, {'training' if encoder.training else 'inference'}"
+        shape = f"{hidden_states.shape[0]} tokens, {packed.cu_seq_lens.numel() - 1} slots, " + (
+            f"max_length {packed.max_length}, {'training' if encoder.training else 'inference'}"
         )
         started = time.perf_counter()
         parameters = list(encoder.parameters())

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import NVEsmConfig
+    from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
         has_active_adapters_in,
@@ -27,9 +29,10 @@ try:
         with_qkv_updates,
         with_update,
     )
-    from .modeling_nv_esm_parallel import EncoderInputs, RankGroup, gather_tokens, scatter_tokens
+    from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
+    from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
         has_active_adapters_in,
@@ -38,7 +41,9 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         with_qkv_updates,
         with_update,
     )
-    from modeling_nv_esm_parallel import EncoderInputs, RankGroup, gather_tokens, scatter_tokens
+    from modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
+
+logger = logging.get_logger(__name__)
 
 TE_INSTALL_HINT = (
     "Install NVIDIA Transformer Engine for PyTorch on a CUDA machine "
@@ -62,28 +67,6 @@ def import_transformer_engine() -> Any:
     if not transformer_engine_available():
         raise ImportError(f"backend='te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
     return importlib.import_module("transformer_engine.pytorch")
-
-
-def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
-    """Turn a `config.backend` value (`"auto"`, `"te"`, `"torch"`) into `"te"` or `"torch"` for a model built now,
-    to run on `device` (None: the GPU when one is visible). `"auto"` is Transformer Engine when it is installed and
-    the model runs on CUDA; `"te"` where that does not hold raises ValueError saying what is missing. The one
-    decider of the model and of every command (`nv-esm embed`, `nv-esm train`)."""
-    if backend not in ("auto", "te", "torch"):
-        raise ValueError(f"backend must be 'auto', 'te' or 'torch', got {backend!r}.")
-    if backend == "torch":
-        return "torch"
-    on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-    if backend == "te":
-        if not on_cuda:
-            where = "no CUDA GPU is visible" if device is None else f"this run is on {device}"
-            raise ValueError(
-                f"backend 'te' runs Transformer Engine layers on a CUDA GPU, and {where}. {TE_INSTALL_HINT}"
-            )
-        if not transformer_engine_available():
-            raise ValueError(f"backend 'te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
-        return "te"
-    return "te" if on_cuda and transformer_engine_available() else "torch"
 
 
 @functools.cache
@@ -173,18 +156,6 @@ def make_fp8_recipe(name: str) -> Any:
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """ESM's exact (erf) GELU."""
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """`[..., d]` -> `[-x2, x1]` for halves x1, x2 of the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [B, heads, S, d]` by `angles [S, d]` (float32 math, result in x's dtype)."""
-    x32 = x.float()
-    return (x32 * angles.cos() + rotate_half(x32) * angles.sin()).to(x.dtype)
 
 
 class NVEsmLayerNormLinear(nn.Module):
@@ -279,47 +250,18 @@ class NVEsmSelfAttention(nn.Module):
         self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * width, config.layer_norm_eps, tensor_parallel)
         self.proj = NVEsmLinear(width, config.hidden_size, tensor_parallel)
 
-    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
-        """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
-        qkv = self.layernorm_qkv(hidden_states)
-        if inputs.context_parallel is not None:
-            return self.proj(self.attend_across_ranks(qkv, inputs))
-        key_mask = inputs.key_mask
-        if inputs.packed is not None:  # attention runs on the padded view, the rest stays packed
-            qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
-        batch, length = qkv.shape[:2]
-        query, key, value = qkv.view(batch, length, self.num_heads, 3, self.head_dim).transpose(1, 2).unbind(3)
-        # ESM scales the query before the rotation (as transformers does), then attends with scale 1.
-        query = apply_rotary(query * self.head_dim**-0.5, inputs.rotary_angles[:length])
-        key = apply_rotary(key, inputs.rotary_angles[:length])
+    def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:
+        """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape; the layout gives the attention view."""
+        view = layout.attention_view(self.layernorm_qkv(hidden_states), self.num_heads, self.head_dim)
         context = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=None if key_mask is None else key_mask[:, None, None, :],
+            view.query,
+            view.key,
+            view.value,
+            attn_mask=None if view.key_mask is None else view.key_mask[:, None, None, :],
             dropout_p=self.dropout if self.training else 0.0,
             scale=1.0,
         )
-        context = context.transpose(1, 2).reshape(batch, length, -1)
-        if inputs.packed is not None:
-            context = inputs.packed.pack(context)
-        return self.proj(context)
-
-    def attend_across_ranks(self, qkv: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
-        """Context parallelism: this rank's queries `[T_local, 3 * hidden] -> [T_local, hidden]` attend to the
-        keys and values of every rank (all-gathered: simpler than Transformer Engine's ring, the same result)."""
-        layout = inputs.context_parallel
-        qkv = qkv.view(qkv.shape[0], self.num_heads, 3, self.head_dim)
-        keys_values = gather_tokens(qkv[:, :, 1:].contiguous(), layout.cp)[layout.from_rank_order]
-        key, value = layout.padded.unpack(keys_values).permute(0, 2, 1, 3, 4).unbind(3)  # [N, heads, L, d]
-        query = layout.local.unpack(qkv[:, :, 0]).transpose(1, 2)  # [N, heads, L / size, d]
-        query_angles = layout.local.unpack(inputs.rotary_angles[layout.local_positions])[:, None]
-        query = apply_rotary(query * self.head_dim**-0.5, query_angles)
-        key = apply_rotary(key, inputs.rotary_angles[: key.shape[2]])
-        context = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=layout.key_mask[:, None, None, :], scale=1.0
-        )
-        return layout.local.pack(context.transpose(1, 2).flatten(2))
+        return self.proj(layout.from_attention_view(context))
 
 
 class NVEsmTorchLayer(nn.Module):
@@ -337,15 +279,15 @@ class NVEsmTorchLayer(nn.Module):
         attention = self.self_attention
         add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
 
-    def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:
         refuse_adapters_on_fused_modules(self)
-        hidden_states = hidden_states + self.dropout(self.self_attention(hidden_states, inputs))
+        hidden_states = hidden_states + self.dropout(self.self_attention(hidden_states, layout))
         return hidden_states + self.dropout(self.layernorm_mlp(hidden_states))
 
 
 @functools.cache
 def te_layer_class() -> type[nn.Module]:
-    """`NVEsmTELayer`: TE's `TransformerLayer` called as the twin is, `layer(hidden_states, inputs)`.
+    """`NVEsmTELayer`: TE's `TransformerLayer` called as the twin is, `layer(hidden_states, layout)`.
 
     Built on first use, as it subclasses a Transformer Engine class. Its parameters and state dict are
     `TransformerLayer`'s, unchanged."""
@@ -391,10 +333,10 @@ def te_layer_class() -> type[nn.Module]:
             self.layernorm_mlp.__class__ = NVEsmTELayerNormMLP
             add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
 
-        def forward(self, hidden_states: torch.Tensor, inputs: EncoderInputs) -> torch.Tensor:  # type: ignore[override]
+        def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]
             """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
             refuse_adapters_on_fused_modules(self)
-            return super().forward(hidden_states, **inputs.te_kwargs)
+            return super().forward(hidden_states, **layout.te_kwargs)
 
     for cls in (NVEsmTELayerNormLinear, NVEsmTELinear, NVEsmTELayerNormMLP, NVEsmTELayer):
         cls.__qualname__ = cls.__name__  # module-level names, so that models pickle (torch.save(model))
@@ -448,7 +390,7 @@ def make_te_layer(
 
 
 def attention_probabilities(
-    layer: nn.Module, hidden_states: torch.Tensor, inputs: EncoderInputs, config: NVEsmConfig
+    layer: nn.Module, hidden_states: torch.Tensor, layout: RunLayout, config: NVEsmConfig
 ) -> torch.Tensor:
     """`[N, heads, L, L]` float32 softmax attention of `layer` on the right-padded view of its input states.
 
@@ -464,17 +406,11 @@ def attention_probabilities(
         config.layer_norm_eps,
     )
     qkv = with_qkv_updates(qkv_weights, normed, F.linear(normed, qkv_weights.weight, qkv_weights.bias))
-    key_mask = inputs.key_mask
-    if inputs.packed is not None:
-        qkv, key_mask = inputs.packed.unpack(qkv), inputs.packed.key_mask()
-    batch, length = qkv.shape[:2]
+    view = layout.attention_view(qkv, config.num_attention_heads, config.head_dim)
+    key_mask = view.key_mask
     if key_mask is None:
-        key_mask = torch.ones((batch, length), dtype=torch.bool, device=qkv.device)
-    heads, head_dim = config.num_attention_heads, config.head_dim
-    query, key, _ = qkv.view(batch, length, heads, 3, head_dim).transpose(1, 2).unbind(3)
-    query = apply_rotary(query * head_dim**-0.5, inputs.rotary_angles[:length])
-    key = apply_rotary(key, inputs.rotary_angles[:length])
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2))
+        key_mask = torch.ones(view.key.shape[0], view.key.shape[2], dtype=torch.bool, device=qkv.device)
+    scores = torch.matmul(view.query.float(), view.key.float().transpose(-1, -2))
     scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
 
@@ -510,3 +446,162 @@ def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> 
     """Load hook: strict loading does not require TE's `_extra_state` entries."""
     missing = incompatible_keys.missing_keys
     missing[:] = [key for key in missing if not key.endswith("._extra_state")]
+
+
+class TorchBackend:
+    """The PyTorch twin's layers (`NVEsmTorchLayer`): any device, no FP8, no CUDA graphs. One of the two backend
+    objects (`resolve_backend`); the model asks its backend instead of testing a name."""
+
+    name = "torch"
+    runs_fp8 = False
+    runs_cuda_graphs = False  # CUDA graphs capture Transformer Engine's layers only
+
+    def check_config(self, config: NVEsmConfig) -> None:
+        """Refuse what this backend cannot run (`fp8_weights`); warn about what it runs without (FP8 layers)."""
+        if config.fp8_weights:
+            raise ValueError("fp8_weights holds weights in Transformer Engine's FP8 tensors: needs backend='te'.")
+        if config.uses_fp8:
+            logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
+
+    def fp8_recipe(self, config: NVEsmConfig) -> Any:
+        """The FP8 recipe of the model's FP8 layers (None: none run in FP8)."""
+        return None
+
+    def caller_fp8_weights_recipe(self) -> Any:
+        """The recipe of a caller's `te.quantized_model_init` around the model's construction, or None."""
+        return None
+
+    def caller_fp8_enabled(self) -> bool:
+        """Whether a caller's FP8 autocast is on around the model's call."""
+        return False
+
+    def make_layer(
+        self,
+        config: NVEsmConfig,
+        layer_number: int,
+        tensor_parallel: RankGroup | None = None,
+        params_dtype: torch.dtype | None = None,
+    ) -> nn.Module:
+        """ESM-2's layer `layer_number` (1-based), with `tensor_parallel` this rank's part of it."""
+        layer = NVEsmTorchLayer(config, tensor_parallel)
+        return layer if params_dtype is None else layer.to(params_dtype)
+
+    def make_layers(self, config: NVEsmConfig) -> nn.ModuleList:
+        """The encoder's `config.num_hidden_layers` layers."""
+        return nn.ModuleList(self.make_layer(config, i + 1) for i in range(config.num_hidden_layers))
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError if the layers cannot run inputs on `device`."""
+
+    def checkpoint(self, layer: nn.Module, states: torch.Tensor, layout: Any, checkpoint_function: Any) -> Any:
+        """`layer(states, layout)`, recomputed in backward (`checkpoint_function`: transformers' choice)."""
+        return checkpoint_function(layer.__call__, states, layout)
+
+    def precision_region(self, recipe: Any, group: Any) -> contextlib.AbstractContextManager:
+        """The region all layers run in: FP8 with `recipe` (amaxes reduced over `group`), when there is one."""
+        return contextlib.nullcontext()
+
+    def high_precision(self) -> contextlib.AbstractContextManager:
+        """Inside `precision_region`: FP8 off (a layer kept in high precision)."""
+        return contextlib.nullcontext()
+
+    def join_context_parallel(self, layers: nn.ModuleList, context_parallel: Any) -> None:
+        """Let `layers` exchange keys and values over `context_parallel` (the twin gathers them in its layout)."""
+
+    def check_context_parallel_dtype(self, hidden_states: torch.Tensor) -> None:
+        """Raise ValueError if context-parallel attention cannot run in the layers' compute dtype."""
+
+
+class TEBackend(TorchBackend):
+    """Transformer Engine's `TransformerLayer` (`make_te_layer`) on CUDA: FP8 recipes, weights held in FP8, CUDA
+    graphs, TE's checkpointing and context-parallel ring."""
+
+    name = "te"
+    runs_fp8 = True
+    runs_cuda_graphs = True
+
+    def check_config(self, config: NVEsmConfig) -> None:
+        pass
+
+    def fp8_recipe(self, config: NVEsmConfig) -> Any:
+        return make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None
+
+    def caller_fp8_weights_recipe(self) -> Any:
+        return caller_fp8_weights_recipe()
+
+    def caller_fp8_enabled(self) -> bool:
+        return caller_fp8_enabled()
+
+    def make_layer(
+        self,
+        config: NVEsmConfig,
+        layer_number: int,
+        tensor_parallel: RankGroup | None = None,
+        params_dtype: torch.dtype | None = None,
+    ) -> nn.Module:
+        return make_te_layer(config, layer_number, tensor_parallel, params_dtype)
+
+    def make_layers(self, config: NVEsmConfig) -> nn.ModuleList:
+        """High precision first, inside a caller's `te.quantized_model_init` too: `hold_fp8_weights` quantizes the
+        weights with fitting scales afterwards."""
+        with fp8_weights_init(None):
+            return super().make_layers(config)
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
+                "Move the model and inputs to a GPU, or load the model with backend='torch' to run on the CPU."
+            )
+
+    def checkpoint(self, layer: nn.Module, states: torch.Tensor, layout: Any, checkpoint_function: Any) -> Any:
+        """TE's checkpoint: it keeps FP8 scaling state consistent when recomputing."""
+        return import_transformer_engine().checkpoint(layer, states, layout, use_reentrant=False)
+
+    def precision_region(self, recipe: Any, group: Any) -> contextlib.AbstractContextManager:
+        if recipe is None:
+            return contextlib.nullcontext()
+        return import_transformer_engine().autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
+
+    def high_precision(self) -> contextlib.AbstractContextManager:
+        return import_transformer_engine().autocast(enabled=False)
+
+    def join_context_parallel(self, layers: nn.ModuleList, context_parallel: Any) -> None:
+        stream = torch.cuda.Stream()
+        for layer in layers:
+            layer.set_context_parallel_group(
+                context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
+            )
+
+    def check_context_parallel_dtype(self, hidden_states: torch.Tensor) -> None:
+        if runs_in_fp32(hidden_states):
+            raise ValueError(
+                "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention "
+                "kernels take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under torch.autocast."
+            )
+
+
+Backend = TorchBackend  # the type of both backend objects
+BACKEND_OBJECTS = {"te": TEBackend(), "torch": TorchBackend()}
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> TorchBackend:
+    """The backend object (`TEBackend` or `TorchBackend`) for a `config.backend` value (`"auto"`, `"te"`,
+    `"torch"`) and a model to run on `device` (None: the GPU when one is visible). `"auto"` is Transformer Engine
+    when it is installed and the model runs on CUDA; `"te"` where that does not hold raises ValueError saying what
+    is missing. The one decider of the model and of every command (`nv-esm embed`, `nv-esm train`, `nv-esm convert
+    verify`); `.name` is `"te"` or `"torch"`."""
+    if backend not in ("auto", "te", "torch"):
+        raise ValueError(f"backend must be 'auto', 'te' or 'torch', got {backend!r}.")
+    if backend == "torch":
+        return BACKEND_OBJECTS["torch"]
+    on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if backend == "te":
+        if not on_cuda:
+            where = "no CUDA GPU is visible" if device is None else f"this run is on {device}"
+            raise ValueError(
+                f"backend 'te' runs Transformer Engine layers on a CUDA GPU, and {where}. {TE_INSTALL_HINT}"
+            )
+        if not transformer_engine_available():
+            raise ValueError(f"backend 'te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
+    return BACKEND_OBJECTS["te" if on_cuda and transformer_engine_available() else "torch"]

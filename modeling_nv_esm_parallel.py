@@ -1,7 +1,7 @@
-"""Running one batch's layers across ranks: tensor parallelism (token scatter/gather, `TENSOR_PARALLEL_SPLITS`),
-context parallelism (`ContextParallelLayout`) and the encoder's per-batch inputs (`EncoderInputs`).
+"""Running one batch's layers across ranks: tensor parallelism (token scatter/gather, `TENSOR_PARALLEL_SPLITS`, the
+run layout `TensorParallelRun`) and context parallelism (the run layout `ContextParallelLayout`).
 
-Part of the model's Hub remote code: imports `modeling_nv_esm_batch` below it.
+Part of the model's Hub remote code: imports the batch and layout siblings below it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .modeling_nv_esm_batch import PackedSequences
+    from .modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
+    from .modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
-    from modeling_nv_esm_batch import PackedSequences
+    from modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
+    from modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
 
 # The layer parameters that tensor parallelism splits across its ranks, by name inside a layer, with the dimension
 # they are split along: query/key/value rows (interleaved per head, so each rank gets whole heads) and fc1 rows
@@ -136,14 +138,28 @@ class ContextParallel(RankGroup):
         return cls(group, len(ranks), distributed.get_rank(group), ranks)
 
 
-@dataclass
-class ContextParallelLayout:
+@dataclass(eq=False, kw_only=True)
+class TensorParallelRun(PackedRun):
+    """Packed layers split over the ranks of `tp` (`RankGroup`): between the layers' matrix products each rank runs
+    `1/size` of the tokens (sequence parallelism), so the token count is padded to a multiple of the group size."""
+
+    tp: RankGroup
+
+    def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        return scatter_tokens(states, self.tp, summed=False)
+
+    def all_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        return gather_tokens(states, self.tp, replicated=True)
+
+
+@dataclass(eq=False, kw_only=True)
+class ContextParallelLayout(PackedRun):
     """Where each token of a packed batch runs under context parallelism, Transformer Engine's THD layout: every
     protein is padded to a multiple of `2 * size` tokens and cut into `2 * size` chunks; rank r runs chunks r and
     `2 * size - 1 - r` of each (the early and late chunks of a protein attend to few and many keys: one of each
     balances the work), protein after protein. Every rank runs `num_tokens_padded / size` tokens.
 
-    Attributes:
+    Attributes (besides `PackedRun`'s: `packed` is the whole batch's packing of its real tokens):
         cp: the group.
         cu_seq_lens: `[N + 1]` int32, the real lengths (with a dummy protein when the token count was rounded up).
         cu_seq_lens_padded: `[N + 1]` int32, the padded lengths (each a multiple of `2 * size`).
@@ -170,9 +186,17 @@ class ContextParallelLayout:
     key_mask: torch.Tensor
 
     @classmethod
-    def of(cls, packed: PackedSequences, cp: ContextParallel, token_multiple: int = 1) -> ContextParallelLayout:
+    def of(
+        cls,
+        packed: PackedSequences,
+        cp: ContextParallel,
+        token_multiple: int = 1,
+        rotary: RotaryTable | None = None,
+        batch: InputBatch | None = None,
+    ) -> ContextParallelLayout:
         """The layout of `packed` (real proteins); the padded token count is also rounded up to a multiple of
-        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count)."""
+        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count). `rotary`
+        gives the angles (None: no layer runs it, e.g. in tests of the layout alone)."""
         unit, device = 2 * cp.size, packed.cu_seq_lens.device
         lengths = packed.cu_seq_lens.diff().long()
         padded_lengths = (lengths + unit - 1) // unit * unit
@@ -186,9 +210,8 @@ class ContextParallelLayout:
             max_length, num_padded = max(max_length, extra), num_padded + extra
         cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         cu_seq_lens_padded = F.pad(padded_lengths.cumsum(0), (1, 0)).to(torch.int32)
-        sequences = torch.arange(len(lengths), device=device)
-        protein = torch.repeat_interleave(sequences, padded_lengths, output_size=num_padded)
-        position = torch.arange(num_padded, device=device) - cu_seq_lens_padded[protein]
+        protein = sequence_index_of_tokens(cu_seq_lens_padded, num_padded)
+        position = positions_in_proteins(cu_seq_lens_padded, num_padded, protein)
         chunk = position // (padded_lengths[protein] // unit)
         owner = torch.where(chunk < cp.size, chunk, unit - 1 - chunk)
         rank_order = torch.argsort(owner * num_padded + torch.arange(num_padded, device=device))
@@ -196,10 +219,13 @@ class ContextParallelLayout:
         from_rank_order[rank_order] = torch.arange(num_padded, device=device)
         num_local = num_padded // cp.size
         own = rank_order[cp.rank * num_local : (cp.rank + 1) * num_local]
-        num_real = packed.cu_seq_lens.numel() - 1
-        real = torch.repeat_interleave(sequences[:num_real], lengths[:num_real], output_size=packed.num_tokens)
-        to_padded = cu_seq_lens_padded[real] + torch.arange(packed.num_tokens, device=device) - packed.cu_seq_lens[real]
+        real = packed.sequence_index
+        to_padded = cu_seq_lens_padded[real] + packed.positions
         return cls(
+            packed=packed,
+            rotary_angles=None if rotary is None else rotary(max_length),
+            num_tokens=packed.num_tokens,
+            batch=batch,
             cp=cp,
             cu_seq_lens=cu_seq_lens,
             cu_seq_lens_padded=cu_seq_lens_padded,
@@ -213,6 +239,21 @@ class ContextParallelLayout:
             key_mask=torch.arange(max_length, device=device) < lengths[:, None],
         )
 
+    @functools.cached_property
+    def te_kwargs(self) -> dict[str, Any]:
+        """The whole batch's real and padded lengths; TE finds this rank's part."""
+        return {
+            "rotary_pos_emb": self.rotary_angles[:, None, None, :],
+            "self_attn_mask_type": "padding",
+            "cu_seqlens_q": self.cu_seq_lens,
+            "cu_seqlens_kv": self.cu_seq_lens,
+            "cu_seqlens_q_padded": self.cu_seq_lens_padded,
+            "cu_seqlens_kv_padded": self.cu_seq_lens_padded,
+            "max_seqlen_q": self.max_length,
+            "max_seqlen_kv": self.max_length,
+            "pad_between_seqs": True,
+        }
+
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """`[T, ...]` (every rank holds them all) -> this rank's `[T_padded / size, ...]` (zeros at padding).
         Backward gathers every rank's part, so what computed `states` gets its whole gradient on each rank."""
@@ -224,56 +265,23 @@ class ContextParallelLayout:
         gathered = gather_tokens(states, self.cp, replicated=True)
         return gathered[self.from_rank_order][self.to_padded]
 
+    def to_input(self, states: torch.Tensor) -> torch.Tensor:
+        return self.batch.to_input_layout(states)
 
-@dataclass
-class EncoderInputs:
-    """What every encoder layer needs besides the hidden states, in the layout the layers run in.
+    def attention_view(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> AttentionView:
+        """This rank's queries `[N, heads, L / size, d]` and every rank's keys and values `[N, heads, L, d]`
+        (all-gathered: simpler than Transformer Engine's ring, the same result)."""
+        qkv = qkv.view(qkv.shape[0], num_heads, 3, head_dim)
+        keys_values = gather_tokens(qkv[:, :, 1:].contiguous(), self.cp)[self.from_rank_order]
+        key, value = self.padded.unpack(keys_values).permute(0, 2, 1, 3, 4).unbind(3)
+        query = self.local.unpack(qkv[:, :, 0]).transpose(1, 2)
+        query_angles = self.local.unpack(self.rotary_angles[self.local_positions])[:, None]
+        query = apply_rotary(query * head_dim**-0.5, query_angles)
+        key = apply_rotary(key, self.rotary_angles[: key.shape[2]])
+        return AttentionView(query, key, value, self.key_mask)
 
-    Attributes:
-        rotary_angles: `[L, head_dim]` float32 rotary angles for positions `0..L-1`.
-        key_mask: BSHD only: `[B, S]` bool, True for tokens; None when nothing is padded.
-        packed: THD only: the packing of the hidden states `[T, hidden]`.
-        static_shape: THD only: the batch was padded to a bucket (`static_shape`) to run as a CUDA graph.
-        context_parallel: THD with context parallelism only: which tokens this rank's layers run (`packed` is then
-            the whole batch's packing).
-    """
-
-    rotary_angles: torch.Tensor
-    key_mask: torch.Tensor | None = None
-    packed: PackedSequences | None = None
-    static_shape: bool = False
-    context_parallel: ContextParallelLayout | None = None
-
-    @functools.cached_property
-    def te_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `transformer_engine.pytorch.TransformerLayer.forward` (built once per batch)."""
-        kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
-        layout = self.context_parallel
-        if layout is not None:  # real and padded lengths of the whole batch; TE finds this rank's part
-            kwargs.update(
-                self_attn_mask_type="padding",
-                cu_seqlens_q=layout.cu_seq_lens,
-                cu_seqlens_kv=layout.cu_seq_lens,
-                cu_seqlens_q_padded=layout.cu_seq_lens_padded,
-                cu_seqlens_kv_padded=layout.cu_seq_lens_padded,
-                max_seqlen_q=layout.max_length,
-                max_seqlen_kv=layout.max_length,
-                pad_between_seqs=True,
-            )
-        elif self.packed is not None:
-            cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
-            kwargs.update(
-                self_attn_mask_type="padding",
-                cu_seqlens_q=cu_seq_lens,
-                cu_seqlens_kv=cu_seq_lens,
-                max_seqlen_q=max_length,
-                max_seqlen_kv=max_length,
-            )
-        elif self.key_mask is not None:
-            kwargs.update(self_attn_mask_type="padding", attention_mask=~self.key_mask[:, None, None, :])
-        else:
-            kwargs.update(self_attn_mask_type="no_mask")
-        return kwargs
+    def from_attention_view(self, context: torch.Tensor) -> torch.Tensor:
+        return self.local.pack(context.transpose(1, 2).flatten(2))
 
 
 def several_ranks() -> bool:

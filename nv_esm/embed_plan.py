@@ -185,7 +185,8 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
             f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
         )
     backend = modeling_nv_esm.resolve_backend(args.backend, device)
-    if (args.fp8 != "off" or args.cuda_graphs) and backend != "te":  # --cuda-graphs asked for, not the default
+    unsupported = (args.fp8 != "off" and not backend.runs_fp8) or (args.cuda_graphs and not backend.runs_cuda_graphs)
+    if unsupported:  # --cuda-graphs asked for, not the default
         raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
     records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid, args.strip_stop)
     settings = EmbedSettings(
@@ -199,7 +200,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         invalid=args.invalid,
         strip_stop=args.strip_stop,
         shard_size=args.shard_size,
-        backend=backend,
+        backend=backend.name,
         fp8=args.fp8,
         save_dtype=args.save_dtype,
     )

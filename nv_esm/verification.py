@@ -214,12 +214,12 @@ def load_nv(folder: Path, dtype: torch.dtype, device: str, label: str = "OUT") -
     is read as data (config.json, safetensors), never as code, so a tampered `modeling_nv_esm.py` in it runs no
     code here.
 
-    On the CPU the model gets `backend="torch"`, even where a GPU is visible; on the GPU `"auto"`, which the model
-    resolves (`modeling_nv_esm.resolve_backend`): Transformer Engine when it is installed.
+    The backend is `resolve_backend("auto", device)`'s: the PyTorch twin on the CPU, even where a GPU is visible;
+    Transformer Engine on the GPU when it is installed.
     """
-    from modeling_nv_esm import NVEsmForMaskedLM
+    from modeling_nv_esm import NVEsmForMaskedLM, resolve_backend
 
-    backend = "auto" if device == "cuda" else "torch"
+    backend = resolve_backend("auto", device).name
     model = NVEsmForMaskedLM.from_pretrained(folder, dtype=dtype, backend=backend, use_safetensors=True)
     name = f"NVEsm NVEsmForMaskedLM {str(dtype).removeprefix('torch.')} backend {model.esm.backend} ({label})"
     return model.to(device).eval(), name

@@ -13,15 +13,10 @@ import pytest
 import torch
 
 from conftest import make_hf_model, make_nv_model, max_abs_diff, pack_batch, random_lengths, random_proteins
-from modeling_nv_esm import (
-    FP8_TOKEN_MULTIPLE,
-    EncoderInputs,
-    PackedSequences,
-    length_sorted_batches,
-    pad_packed,
-    pad_packed_to_multiple,
-)
+from modeling_nv_esm import PackedSequences, length_sorted_batches
+from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE
 from modeling_nv_esm_graphs import StaticShapeGraphs, _expandable_segments, _graph_mode, host_shape, static_shape
+from modeling_nv_esm_layout import PackedRun, pad_packed, pad_packed_to_multiple
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -117,8 +112,8 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     assert torch.equal(padded.cu_seq_lens[: len(proteins) + 1], packed.cu_seq_lens)
     rotary = nv.esm.rotary_embeddings
     with torch.no_grad():
-        expected, _ = nv.esm.encoder(embeddings, EncoderInputs(rotary(packed.max_length), packed=packed), False)
-        actual, _ = nv.esm.encoder(padded_states, EncoderInputs(rotary(padded.max_length), packed=padded), False)
+        expected = nv.esm.encoder.body(embeddings, PackedRun(packed, rotary(packed.max_length), packed.num_tokens))
+        actual = nv.esm.encoder.body(padded_states, PackedRun(padded, rotary(padded.max_length), padded.num_tokens))
     assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5
 
 

@@ -19,7 +19,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES
+from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
 from nv_esm.tasks import TASK_HEADS
 
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
@@ -237,6 +237,50 @@ class LoggingConfig:
     )
 
 
+# The options that ask for a feature of `configuration_nv_esm.UNSUPPORTED_COMBINATIONS`; refusals name them.
+OPTION_FEATURES = {
+    "--tp": "tensor_parallel",
+    "--cp": "context_parallel",
+    "--lora-rank": "lora",
+    "--offload-activations": "offload_activations",
+    "--activation-checkpointing": "activation_checkpointing",
+    "--compile": "compile",
+    "--backend": "te_layers",  # te, or auto where Transformer Engine runs: known once the model config is built
+}
+
+
+def asked_options(parallel: ParallelConfig, lora_rank: int = 0, backend: str | None = None) -> dict[str, Any]:
+    """The options of `OPTION_FEATURES` that ask for their feature, with their values; `backend` is the model
+    config's (te or torch), None before it is built."""
+    values = {
+        "--tp": parallel.tp > 1 and parallel.tp,
+        "--cp": parallel.cp > 1 and parallel.cp,
+        "--lora-rank": lora_rank,
+        "--offload-activations": parallel.offload_activations,
+        "--activation-checkpointing": parallel.activation_checkpointing,
+        "--compile": parallel.compile,
+        "--backend": backend == "te" and backend,
+    }
+    return {option: value for option, value in values.items() if value}
+
+
+def refuse_option_combinations(parallel: ParallelConfig, lora_rank: int = 0, backend: str | None = None) -> None:
+    """ValueError naming the options of the first pair of features they ask for (`asked_options`) that
+    `UNSUPPORTED_COMBINATIONS` refuses: "--tp 2 with --lora-rank is not supported; use one of them." for
+    --tp and --cp (the table's reasons name the model's settings), else with the table's reason."""
+    asked = asked_options(parallel, lora_rank, backend)
+    option_of = {OPTION_FEATURES[option]: option for option in asked}
+    refused = refused_combination(option_of)
+    if refused is None:
+        return
+    option, other = option_of[refused[0]], option_of[refused[1]]
+    if option in ("--tp", "--cp"):
+        raise ValueError(f"{option} {asked[option]} with {other} is not supported; use one of them.")
+    if other == "--backend":
+        raise ValueError(f"{option} is for --backend torch; {refused[2]}.")
+    raise ValueError(f"{option} with {other} {refused[2]}: use one of them.")
+
+
 @dataclass
 class TrainConfig:
     """A training run: the sections above, the run folder `out` and the seed of data order, init and RNG."""
@@ -310,21 +354,7 @@ class TrainConfig:
             raise ValueError(f"--val-every must be at least 0, got {validation.every}.")
         if validation.every and not validation.enabled:
             raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
-        if self.parallel.offload_activations and self.parallel.activation_checkpointing:
-            raise ValueError(
-                "--offload-activations with --activation-checkpointing offloads nothing (Transformer Engine's "
-                "offloading does not reach the checkpointed layer inputs): use one of them."
-            )
-        for option, size in (("--tp", self.parallel.tp), ("--cp", self.parallel.cp)):
-            unsupported = {
-                "--lora-rank": self.model.lora_rank,
-                "--offload-activations": self.parallel.offload_activations,
-                "--compile": self.parallel.compile,
-                "--tp": option == "--cp" and self.parallel.tp > 1,
-            }
-            for other, value in unsupported.items():
-                if size > 1 and value:
-                    raise ValueError(f"{option} {size} with {other} is not supported; use one of them.")
+        refuse_option_combinations(self.parallel, self.model.lora_rank)
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 

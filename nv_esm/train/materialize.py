@@ -37,9 +37,10 @@ MODEL_CLASSES = {
 }
 
 
-def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
-    """The NVEsm config of the run: the source's architecture, the layer backend (`auto`: TE on GPU when it is
-    installed), packed (THD) inputs, FP8 layers, and the classification `labels` fields (`label_fields`)."""
+def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.device) -> NVEsmConfig:
+    """The NVEsm config of the run: the source's architecture, the layer backend for `device` (`auto`: TE on GPU
+    when it is installed), packed (THD) inputs, FP8 layers, and the classification `labels` fields
+    (`label_fields`)."""
     source = settings.source
     path = source / "config.json" if source.is_dir() else source
     fields = json.loads(path.read_text())
@@ -49,7 +50,7 @@ def model_config(settings: ModelConfig, labels: dict[str, Any]) -> NVEsmConfig:
         )
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)
-    backend = resolve_backend(settings.backend)
+    backend = resolve_backend(settings.backend, device).name
     num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
     fields.update(
         backend=backend, attn_input_format="thd", layer_precision=fp8_layer_precision(settings.fp8, num_layers)

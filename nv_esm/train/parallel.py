@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modeling_nv_esm_parallel import tensor_parallel_split_dim
-from nv_esm.train.config import ParallelConfig
+from nv_esm.train.config import ParallelConfig, refuse_option_combinations
 
 
 @dataclass
@@ -156,7 +156,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     weights are materialised after).
     `backend` is the model config's layer backend (`te` or `torch`). With `--tp`, the layers are split over the
     "tp" ranks first (`NVEsmPreTrainedModel.enable_tensor_parallel`) and FSDP2 shards each rank's part; with
-    `--cp`, the layers run each batch across the "cp" ranks (`enable_context_parallel`)."""
+    `--cp`, the layers run each batch across the "cp" ranks (`enable_context_parallel`). Raises ValueError for
+    options that do not combine with the layers' backend (`refuse_option_combinations`: --compile with TE)."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.offload_activations:
@@ -168,9 +169,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     if world.cp_size > 1:
         model.enable_context_parallel(world.mesh.get_group("cp"))
     layers = find_layers(model)
+    refuse_option_combinations(settings, backend=backend)  # TrainConfig.validate checked them without the backend
     if settings.compile:
-        if backend == "te":
-            raise ValueError("--compile is for --backend torch; Transformer Engine layers are fused already.")
         for layer in layers:
             layer.compile()
     if sharded(world):

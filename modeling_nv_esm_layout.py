@@ -1,0 +1,262 @@
+"""How one batch runs through the encoder layers: the run layout (`RunLayout`), built once per forward by the
+encoder's plan (`NVEsmEncoder.plan`) and read by every layer. Padded layers (BSHD) run `PaddedRun`, packed layers
+(THD) `PackedRun`; the tensor- and context-parallel layouts (`modeling_nv_esm_parallel`) are `PackedRun`s too.
+
+A layout offers what the layers and the encoder need besides the hidden states: the rotary angles, Transformer
+Engine's keyword arguments, the twin's attention view (queries, keys and values in the right-padded view, with the
+key mask), the tokens this rank runs and back, and the way back to the input's layout. Also here: the one function
+that pads a packed batch with dummy proteins (`pad_packed`), which FP8, tensor parallelism and CUDA graphs' static
+shapes all use, and rotary position embedding.
+
+Part of the model's Hub remote code: imports `modeling_nv_esm_batch` below it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
+except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
+    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
+
+RotaryTable = Callable[[int], torch.Tensor]  # length -> `[length, head_dim]` float32 angles (`NVEsmRotaryEmbedding`)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` -> `[-x2, x1]` for halves x1, x2 of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, heads, S, d]` by `angles [S, d]` (float32 math, result in x's dtype)."""
+    x32 = x.float()
+    return (x32 * angles.cos() + rotate_half(x32) * angles.sin()).to(x.dtype)
+
+
+def dummy_proteins(extra_tokens: int, max_length: int) -> int:
+    """How many dummy proteins of at most `max_length` tokens hold `extra_tokens` padding tokens."""
+    return -(-extra_tokens // max_length)
+
+
+def pad_packed(
+    hidden_states: torch.Tensor, packed: PackedSequences, tokens: int, slots: int, max_length: int
+) -> tuple[torch.Tensor, PackedSequences]:
+    """Pad `[T, hidden]` to `[tokens, hidden]` with zero tokens in dummy proteins of at most `max_length` tokens
+    each (`dummy_proteins`), then empty proteins (`cu_seq_lens` repeats its last entry) up to `slots` proteins in
+    all. The one padding of packed batches: FP8's and tensor parallelism's token multiples, CUDA graphs' shapes."""
+    num_sequences = packed.cu_seq_lens.numel() - 1
+    hidden_states = F.pad(hidden_states, (0, 0, 0, tokens - packed.num_tokens))
+    extra_slots = torch.arange(1, slots - num_sequences + 1, device=packed.cu_seq_lens.device)
+    ends = (packed.num_tokens + extra_slots * max_length).clamp_max(tokens).to(torch.int32)
+    cu_seq_lens = torch.cat([packed.cu_seq_lens.to(torch.int32), ends])
+    return hidden_states, PackedSequences.right_padded(cu_seq_lens, max_length, tokens)
+
+
+def pad_packed_to_multiple(
+    hidden_states: torch.Tensor, packed: PackedSequences, multiple: int
+) -> tuple[torch.Tensor, PackedSequences]:
+    """`pad_packed` with one dummy protein, so the token count is a multiple of `multiple` (FP8 GEMMs need
+    `FP8_TOKEN_MULTIPLE`; tensor parallelism splits the tokens over its ranks)."""
+    extra = -packed.num_tokens % multiple
+    num_sequences = packed.cu_seq_lens.numel() - 1
+    return pad_packed(
+        hidden_states, packed, packed.num_tokens + extra, num_sequences + 1, max(packed.max_length, extra)
+    )
+
+
+@dataclass
+class AttentionView:
+    """The twin's attention inputs in the right-padded view: `query` (scaled by `head_dim**-0.5`, then rotated),
+    `key` (rotated) and `value`, each `[N, heads, L, head_dim]` (queries: this rank's `L_q` under context
+    parallelism), and `key_mask [N, L]` True for real keys (None: nothing padded)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    key_mask: torch.Tensor | None
+
+
+class RunLayout:
+    """How the layers run one batch (subclasses hold the data): built once per forward, consumed by every layer.
+
+    Attributes (every subclass):
+        rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout.
+        static_shape: the batch was padded to a CUDA graph's static shape (`static_shape`): it replays one.
+    """
+
+    rotary_angles: torch.Tensor
+    static_shape: bool = False
+
+    @property
+    def te_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states."""
+        raise NotImplementedError
+
+    def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """The states this rank's layers run (all of them without tensor or context parallelism)."""
+        return states
+
+    def all_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """This rank's layer outputs -> every token's, the inverse of `own_tokens`."""
+        return states
+
+    def to_input(self, states: torch.Tensor) -> torch.Tensor:
+        """Layer outputs (after `all_tokens`) -> the input's layout, the run's padding cut off."""
+        raise NotImplementedError
+
+    def attention_view(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> AttentionView:
+        """The fused QKV projection of this rank's tokens (per head `[q, k, v]`, as TE interleaves them) as the
+        twin's attention inputs (`AttentionView`)."""
+        raise NotImplementedError
+
+    def from_attention_view(self, context: torch.Tensor) -> torch.Tensor:
+        """Attention output `[N, heads, L_q, head_dim]` -> this rank's tokens `[..., heads * head_dim]`."""
+        raise NotImplementedError
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """`[N, L, heads * 3 * head_dim]` -> query, key, value `[N, heads, L, head_dim]`."""
+    batch, length = qkv.shape[:2]
+    return qkv.view(batch, length, num_heads, 3, head_dim).transpose(1, 2).unbind(3)
+
+
+def rotated_view(
+    qkv: torch.Tensor, key_mask: torch.Tensor | None, angles: torch.Tensor, num_heads: int, head_dim: int
+) -> AttentionView:
+    """`AttentionView` of right-padded `qkv [N, L, heads * 3 * head_dim]`: ESM scales the query before the rotation
+    (as transformers does), then attends with scale 1."""
+    query, key, value = split_qkv(qkv, num_heads, head_dim)
+    length = qkv.shape[1]
+    query = apply_rotary(query * head_dim**-0.5, angles[:length])
+    return AttentionView(query, apply_rotary(key, angles[:length]), value, key_mask)
+
+
+@dataclass(eq=False)
+class PaddedRun(RunLayout):
+    """Padded layers (BSHD): states `[B, L, hidden]`, each protein from column 0.
+
+    Attributes:
+        rotary_angles: `[L, head_dim]`.
+        key_mask: `[B, L]` True for tokens; None when nothing is padded.
+        width: L before FP8 padding.
+        run: the right-padded packing the states were unpacked with (outputs go back through it); None when a
+            padded input without padding runs as it came.
+        batch: the input batch.
+    """
+
+    rotary_angles: torch.Tensor
+    key_mask: torch.Tensor | None
+    width: int
+    run: PackedSequences | None
+    batch: InputBatch
+
+    @classmethod
+    def of(
+        cls, hidden_states: torch.Tensor, batch: InputBatch, rotary: RotaryTable, fp8: bool
+    ) -> tuple[torch.Tensor, PaddedRun]:
+        """Lay `_embed`'s states (`[T, hidden]` packed; `[B, S, hidden]` when `batch.packed` is None) out padded: a
+        padded input with padding on the left, or wider than its longest protein, is laid out anew, so every
+        protein sees positions `0..length-1` and none of the padding; with `fp8`, the width is padded so the token
+        count is a multiple of `FP8_TOKEN_MULTIPLE`."""
+        run, key_mask = None, None
+        if batch.packed is not None:
+            run = batch.run_packing
+            hidden_states, key_mask = run.unpack(hidden_states), run.key_mask()
+        rows, width = hidden_states.shape[:2]
+        if fp8 and (rows * width) % FP8_TOKEN_MULTIPLE:
+            extra = -width % FP8_TOKEN_MULTIPLE
+            if key_mask is None:
+                key_mask = torch.ones(rows, width, dtype=torch.bool, device=hidden_states.device)
+            hidden_states, key_mask = F.pad(hidden_states, (0, 0, 0, extra)), F.pad(key_mask, (0, extra), value=False)
+        return hidden_states, cls(rotary(hidden_states.shape[1]), key_mask, width, run, batch)
+
+    @functools.cached_property
+    def te_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
+        if self.key_mask is None:
+            return {**kwargs, "self_attn_mask_type": "no_mask"}
+        return {**kwargs, "self_attn_mask_type": "padding", "attention_mask": ~self.key_mask[:, None, None, :]}
+
+    def to_input(self, states: torch.Tensor) -> torch.Tensor:
+        states = states[:, : self.width]
+        return states if self.run is None else self.batch.to_input_layout(self.run.pack(states))
+
+    def attention_view(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> AttentionView:
+        return rotated_view(qkv, self.key_mask, self.rotary_angles, num_heads, head_dim)
+
+    def from_attention_view(self, context: torch.Tensor) -> torch.Tensor:
+        return context.transpose(1, 2).flatten(2)
+
+
+@dataclass(eq=False)
+class PackedRun(RunLayout):
+    """Packed layers (THD): states `[T, hidden]`; the twin attends in the right-padded view `[N, L]`.
+
+    Attributes:
+        packed: the packing of the states (with dummy proteins and empty slots after the real ones when padded).
+        rotary_angles: `[packed.max_length, head_dim]`.
+        num_tokens: the real tokens, the first ones of the states.
+        batch: the input batch (None inside a CUDA graph, which never restores).
+        static_shape: padded to a CUDA graph's static shape.
+    """
+
+    packed: PackedSequences
+    rotary_angles: torch.Tensor
+    num_tokens: int
+    batch: InputBatch | None = None
+    static_shape: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        hidden_states: torch.Tensor,
+        batch: InputBatch,
+        rotary: RotaryTable,
+        token_multiple: int = 1,
+        shape: tuple[int, int, int] | None = None,
+        **fields: Any,
+    ) -> tuple[torch.Tensor, PackedRun]:
+        """Pad packed `[T, hidden]` states for the run: to a CUDA graph's static `shape` (tokens, slots,
+        max_length), else to a multiple of `token_multiple` tokens (FP8; tensor parallelism's ranks). `fields`: a
+        subclass's own."""
+        run = batch.run_packing
+        if shape is not None:
+            hidden_states, run = pad_packed(hidden_states, run, *shape)
+        elif run.num_tokens % token_multiple:
+            hidden_states, run = pad_packed_to_multiple(hidden_states, run, token_multiple)
+        layout = cls(run, rotary(run.max_length), batch.run_packing.num_tokens, batch, shape is not None, **fields)
+        return hidden_states, layout
+
+    @functools.cached_property
+    def te_kwargs(self) -> dict[str, Any]:
+        cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
+        return {
+            "rotary_pos_emb": self.rotary_angles[:, None, None, :],
+            "self_attn_mask_type": "padding",
+            "cu_seqlens_q": cu_seq_lens,
+            "cu_seqlens_kv": cu_seq_lens,
+            "max_seqlen_q": max_length,
+            "max_seqlen_kv": max_length,
+        }
+
+    @functools.cached_property
+    def key_mask(self) -> torch.Tensor:
+        """`[N, L]` True where the right-padded view holds a token (made once per batch, read by every layer)."""
+        return self.packed.key_mask()
+
+    def to_input(self, states: torch.Tensor) -> torch.Tensor:
+        return self.batch.to_input_layout(states[: self.num_tokens])
+
+    def attention_view(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> AttentionView:
+        return rotated_view(self.packed.unpack(qkv), self.key_mask, self.rotary_angles, num_heads, head_dim)
+
+    def from_attention_view(self, context: torch.Tensor) -> torch.Tensor:
+        return self.packed.pack(context.transpose(1, 2).flatten(2))

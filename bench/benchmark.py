@@ -13,6 +13,8 @@ Variants (random weights of the ESM-2 shape):
                 (what the FSDP2 recipe does); same numerics class as autocast, fewer casts and no autocast dispatch
   nv_thd_graphs      nv_thd with cuda_graphs=True: batches padded to static shapes, layers replayed as CUDA graphs
   nv_thd_graphs_fp8  nv_thd_graphs with every layer in FP8 (DelayedScaling)
+  te_port       the plain TE port (`te_port.py`): a `te.TransformerLayer` stack fed THD keyword arguments directly,
+                ESM-2's embedding and LM head around it, nothing else; the floor any TE port gets
 
 Every variant first runs the timed batches once untimed (so each shape has been seen: cuDNN plans, TE's
 first-use set-up, CUDA-graph captures; that pass is reported as `warm_pass_seconds`), then times them.
@@ -49,6 +51,7 @@ from nv_esm.data import pad_proteins
 
 assert transformer_engine_available(), "the benchmark needs Transformer Engine (imported before cuDNN loads)"
 
+from te_port import TEPort  # noqa: E402  (bench/te_port.py)
 from transformers import EsmForMaskedLM  # noqa: E402
 
 from configuration_nv_esm import NVEsmConfig  # noqa: E402
@@ -70,8 +73,8 @@ VARIANT_CONFIGS = {
     "nv_thd_fp8_current": dict(check_inputs=False, fp8=True, fp8_recipe="current"),
     "nv_thd_graphs_fp8_current": dict(cuda_graphs=True, fp8=True, fp8_recipe="current"),
 }
-VARIANTS = ("transformers", *VARIANT_CONFIGS)
-PACKED_VARIANTS = {name for name in VARIANT_CONFIGS if name.startswith("nv_thd")}
+VARIANTS = ("transformers", "te_port", *VARIANT_CONFIGS)
+PACKED_VARIANTS = {"te_port", *(name for name in VARIANT_CONFIGS if name.startswith("nv_thd"))}
 MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = shapes.PEAK_BF16_TFLOPS["H100"]
@@ -137,6 +140,8 @@ def build(variant: str, shape: dict, training: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if variant == "transformers":
         model = EsmForMaskedLM._from_config(shapes.esm2_config(**shape), attn_implementation="sdpa")
+    elif variant == "te_port":
+        model = TEPort(**shape)
     else:
         options = {"cuda_graphs": False, **VARIANT_CONFIGS[variant]}  # eager unless the variant says graphs
         if options.pop("fp8", False):

@@ -2,6 +2,10 @@
 timed in alternation (old, new, new, old, ...), median over rounds.
 
     python bench/ab_model_code.py --old /path/to/old/tree --new . --out bench/results/ab.json
+    python bench/ab_model_code.py --old te_port --new . --out bench/results/port_ab.json
+
+`--old te_port` compares against the plain Transformer Engine port (`te_port.py`, always eager bf16, its own random
+weights): every case's ratio is then ours (eager, graphs, FP8 graphs) over the floor any TE port gets.
 
 Each tree's remote code (`configuration_nv_esm.py`, `modeling_nv_esm*.py`) is copied into a package of its own in a
 temporary folder and imported from there, as transformers loads Hub remote code, so both run in one process. Separate
@@ -52,6 +56,10 @@ def load_tree(tree: Path, package: str, folder: Path) -> object:
 
 def build(module: object, graphs: bool, fp8: bool) -> torch.nn.Module:
     torch.manual_seed(0)
+    if module == "te_port":
+        from te_port import TEPort  # bench/te_port.py, beside this script
+
+        return TEPort(**SHAPE).cuda()
     precision = {"layer_precision": ["fp8"] * SHAPE["num_hidden_layers"]} if fp8 else {}
     config = module.NVEsmConfig(
         **SHAPE, backend="te", attn_input_format="thd", check_inputs=False, cuda_graphs=graphs, **precision
@@ -95,7 +103,8 @@ def step(model: torch.nn.Module, batch: dict, train: bool) -> None:
 def compare(modules: dict, case: tuple, rounds: int) -> dict:
     graphs, fp8, train, protein_counts = case
     models = {name: build(module, graphs, fp8) for name, module in modules.items()}
-    models["new"].load_state_dict(models["old"].state_dict())
+    if modules["old"] != "te_port":
+        models["new"].load_state_dict(models["old"].state_dict())
     for model in models.values():
         model.train(train)
         if not train:
@@ -127,7 +136,7 @@ def compare(modules: dict, case: tuple, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", type=Path, required=True, help="tree of the previous model code")
+    parser.add_argument("--old", required=True, help="tree of the previous model code, or te_port")
     parser.add_argument("--new", type=Path, required=True, help="tree of the new model code")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--rounds", type=int, default=12)
@@ -136,7 +145,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         sys.path.insert(0, folder)
         modules = {
-            name: load_tree(tree, f"ab_{name}", Path(folder)) for name, tree in (("old", args.old), ("new", args.new))
+            "old": "te_port" if args.old == "te_port" else load_tree(Path(args.old), "ab_old", Path(folder)),
+            "new": load_tree(args.new, "ab_new", Path(folder)),
         }
         results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
         for name in args.cases:

@@ -115,7 +115,8 @@ class ActivationOffload(FreshWhenCopied):
 
 
 class NVEsmEncoder(nn.Module):
-    """The transformer layers (TE or PyTorch twin) and the final LayerNorm.
+    """The transformer layers (TE or PyTorch twin, made by the `backend` object) and the final LayerNorm, and how a
+    batch runs through them: `plan` lays it out (`RunLayout`) and decides graph or eager, `body` runs it.
 
     With `config.cuda_graphs` (TE backend, packed layers), batches padded to a static shape run as CUDA graphs
     captured once per shape (when, `StaticShapeGraphs` says) with Transformer Engine's `make_graphed_callables`:

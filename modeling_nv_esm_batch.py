@@ -6,7 +6,6 @@ Part of the model's Hub remote code (a flat sibling of `modeling_nv_esm.py`): im
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -292,14 +291,15 @@ class InputBatch:
     lengths: torch.Tensor
     packed: PackedSequences | None = None
 
-    @functools.cached_property
-    def run_packing(self) -> PackedSequences:
-        """The packing the layers run: the proteins' tokens packed in order, with the right-padded view
-        `[N, max_length]` (the input's own packing when it came packed). Needs `packed`."""
+    def __post_init__(self) -> None:
+        """`run_packing`: the packing the layers run, the proteins' tokens packed in order with the right-padded view
+        `[N, max_length]` (the input's own packing when it came packed; None without `packed`). Made here, not on
+        first use: `torch.compile` breaks on a lazily cached attribute."""
         packing = self.packed
-        if self.input_is_packed:
-            return packing
-        return PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
+        if packing is None or self.input_is_packed:
+            self.run_packing = packing
+        else:
+            self.run_packing = PackedSequences.right_padded(packing.cu_seq_lens, packing.max_length, packing.num_tokens)
 
     def to_input_layout(self, states: torch.Tensor) -> torch.Tensor:
         """Packed outputs `[T, ...]` (the proteins' tokens in order) -> the input's layout: `[1, T, ...]` for packed

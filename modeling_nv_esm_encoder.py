@@ -425,7 +425,8 @@ class NVEsmEncoder(nn.Module):
         checkpointing (TE's checkpoint on the TE backend: it keeps FP8 scaling state consistent when recomputing)."""
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
             return layer(hidden_states, layout)
-        return self.backend.checkpoint(layer, hidden_states, layout, self._gradient_checkpointing_func)
+        checkpoint_function = getattr(self, "_gradient_checkpointing_func", None)  # TE's needs none
+        return self.backend.checkpoint(layer, hidden_states, layout, checkpoint_function)
 
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in

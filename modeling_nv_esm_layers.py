@@ -448,13 +448,19 @@ def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> 
     missing[:] = [key for key in missing if not key.endswith("._extra_state")]
 
 
-class TorchBackend:
+class TorchBackend(str):
     """The PyTorch twin's layers (`NVEsmTorchLayer`): any device, no FP8, no CUDA graphs. One of the two backend
-    objects (`resolve_backend`); the model asks its backend instead of testing a name."""
+    objects (`resolve_backend`); the model asks its backend instead of testing a name. A `str` equal to its name
+    (`"torch"`, `"te"`), so that code written when `resolve_backend` returned the name (comparing it, passing it as
+    `backend=`) keeps working."""
 
-    name = "torch"
     runs_fp8 = False
     runs_cuda_graphs = False  # CUDA graphs capture Transformer Engine's layers only
+
+    @property
+    def name(self) -> str:
+        """`"torch"` or `"te"`, a plain `str`."""
+        return str(self)
 
     def check_config(self, config: NVEsmConfig) -> None:
         """Refuse what this backend cannot run (`fp8_weights`); warn about what it runs without (FP8 layers)."""
@@ -494,7 +500,8 @@ class TorchBackend:
         """Raise ValueError if the layers cannot run inputs on `device`."""
 
     def checkpoint(self, layer: nn.Module, states: torch.Tensor, layout: Any, checkpoint_function: Any) -> Any:
-        """`layer(states, layout)`, recomputed in backward (`checkpoint_function`: transformers' choice)."""
+        """`layer(states, layout)`, recomputed in backward (`checkpoint_function`: the one transformers'
+        `gradient_checkpointing_enable` set, with its arguments)."""
         return checkpoint_function(layer.__call__, states, layout)
 
     def precision_region(self, recipe: Any, group: Any) -> contextlib.AbstractContextManager:
@@ -516,7 +523,6 @@ class TEBackend(TorchBackend):
     """Transformer Engine's `TransformerLayer` (`make_te_layer`) on CUDA: FP8 recipes, weights held in FP8, CUDA
     graphs, TE's checkpointing and context-parallel ring."""
 
-    name = "te"
     runs_fp8 = True
     runs_cuda_graphs = True
 
@@ -582,7 +588,7 @@ class TEBackend(TorchBackend):
 
 
 Backend = TorchBackend  # the type of both backend objects
-BACKEND_OBJECTS = {"te": TEBackend(), "torch": TorchBackend()}
+BACKEND_OBJECTS = {"te": TEBackend("te"), "torch": TorchBackend("torch")}
 
 
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> TorchBackend:

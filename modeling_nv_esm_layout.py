@@ -13,7 +13,6 @@ Part of the model's Hub remote code: imports `modeling_nv_esm_batch` below it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,20 +84,26 @@ class AttentionView:
 
 
 class RunLayout:
-    """How the layers run one batch (subclasses hold the data): built once per forward, consumed by every layer.
+    """How the layers run one batch: built once per forward, read by every layer. A plain object, not a dataclass:
+    FSDP2 casts the floating tensors of a dataclass argument to its compute dtype (`cast_forward_inputs`), which
+    would turn the float32 rotary angles into bf16 (errors up to 2 radians at position 600). Everything a layer
+    reads is made when the layout is built (no lazily cached attribute: `torch.compile` would break or recompile
+    around it).
 
     Attributes (every subclass):
-        rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout.
+        rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout (None only in a
+            layout built without a rotary table, which no layer runs).
+        te_kwargs: keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states.
         static_shape: the batch was padded to a CUDA graph's static shape (`static_shape`): it replays one.
     """
 
-    rotary_angles: torch.Tensor
+    rotary_angles: torch.Tensor | None
+    te_kwargs: dict[str, Any]
     static_shape: bool = False
 
-    @property
-    def te_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states."""
-        raise NotImplementedError
+    def rotary_kwargs(self) -> dict[str, Any]:
+        """TE's `rotary_pos_emb`, `[L, 1, 1, head_dim]`."""
+        return {} if self.rotary_angles is None else {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """The states this rank's layers run (all of them without tensor or context parallelism)."""
@@ -139,7 +144,6 @@ def rotated_view(
     return AttentionView(query, apply_rotary(key, angles[:length]), value, key_mask)
 
 
-@dataclass(eq=False)
 class PaddedRun(RunLayout):
     """Padded layers (BSHD): states `[B, L, hidden]`, each protein from column 0.
 
@@ -152,11 +156,19 @@ class PaddedRun(RunLayout):
         batch: the input batch.
     """
 
-    rotary_angles: torch.Tensor
-    key_mask: torch.Tensor | None
-    width: int
-    run: PackedSequences | None
-    batch: InputBatch
+    def __init__(
+        self,
+        rotary_angles: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        width: int,
+        run: PackedSequences | None,
+        batch: InputBatch,
+    ) -> None:
+        self.rotary_angles, self.key_mask, self.width, self.run, self.batch = rotary_angles, key_mask, width, run, batch
+        mask = {"self_attn_mask_type": "no_mask"}
+        if key_mask is not None:
+            mask = {"self_attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
+        self.te_kwargs = {**self.rotary_kwargs(), **mask}
 
     @classmethod
     def of(
@@ -178,13 +190,6 @@ class PaddedRun(RunLayout):
             hidden_states, key_mask = F.pad(hidden_states, (0, 0, 0, extra)), F.pad(key_mask, (0, extra), value=False)
         return hidden_states, cls(rotary(hidden_states.shape[1]), key_mask, width, run, batch)
 
-    @functools.cached_property
-    def te_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
-        if self.key_mask is None:
-            return {**kwargs, "self_attn_mask_type": "no_mask"}
-        return {**kwargs, "self_attn_mask_type": "padding", "attention_mask": ~self.key_mask[:, None, None, :]}
-
     def to_input(self, states: torch.Tensor) -> torch.Tensor:
         states = states[:, : self.width]
         return states if self.run is None else self.batch.to_input_layout(self.run.pack(states))
@@ -196,7 +201,6 @@ class PaddedRun(RunLayout):
         return context.transpose(1, 2).flatten(2)
 
 
-@dataclass(eq=False)
 class PackedRun(RunLayout):
     """Packed layers (THD): states `[T, hidden]`; the twin attends in the right-padded view `[N, L]`.
 
@@ -206,13 +210,32 @@ class PackedRun(RunLayout):
         num_tokens: the real tokens, the first ones of the states.
         batch: the input batch (None inside a CUDA graph, which never restores).
         static_shape: padded to a CUDA graph's static shape.
+        key_mask: `[N, L]` True where the right-padded view holds a token (the twin's; made once per batch).
     """
 
-    packed: PackedSequences
-    rotary_angles: torch.Tensor
-    num_tokens: int
-    batch: InputBatch | None = None
-    static_shape: bool = False
+    def __init__(
+        self,
+        packed: PackedSequences,
+        rotary_angles: torch.Tensor | None,
+        num_tokens: int,
+        batch: InputBatch | None = None,
+        static_shape: bool = False,
+    ) -> None:
+        self.packed, self.rotary_angles, self.num_tokens = packed, rotary_angles, num_tokens
+        self.batch, self.static_shape = batch, static_shape
+        self.key_mask = packed.key_mask()
+        self.te_kwargs = self.make_te_kwargs()
+
+    def make_te_kwargs(self) -> dict[str, Any]:
+        cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
+        return {
+            **self.rotary_kwargs(),
+            "self_attn_mask_type": "padding",
+            "cu_seqlens_q": cu_seq_lens,
+            "cu_seqlens_kv": cu_seq_lens,
+            "max_seqlen_q": max_length,
+            "max_seqlen_kv": max_length,
+        }
 
     @classmethod
     def of(
@@ -234,23 +257,6 @@ class PackedRun(RunLayout):
             hidden_states, run = pad_packed_to_multiple(hidden_states, run, token_multiple)
         layout = cls(run, rotary(run.max_length), batch.run_packing.num_tokens, batch, shape is not None, **fields)
         return hidden_states, layout
-
-    @functools.cached_property
-    def te_kwargs(self) -> dict[str, Any]:
-        cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
-        return {
-            "rotary_pos_emb": self.rotary_angles[:, None, None, :],
-            "self_attn_mask_type": "padding",
-            "cu_seqlens_q": cu_seq_lens,
-            "cu_seqlens_kv": cu_seq_lens,
-            "max_seqlen_q": max_length,
-            "max_seqlen_kv": max_length,
-        }
-
-    @functools.cached_property
-    def key_mask(self) -> torch.Tensor:
-        """`[N, L]` True where the right-padded view holds a token (made once per batch, read by every layer)."""
-        return self.packed.key_mask()
 
     def to_input(self, states: torch.Tensor) -> torch.Tensor:
         return self.batch.to_input_layout(states[: self.num_tokens])

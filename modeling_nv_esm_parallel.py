@@ -6,7 +6,6 @@ Part of the model's Hub remote code: imports the batch and layout siblings below
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -138,12 +137,13 @@ class ContextParallel(RankGroup):
         return cls(group, len(ranks), distributed.get_rank(group), ranks)
 
 
-@dataclass(eq=False, kw_only=True)
 class TensorParallelRun(PackedRun):
     """Packed layers split over the ranks of `tp` (`RankGroup`): between the layers' matrix products each rank runs
     `1/size` of the tokens (sequence parallelism), so the token count is padded to a multiple of the group size."""
 
-    tp: RankGroup
+    def __init__(self, *args: Any, tp: RankGroup, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp = tp
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
         return scatter_tokens(states, self.tp, summed=False)
@@ -152,7 +152,6 @@ class TensorParallelRun(PackedRun):
         return gather_tokens(states, self.tp, replicated=True)
 
 
-@dataclass(eq=False, kw_only=True)
 class ContextParallelLayout(PackedRun):
     """Where each token of a packed batch runs under context parallelism, Transformer Engine's THD layout: every
     protein is padded to a multiple of `2 * size` tokens and cut into `2 * size` chunks; rank r runs chunks r and
@@ -173,17 +172,47 @@ class ContextParallelLayout(PackedRun):
         key_mask: `[N, max_length]` True for the real tokens of each padded protein.
     """
 
-    cp: ContextParallel
-    cu_seq_lens: torch.Tensor
-    cu_seq_lens_padded: torch.Tensor
-    max_length: int
-    to_padded: torch.Tensor
-    rank_order: torch.Tensor
-    from_rank_order: torch.Tensor
-    local_positions: torch.Tensor
-    local: PackedSequences
-    padded: PackedSequences
-    key_mask: torch.Tensor
+    def __init__(
+        self,
+        packed: PackedSequences,
+        rotary_angles: torch.Tensor | None,
+        batch: InputBatch | None,
+        cp: ContextParallel,
+        cu_seq_lens: torch.Tensor,
+        cu_seq_lens_padded: torch.Tensor,
+        max_length: int,
+        to_padded: torch.Tensor,
+        rank_order: torch.Tensor,
+        from_rank_order: torch.Tensor,
+        local_positions: torch.Tensor,
+        local: PackedSequences,
+        padded: PackedSequences,
+        key_mask: torch.Tensor,
+    ) -> None:
+        self.cp, self.cu_seq_lens, self.cu_seq_lens_padded, self.max_length = (
+            cp,
+            cu_seq_lens,
+            cu_seq_lens_padded,
+            max_length,
+        )
+        self.to_padded, self.rank_order, self.from_rank_order = to_padded, rank_order, from_rank_order
+        self.local_positions, self.local, self.padded = local_positions, local, padded
+        super().__init__(packed, rotary_angles, packed.num_tokens, batch)
+        self.key_mask = key_mask  # the padded proteins' real tokens (PackedRun's would be the unpadded view's)
+
+    def make_te_kwargs(self) -> dict[str, Any]:
+        """The whole batch's real and padded lengths; TE finds this rank's part."""
+        return {
+            **self.rotary_kwargs(),
+            "self_attn_mask_type": "padding",
+            "cu_seqlens_q": self.cu_seq_lens,
+            "cu_seqlens_kv": self.cu_seq_lens,
+            "cu_seqlens_q_padded": self.cu_seq_lens_padded,
+            "cu_seqlens_kv_padded": self.cu_seq_lens_padded,
+            "max_seqlen_q": self.max_length,
+            "max_seqlen_kv": self.max_length,
+            "pad_between_seqs": True,
+        }
 
     @classmethod
     def of(
@@ -224,7 +253,6 @@ class ContextParallelLayout(PackedRun):
         return cls(
             packed=packed,
             rotary_angles=None if rotary is None else rotary(max_length),
-            num_tokens=packed.num_tokens,
             batch=batch,
             cp=cp,
             cu_seq_lens=cu_seq_lens,
@@ -238,21 +266,6 @@ class ContextParallelLayout(PackedRun):
             padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
             key_mask=torch.arange(max_length, device=device) < lengths[:, None],
         )
-
-    @functools.cached_property
-    def te_kwargs(self) -> dict[str, Any]:
-        """The whole batch's real and padded lengths; TE finds this rank's part."""
-        return {
-            "rotary_pos_emb": self.rotary_angles[:, None, None, :],
-            "self_attn_mask_type": "padding",
-            "cu_seqlens_q": self.cu_seq_lens,
-            "cu_seqlens_kv": self.cu_seq_lens,
-            "cu_seqlens_q_padded": self.cu_seq_lens_padded,
-            "cu_seqlens_kv_padded": self.cu_seq_lens_padded,
-            "max_seqlen_q": self.max_length,
-            "max_seqlen_kv": self.max_length,
-            "pad_between_seqs": True,
-        }
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """`[T, ...]` (every rank holds them all) -> this rank's `[T_padded / size, ...]` (zeros at padding).

@@ -227,3 +227,44 @@ def test_the_context_parallel_layout_gives_each_rank_two_chunks_of_every_protein
         rounded = ContextParallelLayout.of(packed, ContextParallel(group=None, size=2, rank=0), token_multiple=24)
         assert rounded.cu_seq_lens_padded.tolist() == [0, 8, 12, 24, 32, 48]  # 48 tokens: 24 per rank
         assert rounded.cu_seq_lens.tolist() == [0, 5, 6, 18, 26, 42] and rounded.max_length == 16
+
+
+def check_fsdp_rank(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    torch.set_num_threads(1)
+    try:
+        check_fsdp_keeps_rotary_angles_in_float32()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    leave_without_teardown()
+
+
+def check_fsdp_keeps_rotary_angles_in_float32() -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nv_esm.train.parallel import shard
+
+    nv = make_nv_model(make_hf_model("tiny", seed=3), attn_input_format="thd").train()
+    layers = list(nv.esm.encoder.layers)
+    seen = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].rotary_angles)))
+    shard(nv, layers, SimpleNamespace(fsdp_mesh=init_device_mesh("cpu", (RANKS,))), torch.bfloat16, True)
+    batch = pack_batch(random_proteins([600, 30], seed=5))
+    nv(**batch).logits.float().mean().backward()
+    expected = nv.esm.rotary_embeddings(batch["max_length_q"])
+    assert len(seen) == len(layers)
+    for states_dtype, angles in seen:
+        assert states_dtype == torch.bfloat16  # the layers compute in the policy's dtype
+        assert angles.dtype == torch.float32 and torch.equal(angles, expected)
+
+
+def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
+    """The recipe's FSDP2 policy (`shard`: bf16 parameters, `cast_forward_inputs`) casts the floating tensors of
+    each layer's arguments, dataclasses included; the run layout is a plain object, so its float32 rotary angles
+    reach every layer unchanged (cast to bf16 they were off by up to 2 radians at position 600)."""
+    mp.spawn(check_fsdp_rank, args=(free_port(),), nprocs=RANKS)

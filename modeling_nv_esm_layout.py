@@ -127,19 +127,13 @@ class RunLayout:
         raise NotImplementedError
 
 
-def split_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """`[N, L, heads * 3 * head_dim]` -> query, key, value `[N, heads, L, head_dim]`."""
-    batch, length = qkv.shape[:2]
-    return qkv.view(batch, length, num_heads, 3, head_dim).transpose(1, 2).unbind(3)
-
-
 def rotated_view(
     qkv: torch.Tensor, key_mask: torch.Tensor | None, angles: torch.Tensor, num_heads: int, head_dim: int
 ) -> AttentionView:
     """`AttentionView` of right-padded `qkv [N, L, heads * 3 * head_dim]`: ESM scales the query before the rotation
     (as transformers does), then attends with scale 1."""
-    query, key, value = split_qkv(qkv, num_heads, head_dim)
-    length = qkv.shape[1]
+    batch, length = qkv.shape[:2]
+    query, key, value = qkv.view(batch, length, num_heads, 3, head_dim).transpose(1, 2).unbind(3)
     query = apply_rotary(query * head_dim**-0.5, angles[:length])
     return AttentionView(query, apply_rotary(key, angles[:length]), value, key_mask)
 
@@ -210,7 +204,8 @@ class PackedRun(RunLayout):
         num_tokens: the real tokens, the first ones of the states.
         batch: the input batch (None inside a CUDA graph, which never restores).
         static_shape: padded to a CUDA graph's static shape.
-        key_mask: `[N, L]` True where the right-padded view holds a token (the twin's; made once per batch).
+        key_mask: `[N, L]` True where the right-padded view holds a token (the twin's; made once per batch, or given
+            by a subclass whose view differs).
     """
 
     def __init__(
@@ -220,10 +215,11 @@ class PackedRun(RunLayout):
         num_tokens: int,
         batch: InputBatch | None = None,
         static_shape: bool = False,
+        key_mask: torch.Tensor | None = None,
     ) -> None:
         self.packed, self.rotary_angles, self.num_tokens = packed, rotary_angles, num_tokens
         self.batch, self.static_shape = batch, static_shape
-        self.key_mask = packed.key_mask()
+        self.key_mask = packed.key_mask() if key_mask is None else key_mask
         self.te_kwargs = self.make_te_kwargs()
 
     def make_te_kwargs(self) -> dict[str, Any]:

@@ -197,8 +197,8 @@ class ContextParallelLayout(PackedRun):
         )
         self.to_padded, self.rank_order, self.from_rank_order = to_padded, rank_order, from_rank_order
         self.local_positions, self.local, self.padded = local_positions, local, padded
-        super().__init__(packed, rotary_angles, packed.num_tokens, batch)
-        self.key_mask = key_mask  # the padded proteins' real tokens (PackedRun's would be the unpadded view's)
+        # the padded proteins' real tokens (PackedRun's own would be the unpadded view's)
+        super().__init__(packed, rotary_angles, packed.num_tokens, batch, key_mask=key_mask)
 
     def make_te_kwargs(self) -> dict[str, Any]:
         """The whole batch's real and padded lengths; TE finds this rank's part."""

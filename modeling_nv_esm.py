@@ -50,6 +50,7 @@ try:
     )
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
+    from .modeling_nv_esm_kernels import rotate_qk
     from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import NVEsmLoraTarget
@@ -71,6 +72,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     )
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
+    from modeling_nv_esm_kernels import rotate_qk
     from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import NVEsmLoraTarget
@@ -763,11 +765,13 @@ __all__ = [
     "NVEsmForTokenClassification",
     "NVEsmModel",
     "NVEsmPreTrainedModel",
-    "ContextParallelLayout",  # these three are imported here so that every sibling is a direct relative import
-    "PackedSequences",
-    "RunLayout",  # of this file (see the imports)
-    "StaticShapeGraphs",
     "pack_proteins",
     "protein_residues",
     "resolve_backend",
+    # imported here only so that every sibling file is a direct relative import of this one (see the imports)
+    "ContextParallelLayout",
+    "PackedSequences",
+    "RunLayout",
+    "StaticShapeGraphs",
+    "rotate_qk",
 ]

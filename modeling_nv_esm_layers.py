@@ -20,6 +20,7 @@ from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import NVEsmConfig
+    from .modeling_nv_esm_kernels import rotate_qk
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
@@ -32,6 +33,7 @@ try:
     from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
+    from modeling_nv_esm_kernels import rotate_qk
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
@@ -324,21 +326,62 @@ def te_layer_class() -> type[nn.Module]:
             output = mlp_with_updates(self, inp, gelu_tanh, add_fc2_bias=not self.return_bias)
             return (output, self.fc2_bias) if self.return_bias else output
 
+    class NVEsmTEMultiheadAttention(te.MultiheadAttention):
+        """TE's self-attention block, with a forward that rotates the fused QKV projection where it lies."""
+
+        def rotated_forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> tuple[torch.Tensor, Any]:
+            """`[T, hidden]` or `[B, S, hidden]` -> (projection output, its bias), as TE's forward returns them:
+            LayerNorm + QKV, `rotate_qk` on the queries and keys (`layout.qkv_rotation`), TE's attention on the
+            packed `[..., heads, 3, head_dim]` projection (no copy: its queries, keys and values are views of it),
+            output projection. Without FP8 attention (ESM's recipes have none), the quantizer roles TE's forward
+            sets are these."""
+            self._update_output_quantizer_roles(False, False, False)
+            qkv = self.layernorm_qkv(hidden_states)
+            rotation = layout.qkv_rotation
+            heads, head_dim = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+            qkv = rotate_qk(qkv.view(-1, heads, 3, head_dim), rotation.positions, rotation.cos, rotation.sin)
+            qkv = qkv.view(*hidden_states.shape[:-1], heads, 3, head_dim)
+            kwargs = {name: value for name, value in layout.te_kwargs.items() if name != "rotary_pos_emb"}
+            kwargs.update(qkv_format=self.qkv_format, attn_mask_type=kwargs.pop("self_attn_mask_type"))
+            if not qkv.requires_grad:
+                return self.proj(self.core_attention(None, None, None, qkv_layer=qkv, qkv_interleave_dim=-2, **kwargs))
+            # TE's attention takes queries, keys and values out of a packed `qkv_layer` with `select`, whose
+            # backward would make three zero-filled tensors of the projection's size and sum them: split as TE's own
+            # block does (`SplitAlongDim`, whose backward takes the attention's packed gradient as it lies).
+            split = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim.apply(qkv, -2, (1, 1, 1))
+            query, key, value = (part.squeeze(-2) for part in split)
+            return self.proj(self.core_attention(query, key, value, **kwargs))
+
     class NVEsmTELayer(te.TransformerLayer):
         def __init__(self, *args: Any, config: NVEsmConfig, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             attention = self.self_attention
+            attention.__class__ = NVEsmTEMultiheadAttention
             attention.layernorm_qkv.__class__ = NVEsmTELayerNormLinear  # same state, forwards that add adapters
             attention.proj.__class__ = NVEsmTELinear
             self.layernorm_mlp.__class__ = NVEsmTELayerNormMLP
+            # Unquantized GEMMs: fc1's bias and GELU in its cuBLASLt epilogue (and GELU's derivative in fc2's
+            # backward one) instead of TE's separate bias + GELU kernel, which reads and writes fc1's output again.
+            self.layernorm_mlp.bias_gelu_nvfusion = False
             add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
 
         def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]
-            """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape."""
+            """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape. TE's `TransformerLayer.forward` as
+            NVEsm configures it (pre-LN encoder layer, bias-dropout-add residuals), with the attention block's
+            `rotated_forward`; TE's own forward where the layout leaves the rotation to TE (context parallelism)."""
             refuse_adapters_on_fused_modules(self)
-            return super().forward(hidden_states, **layout.te_kwargs)
+            if layout.qkv_rotation is None:
+                return super().forward(hidden_states, **layout.te_kwargs)
+            hidden_states = hidden_states.contiguous()
+            if torch.is_autocast_enabled("cuda"):
+                hidden_states = hidden_states.to(torch.get_autocast_dtype("cuda"))
+            attention_output, attention_bias = self.self_attention.rotated_forward(hidden_states, layout)
+            hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states, self.drop_path)
+            mlp_output, mlp_bias = self.layernorm_mlp(hidden_states)
+            return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states, self.drop_path)
 
-    for cls in (NVEsmTELayerNormLinear, NVEsmTELinear, NVEsmTELayerNormMLP, NVEsmTELayer):
+    classes = (NVEsmTELayerNormLinear, NVEsmTELinear, NVEsmTELayerNormMLP, NVEsmTEMultiheadAttention, NVEsmTELayer)
+    for cls in classes:
         cls.__qualname__ = cls.__name__  # module-level names, so that models pickle (torch.save(model))
         globals()[cls.__name__] = cls
     return NVEsmTELayer

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
+    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
-    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
+    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
 
 RotaryTable = Callable[[int], torch.Tensor]  # length -> `[length, head_dim]` float32 angles (`NVEsmRotaryEmbedding`)
 
@@ -71,6 +71,18 @@ def pad_packed_to_multiple(
     )
 
 
+class QKVRotation:
+    """What Transformer Engine layers rotate the fused QKV projection with (`modeling_nv_esm_kernels.rotate_qk`):
+    `positions [tokens]` int32, each token's position in its protein (tokens of the run layout in order: packed, or
+    the padded `[B, L]` flattened), and `cos`/`sin` `[L, head_dim / 2]` float32 of the half angle table (ESM's
+    table repeats it). A plain object, for FSDP2's casts (`RunLayout`)."""
+
+    def __init__(self, positions: torch.Tensor, rotary_angles: torch.Tensor) -> None:
+        half = rotary_angles[:, : rotary_angles.shape[1] // 2]
+        self.positions = positions.to(torch.int32).contiguous()
+        self.cos, self.sin = half.cos().contiguous(), half.sin().contiguous()
+
+
 @dataclass
 class AttentionView:
     """The twin's attention inputs in the right-padded view: `query` (scaled by `head_dim**-0.5`, then rotated),
@@ -94,11 +106,14 @@ class RunLayout:
         rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout (None only in a
             layout built without a rotary table, which no layer runs).
         te_kwargs: keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states.
+        qkv_rotation: how TE layers rotate their fused QKV projection (`QKVRotation`, `rotate_qk`); None where TE's
+            own attention must rotate the split queries and keys (context parallelism's per-rank chunks).
         static_shape: the batch was padded to a CUDA graph's static shape (`static_shape`): it replays one.
     """
 
     rotary_angles: torch.Tensor | None
     te_kwargs: dict[str, Any]
+    qkv_rotation: QKVRotation | None = None
     static_shape: bool = False
 
     def rotary_kwargs(self) -> dict[str, Any]:
@@ -148,6 +163,7 @@ class PaddedRun(RunLayout):
         run: the right-padded packing the states were unpacked with (outputs go back through it); None when a
             padded input without padding runs as it came.
         batch: the input batch.
+        rows: B.
     """
 
     def __init__(
@@ -157,12 +173,15 @@ class PaddedRun(RunLayout):
         width: int,
         run: PackedSequences | None,
         batch: InputBatch,
+        rows: int,
     ) -> None:
         self.rotary_angles, self.key_mask, self.width, self.run, self.batch = rotary_angles, key_mask, width, run, batch
         mask = {"self_attn_mask_type": "no_mask"}
         if key_mask is not None:
             mask = {"self_attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
         self.te_kwargs = {**self.rotary_kwargs(), **mask}
+        positions = torch.arange(rotary_angles.shape[0], device=rotary_angles.device).repeat(rows)
+        self.qkv_rotation = QKVRotation(positions, rotary_angles)
 
     @classmethod
     def of(
@@ -182,7 +201,7 @@ class PaddedRun(RunLayout):
             if key_mask is None:
                 key_mask = torch.ones(rows, width, dtype=torch.bool, device=hidden_states.device)
             hidden_states, key_mask = F.pad(hidden_states, (0, 0, 0, extra)), F.pad(key_mask, (0, extra), value=False)
-        return hidden_states, cls(rotary(hidden_states.shape[1]), key_mask, width, run, batch)
+        return hidden_states, cls(rotary(hidden_states.shape[1]), key_mask, width, run, batch, rows)
 
     def to_input(self, states: torch.Tensor) -> torch.Tensor:
         states = states[:, : self.width]
@@ -221,6 +240,7 @@ class PackedRun(RunLayout):
         self.batch, self.static_shape = batch, static_shape
         self.key_mask = packed.key_mask() if key_mask is None else key_mask
         self.te_kwargs = self.make_te_kwargs()
+        self.qkv_rotation = self.make_qkv_rotation()
 
     def make_te_kwargs(self) -> dict[str, Any]:
         cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
@@ -232,6 +252,11 @@ class PackedRun(RunLayout):
             "max_seqlen_q": max_length,
             "max_seqlen_kv": max_length,
         }
+
+    def make_qkv_rotation(self) -> QKVRotation | None:
+        if self.rotary_angles is None:
+            return None
+        return QKVRotation(positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens), self.rotary_angles)
 
     @classmethod
     def of(

@@ -214,6 +214,11 @@ class ContextParallelLayout(PackedRun):
             "pad_between_seqs": True,
         }
 
+    def make_qkv_rotation(self) -> None:
+        """None: TE's attention rotates this rank's chunks itself (it knows their positions from the padded
+        lengths)."""
+        return None
+
     @classmethod
     def of(
         cls,

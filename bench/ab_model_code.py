@@ -149,11 +149,11 @@ def main() -> None:
             "new": load_tree(args.new, "ab_new", Path(folder)),
         }
         results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         for name in args.cases:
             print(name, flush=True)
             results[name] = compare(modules, CASES[name], args.rounds)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+            args.out.write_text(json.dumps(results, indent=1))  # after each case
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 REMOTE_CODE_FILES = (
     "configuration_nv_esm.py",
     "modeling_nv_esm_batch.py",
+    "modeling_nv_esm_kernels.py",
     "modeling_nv_esm_layout.py",
     "modeling_nv_esm_parallel.py",
     "modeling_nv_esm_lora.py",

@@ -19,7 +19,7 @@ from pathlib import Path
 # (kind, substrings of a kernel's lower-cased name), first match wins; anything else is "other".
 KERNEL_KINDS = (
     ("nccl", ("nccl",)),
-    ("rotary", ("rope",)),
+    ("rotary", ("rope", "rotate_qk")),
     ("attention", ("sdpa", "fmha", "flash", "fused_attn", "attn")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
     ("fp8_quantize", ("cast_transpose", "quantize", "amax", "fp8", "scale", "scaling", "transpose")),

@@ -23,6 +23,7 @@ NV_FILES = {
     "configuration_nv_esm.py",
     "modeling_nv_esm.py",
     "modeling_nv_esm_batch.py",
+    "modeling_nv_esm_kernels.py",
     "modeling_nv_esm_layout.py",
     "modeling_nv_esm_parallel.py",
     "modeling_nv_esm_lora.py",

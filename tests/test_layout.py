@@ -13,6 +13,7 @@ LIBRARY_MODULES = (
     "configuration_nv_esm",
     "modeling_nv_esm",
     "modeling_nv_esm_batch",
+    "modeling_nv_esm_kernels",
     "modeling_nv_esm_layout",
     "modeling_nv_esm_parallel",
     "modeling_nv_esm_lora",

@@ -9,18 +9,26 @@ layout it cannot read; in the backward it concatenates the three gradients again
 output where it lies keeps queries, keys and values interleaved (`[tokens, heads, 3, head_dim]`), the packed
 layout TE's `DotProductAttention` reads without a copy and whose gradient it writes as one tensor.
 
-Triton is imported on first use (it ships with CUDA builds of PyTorch); nothing here runs on the CPU except the
-twin.
+Triton (it ships with CUDA builds of PyTorch) is optional: without it `ROTATE_QK_AVAILABLE` is False and TE's own
+attention block rotates (`modeling_nv_esm_layout.QKVRotation.of`). Nothing here runs on the CPU except the twin.
 
 Part of the model's Hub remote code: imports nothing of the project.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
+
+try:  # optional (a try block, so that transformers' remote-code loader does not require it)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+ROTATE_QK_AVAILABLE = triton is not None
 
 
 def rotate_qk_reference(
@@ -40,25 +48,17 @@ def rotate_qk_reference(
     return torch.cat((rotated, qkv[:, :, 2:]), dim=2)
 
 
-@functools.cache
-def _rotate_qk_kernel() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError as error:
-        raise ImportError(
-            "Transformer Engine layers rotate queries and keys with a Triton kernel; Triton ships with CUDA builds of "
-            "PyTorch (pip install triton), or load the model with backend='torch'."
-        ) from error
+if ROTATE_QK_AVAILABLE:
 
     @triton.jit
-    def rotate_qk_kernel(
+    def _rotate_qk_kernel(
         source,
         target,
         positions,
         cos,
         sin,
         heads,
+        table_length,
         source_token_stride,
         source_head_stride,
         target_token_stride,
@@ -70,7 +70,9 @@ def _rotate_qk_kernel() -> Any:
         COPY_VALUES: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
-        position = tl.load(positions + token).to(tl.int64)
+        # Bounded, so that a position past the table (a caller's max_length_q shorter than a protein, with
+        # check_inputs=False) cannot read past it
+        position = tl.minimum(tl.maximum(tl.load(positions + token).to(tl.int64), 0), table_length - 1)
         column = tl.arange(0, BLOCK_HALF)
         head = tl.arange(0, BLOCK_HEADS)
         in_row = column < HALF
@@ -91,7 +93,9 @@ def _rotate_qk_kernel() -> Any:
                 values = tl.load(source_row + 4 * HALF + offset * HALF, mask=mask)
                 tl.store(target_row + 4 * HALF + offset * HALF, values, mask=mask)
 
-    return rotate_qk_kernel
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _launch(
@@ -102,28 +106,35 @@ def _launch(
     sin: torch.Tensor,
     inverse: bool,
 ) -> None:
-    import triton
-
     tokens, heads, _, head_dim = source.shape
-    _rotate_qk_kernel()[(tokens,)](
-        *(source, target, positions, cos, sin, heads, *source.stride()[:2], *target.stride()[:2]),
-        HALF=head_dim // 2,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        BLOCK_HEADS=triton.next_power_of_2(heads),
-        INVERSE=inverse,
-        COPY_VALUES=target.data_ptr() != source.data_ptr(),
-    )
+    if tokens == 0:
+        return
+    with torch.cuda.device(source.device):
+        _rotate_qk_kernel[(tokens,)](
+            *(source, target, positions, cos, sin, heads, cos.shape[0], *source.stride()[:2], *target.stride()[:2]),
+            HALF=head_dim // 2,
+            BLOCK_HALF=_next_power_of_2(head_dim // 2),
+            BLOCK_HEADS=_next_power_of_2(heads),
+            INVERSE=inverse,
+            COPY_VALUES=target.data_ptr() != source.data_ptr(),
+        )
 
 
 def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if not ROTATE_QK_AVAILABLE:
+        raise ImportError("rotate_qk needs Triton (it ships with CUDA builds of PyTorch: pip install triton)")
+    if qkv.dim() != 4 or qkv.shape[2] != 3 or qkv.shape[-1] % 2:
+        raise ValueError(f"rotate_qk takes [tokens, heads, 3, head_dim] with an even head_dim, got {tuple(qkv.shape)}")
+    if qkv.stride(-1) != 1 or qkv.stride(2) != qkv.shape[-1]:
+        raise ValueError(f"rotate_qk needs each head's q, k, v side by side, got strides {qkv.stride()}")
     half = qkv.shape[-1] // 2
-    if qkv.dim() != 4 or qkv.shape[2] != 3 or qkv.stride(-1) != 1 or qkv.stride(2) != 2 * half:
-        raise ValueError(f"rotate_qk takes [tokens, heads, 3, head_dim] with each head's q, k, v contiguous, got "
-                         f"shape {tuple(qkv.shape)}, strides {qkv.stride()}")  # fmt: skip
-    if qkv.shape[-1] % 2 or cos.shape[1:] != (half,) or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"rotate_qk needs an even head_dim and contiguous [L, {half}] cos/sin tables")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != half or table.dtype != torch.float32 or not table.is_contiguous():
+            raise ValueError(f"rotate_qk needs a contiguous float32 [L, {half}] {name} table")
     if positions.shape != qkv.shape[:1] or not positions.is_contiguous():
         raise ValueError("rotate_qk needs one contiguous position per token")
+    if not (qkv.is_cuda and positions.device == cos.device == sin.device == qkv.device):
+        raise ValueError("rotate_qk runs on one CUDA device: qkv, positions and the tables on it")
 
 
 class _RotateQK(torch.autograd.Function):
@@ -135,6 +146,7 @@ class _RotateQK(torch.autograd.Function):
         return rotated
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         positions, cos, sin = ctx.saved_tensors
         if grad.stride(-1) != 1 or grad.stride(2) != grad.shape[-1]:
@@ -145,12 +157,14 @@ class _RotateQK(torch.autograd.Function):
 
 
 def rotate_qk(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the queries and keys of `qkv [T, heads, 3, head_dim]` (CUDA; each head's q, k, v contiguous) by the
-    angles of `positions [T]` (int32/int64): `cos`/`sin` `[L, head_dim / 2]` float32 tables of ESM's half angles.
-    In place, returning `qkv`, when no gradient is recorded; else a new tensor, differentiable with respect to
-    `qkv`. Float32 math as the twin (`rotate_qk_reference`)."""
+    """Rotate the queries and keys of `qkv [T, heads, 3, head_dim]` (CUDA; each head's q, k, v side by side) by the
+    angles of `positions [T]` (int32/int64, each clamped to the table): `cos`/`sin` `[L, head_dim / 2]` float32
+    tables of ESM's half angles. In place, returning `qkv`, when no gradient is recorded; else a new tensor,
+    differentiable with respect to `qkv`. Float32 math as the twin (`rotate_qk_reference`)."""
     _check(qkv, positions, cos, sin)
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _RotateQK.apply(qkv, positions, cos, sin)
     _launch(qkv, qkv, positions, cos, sin, inverse=False)
+    if not torch.is_inference_mode_enabled():
+        torch.autograd.graph.increment_version(qkv)  # as an in-place torch op would: a saved copy of it fails loudly
     return qkv

@@ -84,6 +84,15 @@ def _fp8_state_manager() -> Any:
     return None
 
 
+def fp8_attention_enabled() -> bool:
+    """Whether TE's FP8 region is on with a recipe that quantizes attention too (`fp8_dpa` / `fp8_mha`)."""
+    state = _fp8_state_manager()
+    if state is None or not state.is_fp8_enabled():
+        return False
+    recipe = state.get_fp8_recipe()
+    return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
+
+
 def caller_fp8_enabled() -> bool:
     """Whether Transformer Engine's FP8 autocast is on where the model is called (a caller's `te.autocast`); False
     without TE."""
@@ -326,30 +335,26 @@ def te_layer_class() -> type[nn.Module]:
             output = mlp_with_updates(self, inp, gelu_tanh, add_fc2_bias=not self.return_bias)
             return (output, self.fc2_bias) if self.return_bias else output
 
+    split_along_dim = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim
+
     class NVEsmTEMultiheadAttention(te.MultiheadAttention):
         """TE's self-attention block, with a forward that rotates the fused QKV projection where it lies."""
 
         def rotated_forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> tuple[torch.Tensor, Any]:
             """`[T, hidden]` or `[B, S, hidden]` -> (projection output, its bias), as TE's forward returns them:
-            LayerNorm + QKV, `rotate_qk` on the queries and keys (`layout.qkv_rotation`), TE's attention on the
-            packed `[..., heads, 3, head_dim]` projection (no copy: its queries, keys and values are views of it),
-            output projection. Without FP8 attention (ESM's recipes have none), the quantizer roles TE's forward
-            sets are these."""
-            self._update_output_quantizer_roles(False, False, False)
+            LayerNorm + QKV (`[T', heads * 3 * head_dim]`; T' = all tokens under tensor parallelism, whose
+            sequence-parallel input holds this rank's), `rotate_qk` on the queries and keys (`layout.qkv_rotation`),
+            TE's attention on views of the packed `[..., heads, 3, head_dim]` projection (TE finds the packed
+            layout: no copy, and its backward writes one packed gradient, which `SplitAlongDim`'s backward takes as
+            it lies), output projection."""
             qkv = self.layernorm_qkv(hidden_states)
             rotation = layout.qkv_rotation
             heads, head_dim = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+            packed = (*qkv.shape[:-1], heads, 3, head_dim)
             qkv = rotate_qk(qkv.view(-1, heads, 3, head_dim), rotation.positions, rotation.cos, rotation.sin)
-            qkv = qkv.view(*hidden_states.shape[:-1], heads, 3, head_dim)
+            query, key, value = (part.squeeze(-2) for part in split_along_dim.apply(qkv.view(packed), -2, (1, 1, 1)))
             kwargs = {name: value for name, value in layout.te_kwargs.items() if name != "rotary_pos_emb"}
             kwargs.update(qkv_format=self.qkv_format, attn_mask_type=kwargs.pop("self_attn_mask_type"))
-            if not qkv.requires_grad:
-                return self.proj(self.core_attention(None, None, None, qkv_layer=qkv, qkv_interleave_dim=-2, **kwargs))
-            # TE's attention takes queries, keys and values out of a packed `qkv_layer` with `select`, whose
-            # backward would make three zero-filled tensors of the projection's size and sum them: split as TE's own
-            # block does (`SplitAlongDim`, whose backward takes the attention's packed gradient as it lies).
-            split = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim.apply(qkv, -2, (1, 1, 1))
-            query, key, value = (part.squeeze(-2) for part in split)
             return self.proj(self.core_attention(query, key, value, **kwargs))
 
     class NVEsmTELayer(te.TransformerLayer):
@@ -368,9 +373,10 @@ def te_layer_class() -> type[nn.Module]:
         def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]
             """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape. TE's `TransformerLayer.forward` as
             NVEsm configures it (pre-LN encoder layer, bias-dropout-add residuals), with the attention block's
-            `rotated_forward`; TE's own forward where the layout leaves the rotation to TE (context parallelism)."""
+            `rotated_forward`; TE's own forward where the layout leaves the rotation to TE (`QKVRotation.of`) and
+            under an FP8 recipe with FP8 attention (`fp8_dpa`/`fp8_mha`, which TE's forward wires in)."""
             refuse_adapters_on_fused_modules(self)
-            if layout.qkv_rotation is None:
+            if layout.qkv_rotation is None or fp8_attention_enabled():
                 return super().forward(hidden_states, **layout.te_kwargs)
             hidden_states = hidden_states.contiguous()
             if torch.is_autocast_enabled("cuda"):

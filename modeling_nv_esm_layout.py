@@ -8,7 +8,7 @@ key mask), the tokens this rank runs and back, and the way back to the input's l
 that pads a packed batch with dummy proteins (`pad_packed`), which FP8, tensor parallelism and CUDA graphs' static
 shapes all use, and rotary position embedding.
 
-Part of the model's Hub remote code: imports `modeling_nv_esm_batch` below it.
+Part of the model's Hub remote code: imports `modeling_nv_esm_batch` and `modeling_nv_esm_kernels` below it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 try:
     from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
+    from .modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
+    from modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
 
 RotaryTable = Callable[[int], torch.Tensor]  # length -> `[length, head_dim]` float32 angles (`NVEsmRotaryEmbedding`)
 
@@ -82,6 +84,14 @@ class QKVRotation:
         self.positions = positions.to(torch.int32).contiguous()
         self.cos, self.sin = half.cos().contiguous(), half.sin().contiguous()
 
+    @classmethod
+    def of(cls, positions: torch.Tensor, rotary_angles: torch.Tensor | None) -> QKVRotation | None:
+        """The rotation of a run layout's tokens, or None where TE's own attention block must rotate: no rotary
+        table, a layout on the CPU (the twin's), or no Triton (`ROTATE_QK_AVAILABLE`)."""
+        if rotary_angles is None or not (ROTATE_QK_AVAILABLE and rotary_angles.is_cuda):
+            return None
+        return cls(positions, rotary_angles)
+
 
 @dataclass
 class AttentionView:
@@ -107,7 +117,8 @@ class RunLayout:
             layout built without a rotary table, which no layer runs).
         te_kwargs: keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states.
         qkv_rotation: how TE layers rotate their fused QKV projection (`QKVRotation`, `rotate_qk`); None where TE's
-            own attention must rotate the split queries and keys (context parallelism's per-rank chunks).
+            own attention block must rotate the split queries and keys (context parallelism's per-rank chunks; no
+            Triton; `QKVRotation.of`).
         static_shape: the batch was padded to a CUDA graph's static shape (`static_shape`): it replays one.
     """
 
@@ -181,7 +192,7 @@ class PaddedRun(RunLayout):
             mask = {"self_attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
         self.te_kwargs = {**self.rotary_kwargs(), **mask}
         positions = torch.arange(rotary_angles.shape[0], device=rotary_angles.device).repeat(rows)
-        self.qkv_rotation = QKVRotation(positions, rotary_angles)
+        self.qkv_rotation = QKVRotation.of(positions, rotary_angles)
 
     @classmethod
     def of(
@@ -256,7 +267,8 @@ class PackedRun(RunLayout):
     def make_qkv_rotation(self) -> QKVRotation | None:
         if self.rotary_angles is None:
             return None
-        return QKVRotation(positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens), self.rotary_angles)
+        positions = positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens)
+        return QKVRotation.of(positions, self.rotary_angles)
 
     @classmethod
     def of(

@@ -2,10 +2,11 @@
 
 `rotate_qk_reference` (the twin of `rotate_qk`) is checked on the CPU against the rotation the PyTorch layers run
 (`modeling_nv_esm_layout.apply_rotary`); the Triton kernel is checked on the GPU against the twin, forward (in
-place and out of place) and backward. Float32 within 1e-6: the same float32 operations, possibly contracted into
-fused multiply-adds. bf16 within one bf16 step of the value, as the float32 results round to bf16 at most one step
-apart (1e-6 more where the terms cancel). Random shapes: any head count (ESM-2's 20 is not a power of two), head
-dims 8..128 (24, of ESM-2 35M, is not one either), positions anywhere in the table, tokens of one protein or many.
+place and out of place) and backward (a packed and a strided gradient). Float32 within 1e-6: the same float32
+operations, possibly contracted into fused multiply-adds. bf16 and fp16 within one step of the value in their
+dtype, as the float32 results round at most one step apart (1e-6 more where the terms cancel). Random shapes: any
+head count (ESM-2's 20 is not a power of two), head dims 8..128 (24, of ESM-2 35M, is not one either), positions
+anywhere in the table, tokens of one protein or many.
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ def test_reference_rotates_as_the_pytorch_layers_do(shape):
 def within_a_step(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
-    else:  # one bf16 step of the value (2**-7 relative), plus float32 rounding where q/k terms cancel
-        step = expected.float().abs() * 2.0**-7 + 1e-6
+    else:  # one step of the value (bf16 2**-7, fp16 2**-10 relative), plus float32 rounding where q/k terms cancel
+        step = expected.float().abs() * torch.finfo(dtype).eps + 1e-6
         assert bool(((actual.float() - expected.float()).abs() <= step).all())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 @GPU_MARKS[1]
 def test_rotate_qk_matches_its_twin_forward_and_backward(shape, dtype):
@@ -78,12 +79,24 @@ def test_rotate_qk_matches_its_twin_forward_and_backward(shape, dtype):
     assert rotated.data_ptr() != source.data_ptr()
     within_a_step(rotated.detach(), expected, dtype)
     assert torch.equal(source.detach(), qkv)  # the input is left as it was
-    grad = torch.randn_like(rotated)
-    rotated.backward(grad)
+    # a gradient as TE's attention hands it back (packed) and a strided one (the kernel reads any token/head strides)
+    for grad in (torch.randn_like(rotated), torch.randn(qkv.shape[1], qkv.shape[0], 3, qkv.shape[3]).to(qkv)):
+        grad = grad if grad.shape == qkv.shape else grad.transpose(0, 1)
+        given = grad.clone()
+        source.grad = None
+        rotate_qk(source, *args).backward(grad)
+        assert torch.equal(grad, given)  # the given gradient is left as it was
+        twin_source = qkv.float().requires_grad_()
+        rotate_qk_reference(twin_source, *args).backward(grad.float())
+        within_a_step(source.grad, twin_source.grad.to(dtype), dtype)
 
-    twin_source = qkv.float().requires_grad_()
-    rotate_qk_reference(twin_source, *args).backward(grad.float())
-    within_a_step(source.grad, twin_source.grad.to(dtype), dtype)
+
+def test_the_rotation_is_left_to_te_off_the_gpu():
+    """`QKVRotation.of` gives none for a CPU layout (the twin's) or without a rotary table: TE's own attention block
+    rotates wherever the kernel cannot run."""
+    angles = angle_table(16, 8)
+    assert QKVRotation.of(torch.arange(16), angles) is None
+    assert QKVRotation.of(torch.arange(16), None) is None
 
 
 @pytest.mark.gpu

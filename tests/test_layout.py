@@ -75,6 +75,19 @@ def test_the_remote_code_files_are_installed_and_import_only_downward():
     assert imported_by_model == set(modules) - {"modeling_nv_esm"}
 
 
+def test_the_remote_code_requires_nothing_beyond_torch_and_transformers():
+    """transformers checks every remote-code file of a Hub repository before it loads one (`check_imports`: each
+    package imported outside a `try` block must be installed): an optional package such as Triton or Transformer
+    Engine imported outside one would make every CPU-only user's `from_pretrained` fail."""
+    from transformers.dynamic_module_utils import get_imports
+
+    from nv_esm.hub_folder import REMOTE_CODE_FILES
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers", "tqdm"}  # tqdm: a transformers requirement
+    for name in REMOTE_CODE_FILES:
+        assert set(get_imports(ROOT / name)) <= allowed, (name, set(get_imports(ROOT / name)) - allowed)
+
+
 def test_source_files_keep_to_the_size_rule():
     """`modeling_nv_esm.py` at most 1,000 lines, every other source file of the package and the remote code at most
     700 (tests and benchmarks aside)."""

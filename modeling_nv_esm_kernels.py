@@ -120,12 +120,18 @@ def _launch(
         )
 
 
+def _heads_side_by_side(qkv: torch.Tensor) -> bool:
+    """Whether the kernel reads `qkv [T, heads, 3, head_dim]` as it lies: each head's q, k, v side by side (any
+    token and head strides)."""
+    return qkv.stride(-1) == 1 and qkv.stride(2) == qkv.shape[-1]
+
+
 def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if not ROTATE_QK_AVAILABLE:
         raise ImportError("rotate_qk needs Triton (it ships with CUDA builds of PyTorch: pip install triton)")
     if qkv.dim() != 4 or qkv.shape[2] != 3 or qkv.shape[-1] % 2:
         raise ValueError(f"rotate_qk takes [tokens, heads, 3, head_dim] with an even head_dim, got {tuple(qkv.shape)}")
-    if qkv.stride(-1) != 1 or qkv.stride(2) != qkv.shape[-1]:
+    if not _heads_side_by_side(qkv):
         raise ValueError(f"rotate_qk needs each head's q, k, v side by side, got strides {qkv.stride()}")
     half = qkv.shape[-1] // 2
     for name, table in (("cos", cos), ("sin", sin)):
@@ -149,7 +155,7 @@ class _RotateQK(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         positions, cos, sin = ctx.saved_tensors
-        if grad.stride(-1) != 1 or grad.stride(2) != grad.shape[-1]:
+        if not _heads_side_by_side(grad):
             grad = grad.contiguous()
         grad_qkv = torch.empty_like(grad, memory_format=torch.contiguous_format)  # never write a given gradient
         _launch(grad, grad_qkv, positions, cos, sin, inverse=True)

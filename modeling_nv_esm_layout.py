@@ -85,12 +85,13 @@ class QKVRotation:
         self.cos, self.sin = half.cos().contiguous(), half.sin().contiguous()
 
     @classmethod
-    def of(cls, positions: torch.Tensor, rotary_angles: torch.Tensor | None) -> QKVRotation | None:
-        """The rotation of a run layout's tokens, or None where TE's own attention block must rotate: no rotary
-        table, a layout on the CPU (the twin's), or no Triton (`ROTATE_QK_AVAILABLE`)."""
+    def of(cls, rotary_angles: torch.Tensor | None, positions: Callable[[], torch.Tensor]) -> QKVRotation | None:
+        """The rotation of a run layout's tokens (`positions()`, called only when one is made), or None where TE's own
+        attention block must rotate: no rotary table, a layout on the CPU (the twin's), or no Triton
+        (`ROTATE_QK_AVAILABLE`)."""
         if rotary_angles is None or not (ROTATE_QK_AVAILABLE and rotary_angles.is_cuda):
             return None
-        return cls(positions, rotary_angles)
+        return cls(positions(), rotary_angles)
 
 
 @dataclass
@@ -191,8 +192,9 @@ class PaddedRun(RunLayout):
         if key_mask is not None:
             mask = {"self_attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
         self.te_kwargs = {**self.rotary_kwargs(), **mask}
-        positions = torch.arange(rotary_angles.shape[0], device=rotary_angles.device).repeat(rows)
-        self.qkv_rotation = QKVRotation.of(positions, rotary_angles)
+        self.qkv_rotation = QKVRotation.of(
+            rotary_angles, lambda: torch.arange(rotary_angles.shape[0], device=rotary_angles.device).repeat(rows)
+        )
 
     @classmethod
     def of(
@@ -265,10 +267,9 @@ class PackedRun(RunLayout):
         }
 
     def make_qkv_rotation(self) -> QKVRotation | None:
-        if self.rotary_angles is None:
-            return None
-        positions = positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens)
-        return QKVRotation.of(positions, self.rotary_angles)
+        return QKVRotation.of(
+            self.rotary_angles, lambda: positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens)
+        )
 
     @classmethod
     def of(

@@ -92,11 +92,12 @@ def test_rotate_qk_matches_its_twin_forward_and_backward(shape, dtype):
 
 
 def test_the_rotation_is_left_to_te_off_the_gpu():
-    """`QKVRotation.of` gives none for a CPU layout (the twin's) or without a rotary table: TE's own attention block
-    rotates wherever the kernel cannot run."""
+    """`QKVRotation.of` gives none for a CPU layout (the twin's) or without a rotary table, without computing the
+    tokens' positions: TE's own attention block rotates wherever the kernel cannot run."""
     angles = angle_table(16, 8)
-    assert QKVRotation.of(torch.arange(16), angles) is None
-    assert QKVRotation.of(torch.arange(16), None) is None
+    unused = lambda: pytest.fail("positions made for a rotation that is not used")  # noqa: E731
+    assert QKVRotation.of(angles, unused) is None
+    assert QKVRotation.of(None, unused) is None
 
 
 @pytest.mark.gpu

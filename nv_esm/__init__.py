@@ -17,6 +17,8 @@ The model itself is the Hub remote code at the top of the repository (`configura
 - `trace_summary`: where a profiled step's time went (`python -m nv_esm.trace_summary`).
 - `embed`: the `nv-esm embed` command; its parts `embed_plan` (the first pass over the FASTA file, the settings),
   `embed_model` (the model over the proteins of a shard) and `embed_output` (shards, index, manifest, lock).
+- `scoring`: variant-effect scores (masked marginals, wild-type marginals, PLL ratios) and pseudo-log-likelihoods,
+  masked copies packed into THD batches; `score`: the `nv-esm score` command around it.
 - `train`: the FSDP2 training recipe, split by concern.
 - `cli`: the `nv-esm` command.
 """

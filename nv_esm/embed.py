@@ -31,6 +31,7 @@ import datetime
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,21 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "stop_removed column says where",
     )
     parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
-    parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32")
+    add_run_arguments(parser, "last layer only, no contacts")
+    args = parser.parse_args(argv)
+    if args.shard_size < 1 or args.tokens_per_batch < 1:
+        parser.error("--shard-size and --tokens-per-batch must be positive")
+    if "contacts" in args.include and args.too_long == "window":
+        parser.error("contacts of windowed proteins are not defined: use --too-long crop, skip or error")
+    return args
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:
+    """The options `nv-esm embed` and `nv-esm score` share: the token budget, the backend and its FP8 layers and
+    CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`, `--trust-remote-code`
+    and `--no-progress`."""
+    parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument(
         "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA)"
@@ -102,7 +116,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
-        help="replay the layers as CUDA graphs (default on Transformer Engine; last layer only, no contacts)",
+        help=f"replay the layers as CUDA graphs (default on Transformer Engine; {graphs_note})",
     )
     parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings")
@@ -113,12 +127,6 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "folders you trust; default: the installed code runs the checkpoint's weights)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    if args.shard_size < 1 or args.tokens_per_batch < 1:
-        parser.error("--shard-size and --tokens-per-batch must be positive")
-    if "contacts" in args.include and args.too_long == "window":
-        parser.error("contacts of windowed proteins are not defined: use --too-long crop, skip or error")
-    return args
 
 
 def command_device(name: str | None) -> torch.device:
@@ -135,15 +143,30 @@ def command_device(name: str | None) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s).")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: nv-esm embed runs on cpu or cuda.")
+        raise ValueError(f"--device {name}: nv-esm runs on cpu or cuda.")
     return device
 
 
 def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+
+    def embed_on(device: torch.device, rank: int, world_size: int) -> None:
+        config = load_config(args.checkpoint)
+        settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
+        graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
+        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device, args.trust_remote_code)
+        run(args, model, settings, records, rank, world_size)
+
+    return run_on_ranks(args.device, embed_on, f"finished shards in {args.output} are kept, a rerun resumes")
+
+
+def run_on_ranks(device_name: str | None, work: Callable[[torch.device, int, int], object], kept: str) -> int:
+    """Run a command's `work(device, rank, world_size)` on this process's device (`command_device`), in a process
+    group when torchrun started several ranks (NCCL on CUDA, else gloo). Returns the exit status: 0; 1 after a
+    one-line `error:` for ValueError, OSError and RuntimeError; 130 after Ctrl-C, saying what is `kept`."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        device = command_device(args.device)
+        device = command_device(device_name)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -153,24 +176,21 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
         backend = "nccl" if device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=24))
     try:
-        config = load_config(args.checkpoint)
-        settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
-        graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
-        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device, args.trust_remote_code)
-        run(args, model, settings, records, rank, world_size)
+        work(device, rank, world_size)
         return 0
     except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"error: interrupted; finished shards in {args.output} are kept, a rerun resumes.", file=sys.stderr)
+        print(f"error: interrupted; {kept}.", file=sys.stderr)
         return 130
     finally:
         if world_size > 1:
             torch.distributed.destroy_process_group()
 
 
-def _barrier(world_size: int) -> None:
+def barrier(world_size: int) -> None:
+    """Wait for every rank (nothing to wait for on one)."""
     if world_size > 1:
         torch.distributed.barrier()
 
@@ -208,10 +228,10 @@ def _run(
 ) -> RunStats:
     if rank == 0:
         prepare_output(args.output, settings, args.overwrite)
-    _barrier(world_size)
+    barrier(world_size)
     num_shards = -(-len(records) // args.shard_size)
     missing = [shard for shard in range(num_shards) if shard_ids(args.output / shard_name(shard)) is None]
-    _barrier(world_size)  # every rank has its list before any writes a shard: all share one list
+    barrier(world_size)  # every rank has its list before any writes a shard: all share one list
     mine = set(missing[rank::world_size])
     todo = sum(
         not record.status.startswith("skipped")
@@ -243,7 +263,7 @@ def _run(
             writing.result()
     progress.close()
     seconds = time.perf_counter() - started
-    _barrier(world_size)
+    barrier(world_size)
     if rank == 0:
         write_index(args.output, records, args.shard_size, settings.max_length)
         counts: dict[str, int] = {}

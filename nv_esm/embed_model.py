@@ -47,13 +47,14 @@ def load_model(
     cuda_graphs: bool,
     device: torch.device,
     trust_remote_code: bool = False,
+    masked_lm: bool = False,
 ) -> torch.nn.Module:
-    """The base model (`NVEsmModel`, contact head included) of `checkpoint` on `device` in eval mode: bf16 weights
-    on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend` gives it. Without the data-dependent
-    input checks, which wait for the device: `ShardEmbedder` packs the inputs itself from checked records. The
-    installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
-    `trust_remote_code` and where it differs (`remote_code_differences`)."""
-    from transformers import AutoModel
+    """The base model (`NVEsmModel`, contact head included; with `masked_lm`, `NVEsmForMaskedLM`) of `checkpoint` on
+    `device` in eval mode: bf16 weights on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend`
+    gives it. Without the data-dependent input checks, which wait for the device: the commands pack the inputs
+    themselves from checked records. The installed package's model code runs the checkpoint's weights; the
+    checkpoint's own code only with `trust_remote_code` and where it differs (`remote_code_differences`)."""
+    from transformers import AutoModel, AutoModelForMaskedLM
 
     from nv_esm.hub_folder import remote_code_differences
 
@@ -63,12 +64,18 @@ def load_model(
         "check_inputs": False,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "backend": backend,
-        "add_pooling_layer": False,
     }
+    if not masked_lm:
+        options["add_pooling_layer"] = False
+    auto_class, installed_class = (
+        (AutoModelForMaskedLM, modeling_nv_esm.NVEsmForMaskedLM)
+        if masked_lm
+        else (AutoModel, modeling_nv_esm.NVEsmModel)
+    )
     differing = remote_code_differences(checkpoint)
     if differing and trust_remote_code:
         print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
-        model = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, **options)
+        model = auto_class.from_pretrained(checkpoint, trust_remote_code=True, **options)
     else:
         if differing:
             print(
@@ -76,7 +83,7 @@ def load_model(
                 "installed model code (--trust-remote-code runs its own, for folders you trust)",
                 file=sys.stderr,
             )
-        model = modeling_nv_esm.NVEsmModel.from_pretrained(checkpoint, use_safetensors=True, **options)
+        model = installed_class.from_pretrained(checkpoint, use_safetensors=True, **options)
     return model.to(device).eval()
 
 
@@ -173,18 +180,34 @@ class ShardEmbedder:
         return finished
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
     def _download(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cuda":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+        return to_host(tensor)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        return device_autocast(self.device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the CPU) on `device`; to CUDA from pinned memory without waiting for the copy."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU; from CUDA into pinned memory without waiting (valid once the device reaches the copy:
+    record a `torch.cuda.Event` after it and synchronize on that before reading)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def device_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """The commands' precision: bf16 autocast on CUDA, none (the weights' fp32) on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Every file is written under a temporary name and renamed (`write_shard`, `write_index`), so a folder never holds a
 half-written file under its final name. `prepare_output` keeps the finished shards of an earlier run only when its
 manifest holds equal settings (`EmbedSettings`, the checkpoint's fingerprint included); `output_lock` holds the
-folder while a run writes it; `iter_embeddings` reads a finished folder back, protein by protein.
+folder while a run writes it; `iter_embeddings` reads a finished folder back, protein by protein. `prepare_output`
+and `output_lock` serve `nv-esm score`'s folder of finished parts too (`OutputFolder` says whose folder it is).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nv_esm.embed_plan import EmbedSettings, Record, embedded_residues
+from nv_esm.embed_plan import Record, embedded_residues
 
 FORMAT = "nv-esm-embed/1"
 MANIFEST_NAME = "manifest.json"
@@ -37,60 +38,81 @@ LOCK_NAME = ".nv-esm-embed.lock"
 OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?|\.nv-esm-embed\.lock")
 
 
+@dataclass(frozen=True)
+class OutputFolder:
+    """Whose resumable folder `prepare_output` and `output_lock` keep: the command (named in errors), its manifest
+    format, the names of the files it writes, its lock file, what it calls its finished pieces, and the values of
+    settings its manifests were once written without."""
+
+    command: str
+    format: str
+    names: re.Pattern
+    lock_name: str
+    pieces: str
+    settings_before: tuple[tuple[str, Any], ...] = ()
+
+
+EMBED_FOLDER = OutputFolder("nv-esm embed", FORMAT, OUR_NAMES, LOCK_NAME, "shards", tuple(_SETTINGS_BEFORE.items()))
+
+
 def shard_name(shard: int) -> str:
     return f"{SHARD_PREFIX}{shard:05d}.safetensors"
 
 
-def prepare_output(folder: Path, settings: EmbedSettings, overwrite: bool) -> None:
+def prepare_output(folder: Path, settings: Any, overwrite: bool, kind: OutputFolder = EMBED_FOLDER) -> None:
     """Create `folder`, or check that it holds an earlier run of this command with equal settings (its finished
     shards are then kept). Refuses a folder with anything else in it; with other settings, refuses unless
-    `overwrite`, which deletes only the files this command writes (the manifest last)."""
+    `overwrite`, which deletes only the files this command writes (the manifest last). `settings`: a dataclass
+    (`EmbedSettings` for `nv-esm embed`); `kind`: whose folder it is."""
     folder.mkdir(parents=True, exist_ok=True)
     entries = list(folder.iterdir())
-    foreign = sorted(path.name for path in entries if not (path.is_file() and OUR_NAMES.fullmatch(path.name)))
+    foreign = sorted(path.name for path in entries if not (path.is_file() and kind.names.fullmatch(path.name)))
     if foreign:
         raise FileExistsError(
-            f"{folder} holds files nv-esm embed did not write ({', '.join(foreign[:5])}); choose a new or empty folder."
+            f"{folder} holds files {kind.command} did not write ({', '.join(foreign[:5])}); choose a new or empty "
+            "folder."
         )
     manifest = folder / MANIFEST_NAME
-    current = {"format": FORMAT, **_jsonable(settings)}
-    if any(path.name != LOCK_NAME for path in entries) and not manifest.exists():
+    current = {"format": kind.format, **_jsonable(settings)}
+    if any(path.name != kind.lock_name for path in entries) and not manifest.exists():
         raise FileExistsError(
-            f"{folder} holds shards but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty folder."
+            f"{folder} holds {kind.pieces} but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty "
+            "folder."
         )
     if manifest.exists():
-        earlier = {**_SETTINGS_BEFORE, **_read_manifest(manifest)}
+        earlier = {**dict(kind.settings_before), **_read_manifest(manifest, kind)}
         changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
         if changed and not overwrite:
             details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
             raise FileExistsError(
-                f"{folder} holds a run with other settings ({details}). Its shards would not match: pass "
+                f"{folder} holds a run with other settings ({details}). Its {kind.pieces} would not match: pass "
                 "--overwrite to delete them, or choose another folder."
             )
         if changed:
             for path in sorted(entries, key=lambda path: path.name == MANIFEST_NAME):
-                if path.name != LOCK_NAME:
+                if path.name != kind.lock_name:
                     path.unlink()
     for stale in folder.glob("*.tmp"):
         stale.unlink()
-    _write_atomically(manifest, json.dumps(current, indent=2) + "\n")
+    write_atomically(manifest, json.dumps(current, indent=2) + "\n")
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def _read_manifest(path: Path, kind: OutputFolder) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not a manifest of nv-esm embed ({error}).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a manifest of nv-esm embed (format {FORMAT}).")
+        raise ValueError(f"{path} is not a manifest of {kind.command} ({error}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != kind.format:
+        raise ValueError(f"{path} is not a manifest of {kind.command} (format {kind.format}).")
     return manifest
 
 
-def _jsonable(settings: EmbedSettings) -> dict[str, Any]:
+def _jsonable(settings: Any) -> dict[str, Any]:
     return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(settings).items()}
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """`text` under `path`, written to a temporary name beside it, synced, then renamed."""
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "w") as file:
         file.write(text)
@@ -149,7 +171,7 @@ def write_index(folder: Path, records: list[Record], shard_size: int, max_length
     for record, _, name, row, used in rows:
         stop = "yes" if record.stop_removed else "no"
         lines.append(f"{record.id}\t{record.number}\t{record.residues}\t{record.status}\t{name}\t{row}\t{used}\t{stop}")
-    _write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
+    write_atomically(folder / INDEX_NAME, "\n".join(lines) + "\n")
 
 
 def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -181,15 +203,15 @@ def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.T
 
 
 @contextlib.contextmanager
-def output_lock(folder: Path) -> Iterator[None]:
+def output_lock(folder: Path, kind: OutputFolder = EMBED_FOLDER) -> Iterator[None]:
     """Hold `folder` while this run writes it: another run into it (one with --overwrite would replace this run's
-    shards under it) is refused until this one ends. An advisory lock (`flock`) on `LOCK_NAME`, which the system
-    releases if the process dies; the file is removed at the end."""
+    shards under it) is refused until this one ends. An advisory lock (`flock`) on `kind.lock_name`, which the
+    system releases if the process dies; the file is removed at the end."""
     import fcntl
     import socket
 
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
+    path = folder / kind.lock_name
     with open(path, "a+") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -197,7 +219,7 @@ def output_lock(folder: Path) -> Iterator[None]:
             file.seek(0)
             holder = file.read().strip() or "another process"
             raise FileExistsError(
-                f"{folder} is being written by another nv-esm embed run ({holder}); wait for it to end, or choose "
+                f"{folder} is being written by another {kind.command} run ({holder}); wait for it to end, or choose "
                 "another folder."
             ) from None
         file.truncate(0)

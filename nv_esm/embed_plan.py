@@ -173,6 +173,16 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def command_backend(args: argparse.Namespace, device: torch.device) -> Any:
+    """The layers' backend of `--backend` on `device` (`modeling_nv_esm.resolve_backend`); ValueError where `--fp8`
+    or an explicit `--cuda-graphs` asks for what it cannot run."""
+    backend = modeling_nv_esm.resolve_backend(args.backend, device)
+    unsupported = (args.fp8 != "off" and not backend.runs_fp8) or (args.cuda_graphs and not backend.runs_cuda_graphs)
+    if unsupported:  # --cuda-graphs asked for, not the default
+        raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
+    return backend
+
+
 def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tuple[EmbedSettings, list[Record]]:
     """Check the arguments against the checkpoint and make the first pass over the FASTA file."""
     longest = config.max_protein_length - 2
@@ -184,10 +194,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         raise ValueError(
             f"--layers must be in [{-states}, {states - 1}] for this {config.num_hidden_layers}-layer model."
         )
-    backend = modeling_nv_esm.resolve_backend(args.backend, device)
-    unsupported = (args.fp8 != "off" and not backend.runs_fp8) or (args.cuda_graphs and not backend.runs_cuda_graphs)
-    if unsupported:  # --cuda-graphs asked for, not the default
-        raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
+    backend = command_backend(args, device)
     records, fasta_sha256 = scan_fasta(args.fasta, max_length, args.too_long, args.invalid, args.strip_stop)
     settings = EmbedSettings(
         checkpoint=checkpoint_fingerprint(args.checkpoint, config),

@@ -28,6 +28,8 @@ LIBRARY_MODULES = (
     "nv_esm.embed_plan",
     "nv_esm.embed_model",
     "nv_esm.embed_output",
+    "nv_esm.score",
+    "nv_esm.scoring",
     "nv_esm.model_card",
     "nv_esm.verification",
     "nv_esm.hub_folder",

@@ -1,0 +1,458 @@
+"""`nv-esm score`: pseudo-log-likelihoods of a FASTA file's proteins, or variant-effect scores of a mutant table.
+
+    nv-esm score ./esm2_650M_te proteins.fasta pll.csv                        # PLL + pseudo-perplexity per record
+    nv-esm score ./esm2_650M_te wild_type.fasta scores.csv --mutants dms.csv --methods masked_marginal pseudo_likelihood
+    torchrun --nproc-per-node 8 -m nv_esm score ./esm2_650M_te wild_type.fasta scores.csv --mutants dms.csv
+
+FASTA mode: one output row per record (id, residues, pll, pseudo_perplexity, status). Mutant mode: the FASTA file
+holds the wild type (one record) and the CSV a `--mutant-column` in ProteinGym's notation (`A24G`, `A24G:K30R`,
+1-based); the output is the CSV with one column per method and a status column added, rows in the input order. A
+`--score-column` (default `DMS_score`, where there is one) gets Spearman's rho per method, printed. The methods, the
+window rule for long proteins and the numerics are `nv_esm.scoring`'s.
+
+Every input is checked before the model loads: FASTA records as `nv-esm embed` checks them, each mutant row
+(format, positions, the wild-type letter; for the marginal methods, that its positions fit one window). A bad one
+stops the run with its row and position, or with `--invalid skip` is left unscored (its status says why).
+
+Resumable: the work is cut into parts (`--shard-size` records, or about `--shard-size` rows; a mutant part holds
+whole groups of rows changing the same positions, so each group is one forward), each written, when finished, to
+`OUTPUT.parts/part-NNNNN.csv` beside the output (with `manifest.json`: the settings and fingerprints of the weights and
+inputs). A rerun with the same settings computes only the missing parts (under torchrun, split over the ranks);
+other settings are refused unless `--overwrite`. Rank 0 writes OUTPUT when every part is there and removes the parts;
+an existing OUTPUT is replaced only with `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import io
+import math
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from modeling_nv_esm_batch import protein_residues
+from nv_esm.alphabet import iter_fasta
+from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
+from nv_esm.embed_model import load_config, load_model
+from nv_esm.embed_output import OutputFolder, output_lock, prepare_output, write_atomically
+from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
+from nv_esm.scoring import METHODS, Scorer, Substitution, check_variant
+
+SCORE_FOLDER = OutputFolder(
+    "nv-esm score",
+    "nv-esm-score/1",
+    re.compile(r"(part-\d{5,}\.csv|manifest\.json)(\.tmp)?|\.nv-esm-score\.lock"),
+    ".nv-esm-score.lock",
+    "parts",
+)
+PLL_COLUMNS = ("pll", "pseudo_perplexity")
+STATUS_COLUMN = "status"
+DEFAULT_SCORE_COLUMN = "DMS_score"
+DEFAULT_METHODS = ["masked_marginal"]
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Pseudo-log-likelihoods of a FASTA file's proteins, or variant-effect scores of a CSV of mutants "
+        "of one wild type, with an NVEsm masked-LM checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
+    parser.add_argument("fasta", type=Path, help="proteins to score (PLL), or with --mutants the wild type (1 record)")
+    parser.add_argument("output", type=Path, help="the output CSV (finished parts are kept in OUTPUT.parts/)")
+    parser.add_argument("--mutants", type=Path, help="a CSV of mutants of the wild type, one per row (ProteinGym's)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=DEFAULT_METHODS, help="with --mutants: one output column each"
+    )
+    parser.add_argument("--mutant-column", default="mutant", help="with --mutants: the column of A24G / A24G:K30R")
+    parser.add_argument(
+        "--score-column",
+        help="with --mutants: measured scores to rank against (Spearman's rho, printed; default "
+        f"{DEFAULT_SCORE_COLUMN} where the CSV has it)",
+    )
+    parser.add_argument(
+        "--window", type=int, help="residues per forward for longer proteins (default: max_position_embeddings - 2)"
+    )
+    parser.add_argument(
+        "--invalid",
+        choices=("error", "skip"),
+        default="error",
+        help="FASTA records outside ESM-2's alphabet, or bad mutant rows: stop, or leave them unscored (the status "
+        "column says why)",
+    )
+    parser.add_argument("--strip-stop", action="store_true", help="remove a trailing '*' of a FASTA record")
+    parser.add_argument(
+        "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
+    )
+    add_run_arguments(parser, "every forward of masked copies")
+    args = parser.parse_args(argv)
+    if args.mutants is None and (args.methods is not DEFAULT_METHODS or args.score_column):
+        parser.error("--methods and --score-column score mutants: pass --mutants CSV")
+    args.methods = tuple(dict.fromkeys(args.methods)) if args.mutants else ()
+    if args.shard_size is None:
+        args.shard_size = 2000 if args.mutants else 100
+    if args.shard_size < 1 or args.tokens_per_batch < 1:
+        parser.error("--shard-size and --tokens-per-batch must be positive")
+    return args
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """Everything that decides the numbers written (the parts folder's manifest; a rerun resumes only if equal)."""
+
+    checkpoint: str  # a fingerprint of the weights (`checkpoint_fingerprint`)
+    fasta_sha256: str
+    mutants_sha256: str  # "" in FASTA mode
+    mutant_column: str
+    methods: tuple[str, ...]  # () in FASTA mode: PLL
+    window: int
+    invalid: str
+    strip_stop: bool
+    shard_size: int
+    precision: str
+    backend: str
+    fp8: str
+
+
+@dataclass
+class ScoreJob:
+    """What the first pass found: the settings, the units (records, or rows of the CSV), their statuses, and the
+    parts (unit indices each; a part's index names its file)."""
+
+    settings: ScoreSettings
+    statuses: list[str]  # per unit: "scored", "scored in windows" or "skipped: ..."
+    parts: list[list[int]]
+    records: list[Record] | None = None  # FASTA mode
+    wild_type: str = ""  # mutant mode: the wild type's residues
+    rows: list[dict[str, str]] | None = None  # mutant mode: the CSV's rows
+    columns: list[str] | None = None  # mutant mode: the CSV's columns
+    variants: dict[int, tuple[Substitution, ...]] | None = None  # mutant mode: per valid row
+
+
+def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window: int) -> ScoreJob:
+    """Check every input (before the model loads) and cut the work into parts."""
+    backend = command_backend(args, device)
+    longest = config.max_protein_length - 2
+    if not 1 <= window <= longest:
+        raise ValueError(f"--window must be 1 to {longest} residues (the checkpoint's max_protein_length - 2).")
+    records, fasta_sha256 = scan_fasta(args.fasta, window, "window", args.invalid, args.strip_stop)
+    settings = dict(
+        checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+        fasta_sha256=fasta_sha256,
+        mutant_column=args.mutant_column if args.mutants else "",
+        methods=args.methods,
+        window=window,
+        invalid=args.invalid,
+        strip_stop=args.strip_stop,
+        shard_size=args.shard_size,
+        precision="bf16" if device.type == "cuda" else "fp32",
+        backend=backend.name,
+        fp8=args.fp8,
+    )
+    if args.mutants is None:
+        statuses = [_record_status(record.status) for record in records]
+        valid = [i for i, status in enumerate(statuses) if status.startswith("scored")]
+        parts = [
+            [i for i in valid if start <= i < start + args.shard_size]
+            for start in range(0, len(records), args.shard_size)
+        ]
+        job_settings = ScoreSettings(mutants_sha256="", **settings)
+        return ScoreJob(job_settings, statuses, [part for part in parts if part], records=records)
+    return _plan_mutants(args, records, ScoreSettings(mutants_sha256=_sha256(args.mutants), **settings))
+
+
+def _record_status(status: str) -> str:
+    return {"embedded": "scored", "windowed": "scored in windows"}.get(status, status)
+
+
+def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: ScoreSettings) -> ScoreJob:
+    if len(records) != 1 or records[0].status.startswith("skipped"):
+        problem = "holds no valid record" if len(records) == 1 else f"holds {len(records)} records"
+        raise ValueError(f"{args.fasta} {problem}; with --mutants it must hold the wild type alone.")
+    with open(args.fasta, "rb") as raw:
+        (_, sequence), *_ = iter_fasta(text_lines(raw, args.fasta), args.fasta)
+    wild_type = protein_residues(sequence[: records[0].residues], f"{args.fasta}: the wild type")
+    columns, rows = _read_csv(args.mutants)
+    added = [name for name in (*args.methods, STATUS_COLUMN) if name in columns]
+    if args.mutant_column not in columns or added:
+        problem = f"has no column {args.mutant_column!r}" if not added else f"has columns named {', '.join(added)}"
+        raise ValueError(f"{args.mutants} {problem} (columns: {', '.join(columns)}); see --mutant-column.")
+    if args.score_column and args.score_column not in columns:
+        raise ValueError(f"{args.mutants} has no --score-column {args.score_column!r}.")
+    statuses, variants = [], {}
+    for number, (row, line) in enumerate(rows, 1):
+        name = f"{args.mutants}: row {number} (line {line})"
+        try:
+            variants[number - 1] = check_variant(
+                row[args.mutant_column], wild_type, args.methods, settings.window, name
+            )
+            statuses.append("scored")
+        except ValueError as error:
+            if args.invalid == "error":
+                raise ValueError(f"{str(error).removesuffix('.')} (--invalid skip leaves it unscored).") from None
+            statuses.append(f"skipped: {str(error).removeprefix(name + ': ').removesuffix('.')}")
+    order = sorted(variants, key=lambda row: tuple(s.position for s in variants[row]))
+    parts: list[list[int]] = [[]]
+    for previous, row in zip([None, *order], order):
+        same_group = previous is not None and _positions(variants[previous]) == _positions(variants[row])
+        if len(parts[-1]) >= args.shard_size and not same_group:
+            parts.append([])
+        parts[-1].append(row)
+    return ScoreJob(
+        settings,
+        statuses,
+        [sorted(part) for part in parts if part],
+        wild_type=wild_type,
+        rows=[row for row, _ in rows],
+        columns=columns,
+        variants=variants,
+    )
+
+
+def _positions(substitutions: tuple[Substitution, ...]) -> tuple[int, ...]:
+    return tuple(s.position for s in substitutions)
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
+    """(columns, [(row, line number), ...]) of a CSV file with a header line."""
+    with open(path, newline="", encoding="utf-8-sig") as file:
+        reader = csv.DictReader(file)
+        columns = list(reader.fieldnames or [])
+        rows = [(row, reader.line_num) for row in reader]
+    if not columns or not rows:
+        raise ValueError(f"{path}: no header line or no rows.")
+    return columns, rows
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def parts_folder(output: Path) -> Path:
+    """Where a run keeps its finished parts: `OUTPUT.parts/` beside the output."""
+    return output.with_name(output.name + ".parts")
+
+
+def part_name(part: int) -> str:
+    return f"part-{part:05d}.csv"
+
+
+def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+
+    def score_on(device: torch.device, rank: int, world_size: int) -> None:
+        from transformers import EsmTokenizer  # the converter writes ESM's tokenizer files: no remote code
+
+        config = load_config(args.checkpoint)
+        window = config.max_position_embeddings - 2 if args.window is None else args.window
+        job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
+        check_output(args)
+        graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
+        model = load_model(
+            args.checkpoint,
+            config,
+            job.settings.backend,
+            args.fp8,
+            graphs,
+            device,
+            args.trust_remote_code,
+            masked_lm=True,
+        )
+        scorer = Scorer(model, EsmTokenizer.from_pretrained(args.checkpoint), window, args.tokens_per_batch)
+        run(args, scorer, job, rank, world_size)
+
+    kept = f"finished parts in {parts_folder(args.output)} are kept, a rerun resumes"
+    return run_on_ranks(args.device, score_on, kept)
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """Refuse to replace a finished output (one without a parts folder beside it) unless `--overwrite`."""
+    if args.output.exists() and not parts_folder(args.output).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it, or choose another output.")
+
+
+def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, world_size: int = 1) -> None:
+    """Score the missing parts (this rank's share of them), then (rank 0, after every rank) write the output."""
+    folder = parts_folder(args.output)
+    check_output(args)
+    with output_lock(folder, SCORE_FOLDER) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            prepare_output(folder, job.settings, args.overwrite, SCORE_FOLDER)
+        barrier(world_size)
+        columns = list(job.settings.methods or PLL_COLUMNS)
+        missing = [k for k, units in enumerate(job.parts) if _read_part(folder / part_name(k), units, columns) is None]
+        barrier(world_size)  # every rank has its list before any writes a part: all share one list
+        mine = missing[rank::world_size]
+        todo = sum(len(job.parts[k]) for k in mine)
+        unit = "row" if job.rows is not None else "protein"
+        total = todo * max(len(job.settings.methods), 1)
+        progress = tqdm(total=total, unit=unit, desc="scoring", disable=args.no_progress or rank != 0)
+        started = time.perf_counter()
+        for part, values in _score_parts(args, scorer, job, mine, progress):
+            lines = [",".join(["unit", *columns])]
+            lines += [",".join([str(u), *(repr(v) for v in vs)]) for u, vs in zip(job.parts[part], values)]
+            write_atomically(folder / part_name(part), "\n".join(lines) + "\n")
+        progress.close()
+        seconds = time.perf_counter() - started
+        barrier(world_size)
+        if rank == 0:
+            scores = {}
+            for k, units in enumerate(job.parts):
+                found = _read_part(folder / part_name(k), units, columns)
+                if found is None:
+                    raise RuntimeError(f"{folder / part_name(k)} is missing or does not hold the rows of its part.")
+                scores.update(found)
+            _write_output(args, job, columns, scores)
+            _report(args, job, columns, scores, len(job.parts) - len(missing), todo, seconds)
+            for path in folder.iterdir():
+                if path.name != SCORE_FOLDER.lock_name:
+                    path.unlink()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _score_parts(
+    args: argparse.Namespace, scorer: Scorer, job: ScoreJob, mine: list[int], progress: Any
+) -> Iterator[tuple[int, list[list[float]]]]:
+    """(part, [per unit: its values]) of this rank's parts, in order."""
+    wanted = set(mine)
+    if job.records is None:
+        wild_type = scorer.encode(job.wild_type)
+        for part in mine:
+            variants = [job.variants[row] for row in job.parts[part]]
+            scores = [scorer.variant_scores(wild_type, variants, method, progress) for method in job.settings.methods]
+            yield part, torch.stack(scores, 1).tolist()
+        return
+    # FASTA mode: parts are the shards of `records_by_shard`, read in a second pass over the file
+    with open(args.fasta, "rb") as raw:
+        part_of_shard = {min(units) // args.shard_size: k for k, units in enumerate(job.parts)}
+        for shard, shard_records in records_by_shard(
+            iter_fasta(text_lines(raw, args.fasta), args.fasta, empty_ok=True), job.records, args.shard_size
+        ):
+            part = part_of_shard.get(shard)
+            if part not in wanted:
+                continue
+            sequences = [
+                scorer.encode(protein_residues(sequence[: record.residues], record.id))
+                for record, sequence in shard_records
+                if job.statuses[record.number - 1].startswith("scored")
+            ]
+            values = scorer.position_log_likelihoods(sequences, progress)
+            plls = [per_residue.sum().item() for per_residue in values]
+            yield part, [[pll, math.exp(-pll / len(v))] for pll, v in zip(plls, values)]
+
+
+def _read_part(path: Path, units: list[int], columns: list[str]) -> dict[int, list[str]] | None:
+    """{unit: its values as written} of a finished part, or None if missing, cut off or not this part's."""
+    try:
+        header, *lines = path.read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    values = {}
+    for line in lines:
+        fields = line.split(",")
+        if len(fields) != len(columns) + 1 or not fields[0].isdigit():
+            return None
+        values[int(fields[0])] = fields[1:]
+    return values if header == ",".join(["unit", *columns]) and sorted(values) == units else None
+
+
+def _write_output(args: argparse.Namespace, job: ScoreJob, columns: list[str], scores: dict[int, list[str]]) -> None:
+    """The output CSV, every unit in the input order (skipped ones with empty scores), written atomically."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    if job.rows is None:
+        writer.writerow(["id", "residues", *columns, STATUS_COLUMN])
+        for index, record in enumerate(job.records):
+            writer.writerow([record.id, record.residues, *scores.get(index, [""] * len(columns)), job.statuses[index]])
+    else:
+        writer.writerow([*job.columns, *columns, STATUS_COLUMN])
+        for index, row in enumerate(job.rows):
+            cells = [row.get(column) or "" for column in job.columns]
+            writer.writerow([*cells, *scores.get(index, [""] * len(columns)), job.statuses[index]])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(args.output, text.getvalue())
+
+
+def _report(
+    args: argparse.Namespace,
+    job: ScoreJob,
+    columns: list[str],
+    scores: dict[int, list[str]],
+    reused: int,
+    todo: int,
+    seconds: float,
+) -> None:
+    counts: dict[str, int] = {}
+    for status in job.statuses:  # skipped rows by kind only: the status column has each reason
+        kind = status.split(":")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    unit = "records" if job.rows is None else "rows"
+    rate = f"this run: {todo} {unit} in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} {unit}/s on rank 0)"
+    print(f"{len(job.statuses)} {unit} ({summary}); {reused} of {len(job.parts)} parts were already done; {rate}; "
+          f"wrote {args.output}")  # fmt: skip
+    measured = args.score_column or (
+        DEFAULT_SCORE_COLUMN if job.columns and DEFAULT_SCORE_COLUMN in job.columns else None
+    )
+    if job.rows is None or measured is None:
+        return
+    pairs = []
+    for index, values in scores.items():
+        try:
+            target = float(job.rows[index][measured])
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(target):
+            pairs.append((target, [float(value) for value in values]))
+    rhos = [
+        f"{method} {spearman([p[1][m] for p in pairs], [p[0] for p in pairs]):.4f}" for m, method in enumerate(columns)
+    ]
+    print(f"Spearman's rho with {measured} ({len(pairs)} rows): {', '.join(rhos)}")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation of `x` and `y` (ties get their average rank); NaN for fewer than 2 pairs or a
+    constant side."""
+    if len(x) < 2:
+        return math.nan
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return covariance / spread if spread else math.nan
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        stop = start
+        while stop + 1 < len(order) and values[order[stop + 1]] == values[order[start]]:
+            stop += 1
+        for position in range(start, stop + 1):
+            ranks[order[position]] = (start + stop) / 2
+        start = stop + 1
+    return ranks
+
+
+if __name__ == "__main__":
+    sys.exit(main())

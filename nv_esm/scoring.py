@@ -1,0 +1,443 @@
+"""Variant effects and sequence likelihoods from an NVEsm masked-LM model, with the masked copies packed into THD
+batches (the Python side of `nv-esm score`).
+
+    from nv_esm.scoring import pseudo_log_likelihood, score_variants
+    scores = score_variants(model, wild_type, ["A24G", "A24G:K30R"], tokenizer, method="masked_marginal")  # [2]
+    likelihoods = pseudo_log_likelihood(model, sequences, tokenizer)  # .pll, .pseudo_perplexity per protein
+
+`model` is an `NVEsmForMaskedLM` (`AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)`) in eval
+mode, on any device; `tokenizer` its ESM tokenizer.
+
+Methods (scores are log-probability ratios in nats; the sum runs over the mutated positions i of a mutant):
+
+- `masked_marginal` (Meier et al. 2021): one forward of the wild type with every mutated position masked;
+  score = sum_i log p(mutant_i) - log p(wild_type_i) at those masks. Mutants that change the same positions share
+  that forward (so a site-saturation scan costs one forward per site). For multi-mutants the positions are masked
+  together, as in the paper's formula (ProteinGym instead adds single-site marginals, each masked alone).
+- `wildtype_marginal`: one unmasked forward of the wild type (per window); the same sum at the mutated positions.
+- `pseudo_likelihood`: PLL(mutant) - PLL(wild type).
+- The pseudo-log-likelihood of a protein x of L residues: PLL = sum_i log p(x_i | x with residue i masked), one
+  masked copy per residue (all L packed densely); pseudo-perplexity = exp(-PLL / L).
+
+Log-probabilities are the log-softmax, in fp32, of the LM head's logits over the full vocabulary (all 33 tokens,
+special tokens included), as fair-esm's and transformers' users compute them. On CUDA the model runs under bf16
+autocast (as `model.esm.embed` and `nv-esm embed`); on the CPU in the weights' precision.
+
+Windows: a protein longer than `window` residues (default `config.max_position_embeddings - 2`, 1,024 for ESM-2)
+runs as a window of `window` consecutive residues chosen per forward: residues `[s, s + window)` with
+`s = clip(c - window // 2, 0, L - window)`, where c = ceil((first + last) / 2) of the 0-based positions the forward
+masks or reads (the mutated positions; for a PLL the one masked residue, which thus has `window // 2` residues
+before it where the protein allows, as fair-esm's 1,022/1,024-residue windows centred on the mutation). A
+mutant whose changed positions span more than `window` residues fits no window: the marginal methods refuse it.
+
+Every masked copy is its own protein in a packed batch (ESM's token-dropout ratio is per protein, as if it ran
+alone); copies are length-sorted and packed to `max_tokens_per_batch` tokens, and on CUDA batch k + 1 is queued
+before the results of batch k are read back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from modeling_nv_esm_batch import RESIDUE_LETTERS, length_sorted_batches, pack_proteins, protein_residues
+from nv_esm.embed_model import device_autocast, to_device, to_host
+
+METHODS = ("masked_marginal", "wildtype_marginal", "pseudo_likelihood")
+MARGINAL_METHODS = ("masked_marginal", "wildtype_marginal")
+_SUBSTITUTION = re.compile(r"([A-Za-z])([0-9]+)([A-Za-z])")
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """One substitution of a mutant, as ProteinGym writes it (`A24G`): 1-based position, two residue letters."""
+
+    position: int
+    wild_type: str
+    mutant: str
+
+
+@dataclass
+class SequenceLikelihood:
+    """One protein's pseudo-log-likelihood (natural log), pseudo-perplexity exp(-pll / L), and, when asked for,
+    `per_position [L]` float64: log p(x_i | x with residue i masked)."""
+
+    pll: float
+    pseudo_perplexity: float
+    per_position: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MaskedCopy:
+    """One model input: residues `start:stop` of sequence `sequence` between `<cls>` and `<eos>`, residues `masked`
+    (0-based, in the protein) replaced by `<mask>`; the log-probabilities at residues `read` come back."""
+
+    sequence: int
+    start: int
+    stop: int
+    masked: tuple[int, ...]
+    read: tuple[int, ...]
+
+
+def parse_mutant(mutant: str, wild_type: str, name: str) -> tuple[Substitution, ...]:
+    """The substitutions of `mutant` in ProteinGym's notation (`A24G`, `A24G:K30R`; 1-based positions; either
+    case), sorted by position. `wild_type` is the protein as `protein_residues` gives it (upper case). ValueError
+    naming `name` (the row) and the position for: an empty or malformed mutant, a position outside the wild type,
+    a wild-type letter that differs from the wild type's, a mutant letter outside ESM-2's alphabet, a position
+    changed twice."""
+    if not isinstance(mutant, str) or not mutant.strip():
+        raise ValueError(f"{name}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
+    substitutions: dict[int, Substitution] = {}
+    for part in mutant.strip().split(":"):
+        match = _SUBSTITUTION.fullmatch(part.strip())
+        if match is None:
+            raise ValueError(
+                f"{name}: {part.strip()!r} in mutant {mutant!r} is not a substitution such as 'A24G' (wild-type "
+                "letter, 1-based position, mutant letter; ':' between substitutions)."
+            )
+        wild_letter, position, mutant_letter = match[1].upper(), int(match[2]), match[3].upper()
+        if not 1 <= position <= len(wild_type):
+            raise ValueError(
+                f"{name}: position {position} of mutant {mutant!r} is outside the wild type (1 to {len(wild_type)})."
+            )
+        if wild_type[position - 1] != wild_letter:
+            raise ValueError(
+                f"{name}: mutant {mutant!r} says position {position} is {wild_letter!r}, but the wild type has "
+                f"{wild_type[position - 1]!r} there."
+            )
+        if mutant_letter not in RESIDUE_LETTERS:
+            raise ValueError(
+                f"{name}: mutant letter {mutant_letter!r} at position {position} of {mutant!r} is not a residue of "
+                "ESM-2's alphabet."
+            )
+        if position in substitutions:
+            raise ValueError(f"{name}: mutant {mutant!r} changes position {position} twice.")
+        substitutions[position] = Substitution(position, wild_letter, mutant_letter)
+    return tuple(substitutions[position] for position in sorted(substitutions))
+
+
+def window_bounds(length: int, first: int, last: int, window: int) -> tuple[int, int]:
+    """`(start, stop)`: the residues of a protein of `length` residues that one forward holds, so that 0-based
+    positions `first..last` lie inside: the whole protein if it has at most `window` residues, else `window`
+    residues `[s, s + window)`, s = clip(ceil((first + last) / 2) - window // 2, 0, length - window). ValueError
+    if `first..last` spans more than `window` residues."""
+    if length <= window:
+        return 0, length
+    if last - first >= window:
+        raise ValueError(f"positions {first + 1} to {last + 1} span more than the {window}-residue window.")
+    start = min(max((first + last + 1) // 2 - window // 2, 0), length - window)
+    return start, start + window
+
+
+def check_variant(
+    mutant: str, wild_type: str, methods: Sequence[str], window: int, name: str
+) -> tuple[Substitution, ...]:
+    """`parse_mutant`, and for the marginal methods (one forward per mutant) a check that the mutant's positions fit
+    one `window` of the wild type; ValueError naming `name` otherwise."""
+    substitutions = parse_mutant(mutant, wild_type, name)
+    if any(method in MARGINAL_METHODS for method in methods):
+        try:
+            window_bounds(len(wild_type), substitutions[0].position - 1, substitutions[-1].position - 1, window)
+        except ValueError as error:
+            raise ValueError(f"{name}: mutant {mutant!r}: {error} Marginal methods score it in one forward.") from None
+    return substitutions
+
+
+class Scorer:
+    """Runs masked copies of proteins through a masked-LM model, packed, and turns their log-probabilities into
+    PLLs and variant scores (`pseudo_log_likelihood` and `score_variants` are its one-call forms).
+
+    Args:
+        model: `NVEsmForMaskedLM` (packed inputs go to its `esm`, the read positions' states to its `lm_head`),
+            in eval mode.
+        tokenizer: The checkpoint's ESM tokenizer: residue letters and `<cls>`, `<eos>`, `<mask>` ids come from it.
+        window: Residues per forward for longer proteins (default `config.max_position_embeddings - 2`).
+        max_tokens_per_batch: Token budget of one packed batch (a longer copy runs alone).
+    """
+
+    def __init__(
+        self, model: Any, tokenizer: Any, window: int | None = None, max_tokens_per_batch: int = 16384
+    ) -> None:
+        nv_esm = getattr(getattr(model, "config", None), "model_type", None) == "nv_esm"
+        if not (nv_esm and hasattr(model, "esm") and hasattr(model, "lm_head")):
+            raise TypeError(
+                "scoring needs an NVEsm masked-LM model (AutoModelForMaskedLM of a converted folder, "
+                f"NVEsmForMaskedLM), not a {type(model).__name__}."
+            )
+        if model.training:
+            raise ValueError("the model is in training mode; call model.eval() before scoring.")
+        config = model.config
+        longest = config.max_protein_length - 2
+        window = config.max_position_embeddings - 2 if window is None else window
+        if not 1 <= window <= longest:
+            raise ValueError(f"window must be 1 to {longest} residues (config.max_protein_length - 2), got {window}.")
+        if max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}.")
+        self.model, self.window, self.max_tokens = model, window, max_tokens_per_batch
+        self.device = model.esm.embeddings.word_embeddings.weight.device
+        self.letter_ids = _letter_ids(tokenizer, config.vocab_size)
+        self.cls, self.eos, self.mask = tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id
+
+    def encode(self, residues: str) -> torch.Tensor:
+        """`[L]` int64 token ids of `residues` (upper-case letters of ESM-2's alphabet, as `protein_residues` gives)."""
+        return torch.tensor([self.letter_ids[letter] for letter in residues], dtype=torch.int64)
+
+    def position_log_likelihoods(
+        self, sequences: Sequence[torch.Tensor], progress: Any = None, owners: Sequence[Sequence[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """Per protein `[L]` float64: log p(x_i | x with residue i masked), from L masked copies packed densely.
+
+        `sequences`: `[L]` token ids each (`encode`). `progress`: a tqdm bar (or None) ticked per item once every
+        copy of the item has come back; the items of sequence s are `owners[s]` (default: the sequence itself)."""
+        copies, positions = [], []
+        for index, tokens in enumerate(sequences):
+            length = len(tokens)
+            for position in range(length):
+                start, stop = window_bounds(length, position, position, self.window)
+                copies.append(MaskedCopy(index, start, stop, (position,), (position,)))
+            positions.append(length)
+        offsets = [0, *torch.tensor(positions, dtype=torch.int64).cumsum(0).tolist()]
+        flat = torch.empty(offsets[-1], dtype=torch.float64)
+        targets = torch.cat(list(sequences)) if sequences else torch.empty(0, dtype=torch.int64)
+        owners = [(index,) for index in range(len(sequences))] if owners is None else owners
+        completion = _Completion([owners[copy.sequence] for copy in copies], progress)
+        for batch, log_probs in self._log_probs(sequences, copies):
+            where = torch.tensor([offsets[copies[i].sequence] + copies[i].read[0] for i in batch])
+            flat[where] = log_probs.gather(1, targets[where][:, None])[:, 0].double()
+            completion.done(batch)
+        return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sequences))]
+
+    def variant_scores(
+        self,
+        wild_type: torch.Tensor,
+        variants: Sequence[Sequence[Substitution]],
+        method: str,
+        progress: Any = None,
+    ) -> torch.Tensor:
+        """`[M]` float64 scores of `variants` (`check_variant`'s) of the wild type `[L]` (`encode`) by `method`
+        (see the module's docstring). `progress` is ticked once per variant scored."""
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+        if not variants:
+            return torch.empty(0, dtype=torch.float64)
+        if method == "pseudo_likelihood":
+            return self._pseudo_likelihood_scores(wild_type, variants, progress)
+        length, keys, copies, owners = len(wild_type), {}, [], []
+        row_copies = []
+        for row, substitutions in enumerate(variants):
+            positions = tuple(s.position - 1 for s in substitutions)
+            start, stop = window_bounds(length, positions[0], positions[-1], self.window)
+            key = positions if method == "masked_marginal" else (start, stop)
+            if key not in keys:
+                keys[key] = len(copies)
+                copies.append([start, stop, set()])
+                owners.append([])
+            copy = keys[key]
+            copies[copy][2].update(positions)
+            owners[copy].append(row)
+            row_copies.append(copy)
+        masked = method == "masked_marginal"
+        plans = [MaskedCopy(0, a, b, tuple(sorted(p)) if masked else (), tuple(sorted(p))) for a, b, p in copies]
+        rows_of_copy: dict[int, dict[int, torch.Tensor]] = {}
+        completion = _Completion(owners, progress)
+        for batch, log_probs in self._log_probs([wild_type], plans):
+            offset = 0
+            for index in batch:
+                read = plans[index].read
+                rows_of_copy[index] = dict(zip(read, log_probs[offset : offset + len(read)]))
+                offset += len(read)
+            completion.done(batch)
+        scores = torch.empty(len(variants), dtype=torch.float64)
+        for row, substitutions in enumerate(variants):
+            rows = rows_of_copy[row_copies[row]]
+            log_probs = [(rows[s.position - 1], s) for s in substitutions]
+            scores[row] = sum(
+                float(values[self.letter_ids[s.mutant]]) - float(values[self.letter_ids[s.wild_type]])
+                for values, s in log_probs
+            )
+        return scores
+
+    def _pseudo_likelihood_scores(
+        self, wild_type: torch.Tensor, variants: Sequence[Sequence[Substitution]], progress: Any
+    ) -> torch.Tensor:
+        """PLL(mutant) - PLL(wild type); mutants with the same substitutions are scored once."""
+        distinct: dict[tuple[Substitution, ...], int] = {}
+        sequences, owners = [wild_type], [()]
+        for row, substitutions in enumerate(variants):
+            key = tuple(substitutions)
+            if key not in distinct:
+                distinct[key] = len(sequences)
+                mutant = wild_type.clone()
+                for s in substitutions:
+                    mutant[s.position - 1] = self.letter_ids[s.mutant]
+                sequences.append(mutant)
+                owners.append([])
+            owners[distinct[key]].append(row)
+        plls = [values.sum().item() for values in self.position_log_likelihoods(sequences, progress, owners)]
+        return torch.tensor([plls[distinct[tuple(s)]] - plls[0] for s in variants], dtype=torch.float64)
+
+    def _log_probs(
+        self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy]
+    ) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Per packed batch: (indices of its copies, `[R, vocab_size]` float32 log-probabilities on the CPU, the
+        rows of each copy's `read` positions in order). Batch k + 1 is queued before batch k is read back."""
+        lengths = [range(copy.stop - copy.start + 2) for copy in copies]  # length_sorted_batches reads len() only
+        in_flight = None
+        for batch in length_sorted_batches(lengths, self.max_tokens):
+            launched = self._launch(sequences, copies, batch)
+            if in_flight is not None:
+                yield self._collect(*in_flight)
+            in_flight = launched
+        if in_flight is not None:
+            yield self._collect(*in_flight)
+
+    @torch.no_grad()
+    def _launch(
+        self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy], batch: list[int]
+    ) -> tuple[list[int], torch.Tensor, Any]:
+        pieces, reads, offset = [], [], 0
+        for index in batch:
+            copy = copies[index]
+            piece = torch.empty(copy.stop - copy.start + 2, dtype=torch.int64)
+            piece[0], piece[-1] = self.cls, self.eos
+            piece[1:-1] = sequences[copy.sequence][copy.start : copy.stop]
+            if copy.masked:
+                piece[[1 + position - copy.start for position in copy.masked]] = self.mask
+            reads.extend(offset + 1 + position - copy.start for position in copy.read)
+            offset += len(piece)
+            pieces.append(piece)
+        packed = pack_proteins(pieces)
+        with device_autocast(self.device):
+            states = self.model.esm(
+                to_device(packed["input_ids"], self.device),
+                cu_seq_lens_q=to_device(packed["cu_seq_lens_q"], self.device),
+                max_length_q=packed["max_length_q"],
+                return_dict=True,
+            ).last_hidden_state[0]
+            logits = self.model.lm_head(states.index_select(0, to_device(torch.tensor(reads), self.device)))
+        log_probs = to_host(logits.float().log_softmax(-1))
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return batch, log_probs, ready
+
+    @staticmethod
+    def _collect(batch: list[int], log_probs: torch.Tensor, ready: Any) -> tuple[list[int], torch.Tensor]:
+        if ready is not None:
+            ready.synchronize()
+        return batch, log_probs
+
+
+class _Completion:
+    """Ticks a progress bar once per item (protein, mutant row) when every copy it needs has come back. `owners`:
+    per copy, the items it serves."""
+
+    def __init__(self, owners: Sequence[Sequence[int]], progress: Any) -> None:
+        self.owners, self.progress = owners, progress
+        self.left: dict[int, int] = {}
+        for items in owners:
+            for item in items:
+                self.left[item] = self.left.get(item, 0) + 1
+
+    def done(self, copies: list[int]) -> None:
+        if self.progress is None:
+            return
+        finished = 0
+        for copy in copies:
+            for item in self.owners[copy]:
+                self.left[item] -= 1
+                finished += self.left[item] == 0
+        if finished:
+            self.progress.update(finished)
+
+
+def _letter_ids(tokenizer: Any, vocab_size: int) -> dict[str, int]:
+    """Residue letter -> token id, from the tokenizer; ValueError if it lacks one of ESM-2's letters or specials."""
+    special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
+    ids = {letter: tokenizer.convert_tokens_to_ids(letter) for letter in RESIDUE_LETTERS}
+    known = [i for i in (*ids.values(), *special) if isinstance(i, int) and i != tokenizer.unk_token_id]
+    if len(known) != len(RESIDUE_LETTERS) + 3 or max(known) >= vocab_size:
+        raise ValueError(
+            "the tokenizer is not ESM-2's (residue letters, <cls>, <eos> and <mask> within the model's vocabulary)."
+        )
+    return ids
+
+
+def pseudo_log_likelihood(
+    model: Any,
+    sequences: Sequence[str],
+    tokenizer: Any,
+    *,
+    per_position: bool = False,
+    window: int | None = None,
+    max_tokens_per_batch: int = 16384,
+    show_progress: bool = False,
+) -> list[SequenceLikelihood]:
+    """Pseudo-log-likelihood and pseudo-perplexity of each protein (see the module's docstring).
+
+    Args:
+        model: `NVEsmForMaskedLM` in eval mode.
+        sequences: N proteins (letters of ESM-2's alphabet, either case; any length: longer ones run in windows).
+        tokenizer: The checkpoint's ESM tokenizer.
+        per_position: Also return each protein's `[L]` per-residue log-probabilities.
+        window: Residues per forward (default `config.max_position_embeddings - 2`).
+        max_tokens_per_batch: Token budget of one packed batch of masked copies.
+        show_progress: A progress bar over proteins.
+
+    Returns:
+        N `SequenceLikelihood`, in the input order.
+    """
+    if isinstance(sequences, str):
+        raise ValueError("pseudo_log_likelihood takes a list of proteins and got one string; pass [sequence].")
+    scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)
+    encoded = [scorer.encode(protein_residues(s, f"sequences[{i}]")) for i, s in enumerate(sequences)]
+    with tqdm(total=len(encoded), unit="protein", desc="PLL", disable=not show_progress) as progress:
+        values = scorer.position_log_likelihoods(encoded, progress)
+    result = []
+    for per_residue in values:
+        pll = per_residue.sum().item()
+        result.append(SequenceLikelihood(pll, math.exp(-pll / len(per_residue)), per_residue if per_position else None))
+    return result
+
+
+def score_variants(
+    model: Any,
+    wild_type: str,
+    mutants: Sequence[str],
+    tokenizer: Any,
+    method: str = "masked_marginal",
+    *,
+    window: int | None = None,
+    max_tokens_per_batch: int = 16384,
+    show_progress: bool = False,
+) -> torch.Tensor:
+    """Scores `[M]` (float64, CPU) of M mutants of `wild_type` by `method`: `masked_marginal`, `wildtype_marginal`
+    or `pseudo_likelihood` (see the module's docstring). Positive: the model prefers the mutant.
+
+    Args:
+        model: `NVEsmForMaskedLM` in eval mode.
+        wild_type: The wild-type protein (letters of ESM-2's alphabet, either case).
+        mutants: ProteinGym notation, 1-based: `A24G`, multi-mutants `A24G:K30R`. A wild-type letter that differs
+            from the wild type's raises ValueError naming the mutant (`mutants[i]`) and the position.
+        tokenizer: The checkpoint's ESM tokenizer.
+        method: The scoring method.
+        window: Residues per forward for long wild types (default `config.max_position_embeddings - 2`).
+        max_tokens_per_batch: Token budget of one packed batch of masked copies.
+        show_progress: A progress bar over mutants.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+    if isinstance(mutants, str):
+        raise ValueError("score_variants takes a list of mutants and got one string; pass [mutant].")
+    scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)
+    residues = protein_residues(wild_type, "wild_type")
+    variants = [check_variant(m, residues, (method,), scorer.window, f"mutants[{i}]") for i, m in enumerate(mutants)]
+    with tqdm(total=len(variants), unit="mutant", desc=method, disable=not show_progress) as progress:
+        return scorer.variant_scores(scorer.encode(residues), variants, method, progress)

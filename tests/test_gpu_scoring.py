@@ -1,0 +1,53 @@
+"""Scoring on the GPU: `nv_esm.scoring` with Transformer Engine in bf16 (CUDA graphs on and off) against the fp32
+transformers reference of tests/test_scoring.py (one masked copy at a time, fp32, CPU).
+
+Tolerance as tests/test_gpu.py's bf16 rule: NVEsm's error (max |log-probability or score - fp32 reference|) must be
+no worse than transformers' own bf16 error on the GPU (the same reference loop in bf16) times 1.5, plus a floor of
+2e-2 per summed log-probability difference. Skipped without CUDA and Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_scoring import random_mutants, random_sequence, reference_per_position, reference_score
+from transformers import EsmTokenizer
+
+from conftest import GPU_MARKS, TINY_CHECKPOINT, make_hf_model, make_nv_model
+from nv_esm import scoring
+
+pytestmark = GPU_MARKS
+
+BF16_FACTOR, BF16_FLOOR = 1.5, 2e-2
+WINDOW = 48  # residues per forward here, so the 80- and 130-residue proteins run windowed
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_scores_are_as_close_to_fp32_as_transformers_bf16(cuda_graphs):
+    hf_fp32 = make_hf_model("esm2_8M", seed=300)
+    hf_bf16 = make_hf_model("esm2_8M", seed=300).to("cuda", torch.bfloat16)
+    model = make_nv_model(hf_fp32, backend="te", cuda_graphs=cuda_graphs).to("cuda", torch.bfloat16)
+    tokenizer = EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
+    generator = torch.Generator().manual_seed(301)
+
+    sequences = [random_sequence(n, generator) for n in (1, 30, WINDOW, 130)]
+    ours = scoring.pseudo_log_likelihood(model, sequences, tokenizer, per_position=True, window=WINDOW)
+    for sequence, result in zip(sequences, ours):
+        expected = reference_per_position(hf_fp32, sequence, WINDOW)
+        hf_error = (reference_per_position(hf_bf16, sequence, WINDOW) - expected).abs().max().item()
+        error = (result.per_position - expected).abs().max().item()
+        print(
+            f"\n[PLL {len(sequence)} residues] max |log p - fp32|: ours {error:.4f}, transformers bf16 {hf_error:.4f}"
+        )
+        assert error <= BF16_FACTOR * hf_error + BF16_FLOOR
+
+    wild_type = random_sequence(80, generator)
+    mutants = random_mutants(wild_type, generator, 8, window=WINDOW)
+    for method in scoring.METHODS:
+        scores = scoring.score_variants(model, wild_type, mutants, tokenizer, method, window=WINDOW)
+        expected = torch.tensor([reference_score(hf_fp32, wild_type, m, method, WINDOW) for m in mutants])
+        hf_scores = torch.tensor([reference_score(hf_bf16, wild_type, m, method, WINDOW) for m in mutants])
+        error, hf_error = (scores - expected).abs().max().item(), (hf_scores - expected).abs().max().item()
+        terms = 2 * (len(wild_type) if method == "pseudo_likelihood" else max(m.count(":") + 1 for m in mutants))
+        print(f"\n[{method}] max |score - fp32|: ours {error:.4f}, transformers bf16 {hf_error:.4f}")
+        assert error <= BF16_FACTOR * hf_error + BF16_FLOOR * terms, method

@@ -1,0 +1,384 @@
+"""Variant scores and pseudo-log-likelihoods (`nv_esm.scoring`, `nv-esm score`) against transformers.
+
+The reference runs transformers' `EsmForMaskedLM` (fp32, CPU, eager attention) on one masked copy at a time and is
+written here from the documented rules, independently of the package's planning: the window of a long protein is
+`[s, s + WINDOW)`, s = clip(ceil((first + last) / 2) - WINDOW // 2, 0, L - WINDOW) of the positions masked or read;
+log-probabilities are the full-vocabulary log-softmax. The random checkpoints have `max_position_embeddings` 26, so
+their window is 24 residues and windowed proteins stay cheap. Tolerances: every log-probability (and so every
+marginal score, a sum of a few of their differences) within ATOL_FP32 = 1e-5; a PLL sums L of them, so it is
+compared within L x ATOL_FP32 (observed: ~1e-5 at L = 60).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import EsmForMaskedLM, EsmTokenizer
+
+import convert_checkpoint
+from conftest import ATOL_FP32, TINY_CHECKPOINT, make_hf_model, make_nv_model
+from convert_helpers import save_hf
+from nv_esm import score, scoring
+from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
+
+WINDOW = 24  # max_position_embeddings - 2 of the random checkpoints below
+CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def reference() -> EsmForMaskedLM:
+    return make_hf_model("tiny", seed=31, max_position_embeddings=WINDOW + 2, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def model(reference):
+    return make_nv_model(reference)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> EsmTokenizer:
+    return EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reference, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("score")
+    source = save_hf(make_hf_model("tiny", seed=31, max_position_embeddings=WINDOW + 2), work / "hf")
+    assert convert_checkpoint.main(["hf-to-te", str(source), str(work / "nv")]) == 0
+    return work / "nv"
+
+
+def random_sequence(length: int, generator: torch.Generator) -> str:
+    return "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (length,), generator=generator))
+
+
+# ---- the reference: transformers, one masked copy at a time --------------------------------------------------
+
+
+def reference_log_probs(
+    hf: EsmForMaskedLM, sequence: str, masked: list[int], positions: list[int], window: int = WINDOW
+) -> dict:
+    """{position: [33] log-probabilities (float64, CPU)} at 0-based `positions`, from one forward (on `hf`'s device)
+    of the `window` residues around them with `masked` replaced by <mask>."""
+    length = len(sequence)
+    start = 0
+    if length > window:
+        centre = -(-(min(positions) + max(positions)) // 2)
+        start = min(max(centre - window // 2, 0), length - window)
+    residues = sequence[start : start + window]
+    ids = [CLS, *(RESIDUE_TO_ID[letter] for letter in residues.upper()), EOS]
+    for position in masked:
+        ids[1 + position - start] = MASK
+    with torch.no_grad():
+        log_probs = hf(torch.tensor([ids], device=hf.device)).logits[0].float().log_softmax(-1).double().cpu()
+    return {position: log_probs[1 + position - start] for position in positions}
+
+
+def reference_per_position(hf: EsmForMaskedLM, sequence: str, window: int = WINDOW) -> torch.Tensor:
+    sequence = sequence.upper()
+    return torch.tensor(
+        [
+            reference_log_probs(hf, sequence, [i], [i], window)[i][RESIDUE_TO_ID[sequence[i]]]
+            for i in range(len(sequence))
+        ],
+        dtype=torch.float64,
+    )
+
+
+def reference_score(hf: EsmForMaskedLM, wild_type: str, mutant: str, method: str, window: int = WINDOW) -> float:
+    changes = [(part[0], int(part[1:-1]) - 1, part[-1]) for part in mutant.split(":")]
+    positions = [position for _, position, _ in changes]
+    if method == "pseudo_likelihood":
+        mutated = list(wild_type)
+        for _, position, letter in changes:
+            mutated[position] = letter
+        mutant_pll = reference_per_position(hf, "".join(mutated), window).sum()
+        return (mutant_pll - reference_per_position(hf, wild_type, window).sum()).item()
+    log_probs = reference_log_probs(hf, wild_type, positions if method == "masked_marginal" else [], positions, window)
+    return sum((log_probs[p][RESIDUE_TO_ID[new]] - log_probs[p][RESIDUE_TO_ID[old]]).item() for old, p, new in changes)
+
+
+def random_mutants(
+    wild_type: str, generator: torch.Generator, count: int, most: int = 3, window: int = WINDOW
+) -> list[str]:
+    """Singles (two at one position, so they share a forward), and multi-mutants within one window."""
+    mutants = []
+    for number in range(count):
+        changes = (
+            1
+            if number < count // 2 or len(wild_type) < 2
+            else int(torch.randint(2, most + 1, (1,), generator=generator))
+        )
+        first = int(torch.randint(0, len(wild_type), (1,), generator=generator))
+        span = range(first, min(len(wild_type), first + window))
+        picks = sorted(
+            {first, *(span[int(i)] for i in torch.randint(0, len(span), (changes - 1,), generator=generator))}
+        )
+        parts = []
+        for position in picks:
+            new = STANDARD_AMINO_ACIDS[int(torch.randint(0, 20, (1,), generator=generator))]
+            parts.append(f"{wild_type[position]}{position + 1}{new}")
+        mutants.append(":".join(parts))
+    mutants.append(mutants[0][:-1] + ("A" if mutants[0][-1] != "A" else "C"))  # a second single at one position
+    return mutants
+
+
+# ---- the Python API ----------------------------------------------------------------------------------------------
+
+
+def test_pseudo_log_likelihood_matches_transformers(model, reference, tokenizer):
+    """1 residue, short, exactly the window, one more (windowed), long windowed and random lengths; lower case;
+    a small token budget, so copies of several proteins share batches and proteins span batches."""
+    generator = torch.Generator().manual_seed(40)
+    lengths = [1, 2, WINDOW, WINDOW + 1, 61, *torch.randint(3, 40, (3,), generator=generator).tolist()]
+    sequences = [random_sequence(n, generator) for n in lengths]
+    sequences[2] = sequences[2].lower()
+    results = scoring.pseudo_log_likelihood(model, sequences, tokenizer, per_position=True, max_tokens_per_batch=97)
+    for sequence, result in zip(sequences, results):
+        expected = reference_per_position(reference, sequence)
+        assert result.per_position.shape == (len(sequence),)
+        assert (result.per_position - expected).abs().max().item() <= ATOL_FP32, len(sequence)
+        assert abs(result.pll - expected.sum().item()) <= ATOL_FP32 * len(sequence)
+        assert result.pseudo_perplexity == pytest.approx(math.exp(-result.pll / len(sequence)), rel=1e-12)
+    assert scoring.pseudo_log_likelihood(model, sequences[:1], tokenizer)[0].per_position is None
+
+
+@pytest.mark.parametrize("length", [1, 17, WINDOW, 70], ids=["one_residue", "short", "exactly_max", "windowed"])
+def test_each_method_matches_transformers(model, reference, tokenizer, length):
+    generator = torch.Generator().manual_seed(41 + length)
+    wild_type = random_sequence(length, generator)
+    mutants = random_mutants(wild_type, generator, 6)
+    if length == 70:  # the two ends and a double reaching across the middle of the protein
+        mutants += [f"{wild_type[0]}1W", f"{wild_type[69]}70W", f"{wild_type[30]}31A:{wild_type[50]}51C"]
+    for method in scoring.METHODS:
+        ours = scoring.score_variants(model, wild_type.lower(), mutants, tokenizer, method, max_tokens_per_batch=80)
+        expected = torch.tensor([reference_score(reference, wild_type, m, method) for m in mutants])
+        tolerance = ATOL_FP32 * (2 * length if method == "pseudo_likelihood" else 1)
+        assert ours.dtype == torch.float64 and ours.shape == (len(mutants),)
+        assert (ours - expected).abs().max().item() <= tolerance, method
+
+
+def test_the_window_rule():
+    assert scoring.window_bounds(20, 3, 7, 24) == (0, 20)
+    assert scoring.window_bounds(24, 0, 23, 24) == (0, 24)
+    assert scoring.window_bounds(100, 0, 0, 24) == (0, 24)
+    assert scoring.window_bounds(100, 50, 50, 24) == (38, 62)  # 12 residues before the position
+    assert scoring.window_bounds(100, 99, 99, 24) == (76, 100)
+    assert scoring.window_bounds(100, 50, 50, 25) == (38, 63)
+    for window in (1, 2, 5, 24):
+        for first in range(0, 40):
+            for last in range(first, min(40, first + window)):
+                start, stop = scoring.window_bounds(40, first, last, window)
+                assert stop - start == window and start <= first and last < stop
+    with pytest.raises(ValueError, match="positions 11 to 35 span more than the 24-residue window"):
+        scoring.window_bounds(100, 10, 34, 24)
+
+
+def test_bad_mutants_are_named_with_their_row_and_position(model, tokenizer):
+    wild_type = "MK" + random_sequence(297, torch.Generator().manual_seed(42)) + "A" + "L" * 29  # 329 residues
+    cases = {
+        "A2G": "mutants[1]: mutant 'A2G' says position 2 is 'A', but the wild type has 'K' there.",
+        "M0A": "mutants[1]: position 0 of mutant 'M0A' is outside the wild type (1 to 329).",
+        "K2": "mutants[1]: 'K2' in mutant 'K2' is not a substitution such as 'A24G'",
+        "K2J": "mutants[1]: mutant letter 'J' at position 2 of 'K2J' is not a residue of ESM-2's alphabet.",
+        "K2A:K2G": "mutants[1]: mutant 'K2A:K2G' changes position 2 twice.",
+        "": "mutants[1]: no mutant",
+        "M1A:A300G": "mutants[1]: mutant 'M1A:A300G': positions 1 to 300 span more than the 24-residue window.",
+    }
+    for mutant, message in cases.items():
+        with pytest.raises(ValueError) as error:
+            scoring.score_variants(model, wild_type, ["K2A", mutant], tokenizer)
+        assert message in str(error.value), mutant
+    span = scoring.score_variants(
+        model, wild_type[:40], [f"M1A:{wild_type[39]}40A"], tokenizer, "pseudo_likelihood", window=8
+    )
+    assert span.shape == (1,)  # PLLs window each residue: any span is fine
+    assert scoring.score_variants(model, wild_type, [], tokenizer).shape == (0,)
+
+
+def test_the_api_refuses_what_it_cannot_score(model, reference, tokenizer):
+    for other in (model.esm, reference):  # the base model; transformers' model (it would read a packed row as one)
+        with pytest.raises(TypeError, match="needs an NVEsm masked-LM model"):
+            scoring.pseudo_log_likelihood(other, ["MKV"], tokenizer)
+    with pytest.raises(ValueError, match="takes a list of proteins"):
+        scoring.pseudo_log_likelihood(model, "MKV", tokenizer)
+    with pytest.raises(ValueError, match="takes a list of mutants"):
+        scoring.score_variants(model, "MKV", "M1A", tokenizer)
+    with pytest.raises(ValueError, match="window must be 1 to 8190 residues"):
+        scoring.pseudo_log_likelihood(model, ["MKV"], tokenizer, window=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        scoring.score_variants(model, "MKV", ["M1A"], tokenizer, "masked_marginals")
+    with pytest.raises(ValueError, match="sequences\\[1\\]: 'J' at residue 2"):
+        scoring.pseudo_log_likelihood(model, ["MKV", "MJ"], tokenizer)
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="call model.eval"):
+            scoring.pseudo_log_likelihood(model, ["MKV"], tokenizer)
+    finally:
+        model.eval()
+
+
+# ---- nv-esm score ------------------------------------------------------------------------------------------------
+
+
+def write_fasta(path: Path, records: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(f">{record_id} description\n{sequence}\n" for record_id, sequence in records))
+    return path
+
+
+def write_mutants(path: Path, wild_type: str, generator: torch.Generator, count: int) -> Path:
+    mutants = random_mutants(wild_type, generator, count)
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["mutant", "DMS_score", "note"])
+        for number, mutant in enumerate(mutants):
+            writer.writerow([mutant, f"{torch.randn(1, generator=generator).item():.4f}", f"n{number}, kept"])
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def run_score(*argv: object) -> int:
+    return score.main([str(arg) for arg in argv])
+
+
+def test_command_pll_of_a_fasta_file(checkpoint, model, tokenizer, tmp_path, capsys):
+    generator = torch.Generator().manual_seed(50)
+    records = [(f"p{i}", random_sequence(n, generator)) for i, n in enumerate([1, 30, WINDOW, 9, 5])]
+    records[2] = ("bad", "MKJL")
+    fasta = write_fasta(tmp_path / "in.fasta", records)
+    assert run_score(checkpoint, fasta, tmp_path / "pll.csv", *CPU, "--shard-size", 2, "--invalid", "skip") == 0
+    rows = read_csv(tmp_path / "pll.csv")
+    assert [row["id"] for row in rows] == [record_id for record_id, _ in records]
+    statuses = ["scored", "scored in windows", "skipped: invalid letter", "scored", "scored"]
+    assert [row["status"] for row in rows] == statuses
+    kept = [sequence for record_id, sequence in records if record_id != "bad"]
+    expected = scoring.pseudo_log_likelihood(model, kept, tokenizer)
+    for row, result in zip([row for row in rows if row["id"] != "bad"], expected):
+        assert float(row["pll"]) == pytest.approx(result.pll, abs=ATOL_FP32)
+        assert float(row["pseudo_perplexity"]) == pytest.approx(result.pseudo_perplexity, rel=ATOL_FP32)
+    assert rows[2]["pll"] == "" and rows[2]["residues"] == "4"
+    assert not (tmp_path / "pll.csv.parts").exists()
+    assert "5 records (3 scored, 1 scored in windows, 1 skipped); 0 of 3 parts were already done" in (
+        capsys.readouterr().out
+    )
+
+    assert run_score(checkpoint, fasta, tmp_path / "pll.csv", *CPU) == 1  # no --invalid skip: the record is named
+    assert "record 'bad' (record 3): 'J' at residue 3" in capsys.readouterr().err
+
+
+def test_command_scores_a_mutant_table(checkpoint, model, tokenizer, tmp_path, capsys):
+    """Every method's column equals the Python API; other columns are kept; Spearman's rho is printed; a bad row
+    stops the run with its row and position, or is left unscored with --invalid skip."""
+    generator = torch.Generator().manual_seed(51)
+    wild_type = random_sequence(40, generator)
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
+    table = write_mutants(tmp_path / "dms.csv", wild_type, generator, 10)
+    out = tmp_path / "scores.csv"
+    methods = ("--methods", *scoring.METHODS)
+    assert run_score(checkpoint, fasta, out, "--mutants", table, *methods, *CPU, "--shard-size", 3) == 0
+    rows, given = read_csv(out), read_csv(table)
+    assert list(rows[0]) == ["mutant", "DMS_score", "note", *scoring.METHODS, "status"]
+    assert [{key: row[key] for key in given[0]} for row in rows] == given
+    mutants = [row["mutant"] for row in given]
+    for method in scoring.METHODS:
+        expected = scoring.score_variants(model, wild_type, mutants, tokenizer, method)
+        assert torch.tensor([float(row[method]) for row in rows]).double().sub(expected).abs().max() <= 1e-5
+    measured = [float(row["DMS_score"]) for row in given]
+    rhos = {method: ranked_correlation([float(row[method]) for row in rows], measured) for method in scoring.METHODS}
+    out_text = capsys.readouterr().out
+    expected_line = ", ".join(f"{method} {rho:.4f}" for method, rho in rhos.items())
+    assert f"Spearman's rho with DMS_score ({len(rows)} rows): {expected_line}" in out_text
+
+    bad = tmp_path / "bad.csv"
+    wrong = "G" if wild_type[4] != "G" else "A"
+    bad.write_text(f"mutant,DMS_score\n{wild_type[0]}1A,1\n{wrong}5A,2\nX,3\n")
+    assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"bad.csv: row 2 (line 3): mutant '{wrong}5A' says position 5 is" in error
+    assert not (tmp_path / "bad_out.csv").exists()
+    assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU, "--invalid", "skip") == 0
+    statuses = [row["status"] for row in read_csv(tmp_path / "bad_out.csv")]
+    assert statuses[0] == "scored" and statuses[1].startswith("skipped: mutant") and "'X'" in statuses[2]
+    assert "(1 rows): masked_marginal nan" in capsys.readouterr().out
+
+
+def ranked_correlation(x: list[float], y: list[float]) -> float:
+    """Spearman's rho without ties: the Pearson correlation of the ranks."""
+    rx, ry = (torch.tensor(v).argsort().argsort().double() for v in (x, y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return (rx @ ry / (rx.norm() * ry.norm())).item()
+
+
+def test_an_interrupted_run_resumes_without_recomputing(checkpoint, tmp_path, capsys, monkeypatch):
+    generator = torch.Generator().manual_seed(52)
+    wild_type = random_sequence(30, generator)
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
+    table = write_mutants(tmp_path / "dms.csv", wild_type, generator, 12)
+    args = (checkpoint, fasta, tmp_path / "out.csv", "--mutants", table, *CPU, "--shard-size", 4)
+    assert run_score(checkpoint, fasta, tmp_path / "whole.csv", *args[3:]) == 0
+
+    scored, real = [], scoring.Scorer.variant_scores
+
+    def interrupted_at_the_second_part(self, wild_type, variants, method, progress=None):
+        if scored:
+            raise KeyboardInterrupt
+        scored.append(len(variants))
+        return real(self, wild_type, variants, method, progress)
+
+    monkeypatch.setattr(scoring.Scorer, "variant_scores", interrupted_at_the_second_part)
+    capsys.readouterr()
+    assert run_score(*args) == 130
+    assert "interrupted; finished parts in" in capsys.readouterr().err
+    parts = tmp_path / "out.csv.parts"
+    assert sorted(path.name for path in parts.iterdir()) == ["manifest.json", "part-00000.csv"]
+    assert not (tmp_path / "out.csv").exists()
+    stamp = (parts / "part-00000.csv").stat().st_mtime_ns
+
+    assert run_score(*args, "--methods", "wildtype_marginal") == 1  # other settings: refused, nothing deleted
+    assert "holds a run with other settings (methods: ['masked_marginal'] -> ['wildtype_marginal'])" in (
+        capsys.readouterr().err
+    )
+    assert (parts / "part-00000.csv").stat().st_mtime_ns == stamp
+
+    rescored = []
+    monkeypatch.setattr(
+        scoring.Scorer, "variant_scores", lambda self, *a, **k: rescored.append(len(a[1])) or real(self, *a, **k)
+    )
+    assert run_score(*args) == 0
+    assert sum(rescored) == 13 - scored[0]  # 13 rows: the first part is not scored again
+    assert f"1 of {1 + len(rescored)} parts were already done" in capsys.readouterr().out
+    assert (tmp_path / "out.csv").read_text().splitlines()[1:] == (tmp_path / "whole.csv").read_text().splitlines()[1:]
+    assert not parts.exists()
+
+    assert run_score(*args) == 1  # a finished output is not replaced without asking
+    assert "out.csv exists; pass --overwrite" in capsys.readouterr().err
+    assert run_score(*args, "--overwrite") == 0
+
+
+def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
+    generator = torch.Generator().manual_seed(53)
+    wild_type = random_sequence(30, generator)
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
+    table = write_mutants(tmp_path / "dms.csv", wild_type, generator, 9)
+    common = ["--mutants", str(table), "--shard-size", "2", *CPU]
+    assert run_score(checkpoint, fasta, tmp_path / "single.csv", *common) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nv_esm"]
+    command += ["score", str(checkpoint), str(fasta), str(tmp_path / "ranks.csv"), *common]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, ranks = read_csv(tmp_path / "single.csv"), read_csv(tmp_path / "ranks.csv")
+    assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
+    for ours, theirs in zip(ranks, single):
+        assert float(ours["masked_marginal"]) == pytest.approx(float(theirs["masked_marginal"]), abs=ATOL_FP32)

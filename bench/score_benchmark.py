@@ -145,7 +145,7 @@ def main() -> None:
 
     variants = args.variants or (list(VARIANTS) if device.type == "cuda" else ["nv"])
     config = load_config(args.model)
-    window = config.max_position_embeddings - 2
+    window = scoring.default_window(config)
     proteins, wild_type, mutants = workloads(args, window)
     tokenizer = EsmTokenizer.from_pretrained(args.model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

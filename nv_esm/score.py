@@ -48,7 +48,7 @@ from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model
 from nv_esm.embed_output import OutputFolder, output_lock, prepare_output, write_atomically
 from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
-from nv_esm.scoring import METHODS, Scorer, Substitution, check_variant
+from nv_esm.scoring import METHODS, Scorer, Substitution, check_variant, default_window
 
 SCORE_FOLDER = OutputFolder(
     "nv-esm score",
@@ -84,7 +84,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         f"{DEFAULT_SCORE_COLUMN} where the CSV has it)",
     )
     parser.add_argument(
-        "--window", type=int, help="residues per forward for longer proteins (default: max_position_embeddings - 2)"
+        "--window",
+        type=int,
+        help="residues per forward for longer proteins (default: min(max_position_embeddings, max_protein_length) - 2)",
     )
     parser.add_argument(
         "--invalid",
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
         from transformers import EsmTokenizer  # the converter writes ESM's tokenizer files: no remote code
 
         config = load_config(args.checkpoint)
-        window = config.max_position_embeddings - 2 if args.window is None else args.window
+        window = default_window(config) if args.window is None else args.window
         job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
         check_output(args)
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
@@ -422,10 +424,18 @@ def _report(
             continue
         if math.isfinite(target):
             pairs.append((target, [float(value) for value in values]))
-    rhos = [
-        f"{method} {spearman([p[1][m] for p in pairs], [p[0] for p in pairs]):.4f}" for m, method in enumerate(columns)
-    ]
+    rhos = []
+    for m, method in enumerate(columns):
+        rho, count = method_spearman([p[1][m] for p in pairs], [p[0] for p in pairs])
+        rhos.append(f"{method} {rho:.4f}" + ("" if count == len(pairs) else f" ({count} rows with a finite score)"))
     print(f"Spearman's rho with {measured} ({len(pairs)} rows): {', '.join(rhos)}")
+
+
+def method_spearman(scores: list[float], measured: list[float]) -> tuple[float, int]:
+    """Spearman's rho of one method's `scores [n]` with the `measured` values `[n]` (finite) over the rows where
+    the score is finite (a NaN or infinite score is dropped, not ranked), and how many rows that is."""
+    kept = [(x, y) for x, y in zip(scores, measured) if math.isfinite(x)]
+    return spearman([x for x, _ in kept], [y for _, y in kept]), len(kept)
 
 
 def spearman(x: list[float], y: list[float]) -> float:

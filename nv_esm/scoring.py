@@ -20,15 +20,18 @@ Methods (scores are log-probability ratios in nats; the sum runs over the mutate
   masked copy per residue (all L packed densely); pseudo-perplexity = exp(-PLL / L).
 
 Log-probabilities are the log-softmax, in fp32, of the LM head's logits over the full vocabulary (all 33 tokens,
-special tokens included), as fair-esm's and transformers' users compute them. On CUDA the model runs under bf16
-autocast (as `model.esm.embed` and `nv-esm embed`); on the CPU in the weights' precision.
+special tokens included), as fair-esm's and transformers' users compute them. On CUDA the encoder runs under bf16
+autocast (as `model.esm.embed` and `nv-esm embed`), on the CPU in the weights' precision; the LM head and the
+log-softmax run in fp32 (autocast off, fp32 copies of the head's weights) on the rows read only, so scores (differences
+of two log-probabilities) do not snap to bf16's grid of logits.
 
-Windows: a protein longer than `window` residues (default `config.max_position_embeddings - 2`, 1,024 for ESM-2)
-runs as a window of `window` consecutive residues chosen per forward: residues `[s, s + window)` with
-`s = clip(c - window // 2, 0, L - window)`, where c = ceil((first + last) / 2) of the 0-based positions the forward
-masks or reads (the mutated positions; for a PLL the one masked residue, which thus has `window // 2` residues
-before it where the protein allows, as fair-esm's 1,022/1,024-residue windows centred on the mutation). A
-mutant whose changed positions span more than `window` residues fits no window: the marginal methods refuse it.
+Windows: a protein longer than `window` residues (default `default_window`: min(config.max_position_embeddings,
+config.max_protein_length) - 2, 1,024 for ESM-2's checkpoints) runs as a window of `window` consecutive residues
+chosen per forward: residues `[s, s + window)` with `s = clip(c - window // 2, 0, L - window)`, where
+c = ceil((first + last) / 2) of the 0-based positions the forward masks or reads (the mutated positions; for a PLL
+the one masked residue, which thus has `window // 2` residues before it where the protein allows, as fair-esm's
+1,022/1,024-residue windows centred on the mutation). A mutant whose changed positions span more than `window`
+residues fits no window: the marginal methods refuse it.
 
 Every masked copy is its own protein in a packed batch (ESM's token-dropout ratio is per protein, as if it ran
 alone); copies are length-sorted and packed to `max_tokens_per_batch` tokens, and on CUDA batch k + 1 is queued
@@ -135,6 +138,16 @@ def window_bounds(length: int, first: int, last: int, window: int) -> tuple[int,
     return start, start + window
 
 
+def default_window(config: Any) -> int:
+    """Residues per forward unless asked otherwise: min(`max_position_embeddings`, `max_protein_length` where the
+    config has it) - 2, the longest protein the model was trained on and accepts (1,024 for ESM-2: 1,026 and
+    8,192)."""
+    tokens = config.max_position_embeddings
+    if getattr(config, "max_protein_length", None) is not None:
+        tokens = min(tokens, config.max_protein_length)
+    return tokens - 2
+
+
 def check_variant(
     mutant: str, wild_type: str, methods: Sequence[str], window: int, name: str
 ) -> tuple[Substitution, ...]:
@@ -157,7 +170,7 @@ class Scorer:
         model: `NVEsmForMaskedLM` (packed inputs go to its `esm`, the read positions' states to its `lm_head`),
             in eval mode.
         tokenizer: The checkpoint's ESM tokenizer: residue letters and `<cls>`, `<eos>`, `<mask>` ids come from it.
-        window: Residues per forward for longer proteins (default `config.max_position_embeddings - 2`).
+        window: Residues per forward for longer proteins (default `default_window(config)`).
         max_tokens_per_batch: Token budget of one packed batch (a longer copy runs alone).
     """
 
@@ -174,13 +187,14 @@ class Scorer:
             raise ValueError("the model is in training mode; call model.eval() before scoring.")
         config = model.config
         longest = config.max_protein_length - 2
-        window = config.max_position_embeddings - 2 if window is None else window
+        window = default_window(config) if window is None else window
         if not 1 <= window <= longest:
             raise ValueError(f"window must be 1 to {longest} residues (config.max_protein_length - 2), got {window}.")
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}.")
         self.model, self.window, self.max_tokens = model, window, max_tokens_per_batch
         self.device = model.esm.embeddings.word_embeddings.weight.device
+        self.head_weights = {name: p.detach().float() for name, p in model.lm_head.named_parameters()}  # fp32 head
         self.letter_ids = _letter_ids(tokenizer, config.vocab_size)
         self.cls, self.eos, self.mask = tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id
 
@@ -266,21 +280,22 @@ class Scorer:
     def _pseudo_likelihood_scores(
         self, wild_type: torch.Tensor, variants: Sequence[Sequence[Substitution]], progress: Any
     ) -> torch.Tensor:
-        """PLL(mutant) - PLL(wild type); mutants with the same substitutions are scored once."""
-        distinct: dict[tuple[Substitution, ...], int] = {}
-        sequences, owners = [wild_type], [()]
-        for row, substitutions in enumerate(variants):
-            key = tuple(substitutions)
+        """PLL(mutant) - PLL(wild type); mutants of the same sequence are scored once, and one equal to the wild
+        type (only synonymous substitutions, e.g. K2K) reuses the wild type's PLL: its score is exactly 0."""
+        distinct: dict[tuple[Substitution, ...], int] = {(): 0}
+        sequences, owners = [wild_type], [[]]
+        keys = [_changes(substitutions) for substitutions in variants]
+        for row, key in enumerate(keys):
             if key not in distinct:
                 distinct[key] = len(sequences)
                 mutant = wild_type.clone()
-                for s in substitutions:
+                for s in key:
                     mutant[s.position - 1] = self.letter_ids[s.mutant]
                 sequences.append(mutant)
                 owners.append([])
             owners[distinct[key]].append(row)
         plls = [values.sum().item() for values in self.position_log_likelihoods(sequences, progress, owners)]
-        return torch.tensor([plls[distinct[tuple(s)]] - plls[0] for s in variants], dtype=torch.float64)
+        return torch.tensor([plls[distinct[key]] - plls[0] for key in keys], dtype=torch.float64)
 
     def _log_probs(
         self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy]
@@ -320,13 +335,20 @@ class Scorer:
                 max_length_q=packed["max_length_q"],
                 return_dict=True,
             ).last_hidden_state[0]
-            logits = self.model.lm_head(states.index_select(0, to_device(torch.tensor(reads), self.device)))
-        log_probs = to_host(logits.float().log_softmax(-1))
+        log_probs = to_host(self._head_log_probs(states.index_select(0, to_device(torch.tensor(reads), self.device))))
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         return batch, log_probs, ready
+
+    def _head_log_probs(self, states: torch.Tensor) -> torch.Tensor:
+        """`[R, hidden]` final states of the read positions -> `[R, vocab_size]` float32 log-probabilities: the LM
+        head and log-softmax in fp32 (autocast off, the head's weights as fp32), so that a score, a difference of two
+        log-probabilities, carries no bf16 rounding of the logits."""
+        with torch.autocast("cuda", enabled=False):
+            logits = torch.func.functional_call(self.model.lm_head, self.head_weights, (states.float(),))
+        return logits.float().log_softmax(-1)
 
     @staticmethod
     def _collect(batch: list[int], log_probs: torch.Tensor, ready: Any) -> tuple[list[int], torch.Tensor]:
@@ -358,6 +380,11 @@ class _Completion:
             self.progress.update(finished)
 
 
+def _changes(substitutions: Sequence[Substitution]) -> tuple[Substitution, ...]:
+    """The substitutions that change a residue (synonymous ones, such as K2K, dropped): equal for equal mutants."""
+    return tuple(s for s in substitutions if s.mutant != s.wild_type)
+
+
 def _letter_ids(tokenizer: Any, vocab_size: int) -> dict[str, int]:
     """Residue letter -> token id, from the tokenizer; ValueError if it lacks one of ESM-2's letters or specials."""
     special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
@@ -387,7 +414,7 @@ def pseudo_log_likelihood(
         sequences: N proteins (letters of ESM-2's alphabet, either case; any length: longer ones run in windows).
         tokenizer: The checkpoint's ESM tokenizer.
         per_position: Also return each protein's `[L]` per-residue log-probabilities.
-        window: Residues per forward (default `config.max_position_embeddings - 2`).
+        window: Residues per forward (default `default_window(model.config)`).
         max_tokens_per_batch: Token budget of one packed batch of masked copies.
         show_progress: A progress bar over proteins.
 
@@ -428,7 +455,7 @@ def score_variants(
             from the wild type's raises ValueError naming the mutant (`mutants[i]`) and the position.
         tokenizer: The checkpoint's ESM tokenizer.
         method: The scoring method.
-        window: Residues per forward for long wild types (default `config.max_position_embeddings - 2`).
+        window: Residues per forward for long wild types (default `default_window(model.config)`).
         max_tokens_per_batch: Token budget of one packed batch of masked copies.
         show_progress: A progress bar over mutants.
     """

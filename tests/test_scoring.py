@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,6 +226,64 @@ def test_the_api_refuses_what_it_cannot_score(model, reference, tokenizer):
         model.eval()
 
 
+def count_forwards(model) -> tuple[list[int], object]:
+    """`([n], handle)`: n counts the masked copies (packed proteins) that `model.esm` has run since."""
+    copies = [0]
+
+    def hook(module, args, kwargs):
+        copies[0] += len(kwargs["cu_seq_lens_q"]) - 1
+
+    return copies, model.esm.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_singles_at_one_site_share_one_forward(model, reference, tokenizer):
+    """masked_marginal: one masked copy per set of mutated positions (a site-saturation scan costs one per site),
+    here each copy in a forward of its own; wildtype_marginal: one unmasked copy per window."""
+    wild_type = random_sequence(17, torch.Generator().manual_seed(43))
+    singles = [f"{wild_type[p]}{p + 1}{new}" for p in (4, 8) for new in STANDARD_AMINO_ACIDS]
+    mutants = [*singles, f"{wild_type[4]}5A:{wild_type[8]}9C"]
+    copies, handle = count_forwards(model)
+    calls = [0]
+    counter = model.esm.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        ours = scoring.score_variants(model, wild_type, mutants, tokenizer, max_tokens_per_batch=len(wild_type) + 2)
+        assert copies[0] == calls[0] == 3  # sites 5, 9 and the double
+        scoring.score_variants(model, wild_type, mutants, tokenizer, "wildtype_marginal")
+        assert copies[0] == 4
+    finally:
+        handle.remove()
+        counter.remove()
+    expected = torch.tensor([reference_score(reference, wild_type, m, "masked_marginal") for m in mutants])
+    assert (ours - expected).abs().max().item() <= ATOL_FP32
+
+
+def test_a_synonymous_mutant_reuses_the_wild_type(model, tokenizer):
+    """pseudo_likelihood: a mutant equal to the wild type (K2K) scores exactly 0 without a PLL of its own; a
+    synonymous substitution beside a real one changes nothing."""
+    wild_type = "MK" + random_sequence(15, torch.Generator().manual_seed(44))
+    copies, handle = count_forwards(model)
+    try:
+        scores = scoring.score_variants(
+            model, wild_type, ["K2K", "K2A", "K2A:M1M", "M1M:K2K"], tokenizer, "pseudo_likelihood"
+        )
+    finally:
+        handle.remove()
+    assert copies[0] == 2 * len(wild_type)  # the wild type's and K2A's masked copies only
+    assert scores[0].item() == 0.0 and scores[3].item() == 0.0 and scores[1].item() == scores[2].item() != 0.0
+    for method in scoring.MARGINAL_METHODS:
+        assert scoring.score_variants(model, wild_type, ["K2K"], tokenizer, method).item() == 0.0
+
+
+def test_the_default_window():
+    """min(max_position_embeddings, max_protein_length) - 2: 1,024 for ESM-2; a config without max_protein_length
+    (another version's) uses max_position_embeddings alone."""
+    config = SimpleNamespace(max_position_embeddings=1026, max_protein_length=8192)
+    assert scoring.default_window(config) == 1024
+    config.max_protein_length = 500
+    assert scoring.default_window(config) == 498
+    assert scoring.default_window(SimpleNamespace(max_position_embeddings=26)) == 24
+
+
 # ---- nv-esm score ------------------------------------------------------------------------------------------------
 
 
@@ -318,6 +377,29 @@ def ranked_correlation(x: list[float], y: list[float]) -> float:
     rx, ry = (torch.tensor(v).argsort().argsort().double() for v in (x, y))
     rx, ry = rx - rx.mean(), ry - ry.mean()
     return (rx @ ry / (rx.norm() * ry.norm())).item()
+
+
+def test_spearman_ranks_ties_and_drops_non_finite_scores(capsys):
+    """Ties get their average rank; a method's NaN or infinite scores are dropped from its rho (not ranked), per
+    method, and the printed line says how many rows it kept."""
+    assert score.spearman([1.0, 1.0, 2.0, 3.0], [0.5, 0.7, 0.2, 0.9]) == pytest.approx(1.5 / math.sqrt(22.5))
+    with_nan = score.method_spearman([1.0, math.nan, 1.0, 2.0, math.inf, 3.0], [0.5, 0.1, 0.7, 0.2, 0.3, 0.9])
+    assert with_nan == (pytest.approx(1.5 / math.sqrt(22.5)), 4)
+    assert math.isnan(score.spearman([1.0, 1.0], [1.0, 2.0]))  # a constant side
+    measured = [0.5, 0.1, 0.7, 0.2, 0.3, 0.9]
+    job = SimpleNamespace(
+        statuses=["scored"] * 6,
+        parts=[[0]],
+        columns=["mutant", "DMS_score"],
+        rows=[{"mutant": "M1A", "DMS_score": str(value)} for value in measured],
+    )
+    values = {"masked_marginal": [1, "nan", 1, 2, "inf", 3], "wildtype_marginal": [1, 1.5, 1, 2, 2.5, 3]}
+    scores = {i: [str(values["masked_marginal"][i]), str(values["wildtype_marginal"][i])] for i in range(6)}
+    args = SimpleNamespace(output=Path("out.csv"), score_column=None)
+    score._report(args, job, list(values), scores, 0, 6, 1.0)
+    rho_all = score.spearman([float(v) for v in values["wildtype_marginal"]], measured)
+    line = f"(6 rows): masked_marginal {1.5 / math.sqrt(22.5):.4f} (4 rows with a finite score), "
+    assert line + f"wildtype_marginal {rho_all:.4f}\n" in capsys.readouterr().out
 
 
 def test_an_interrupted_run_resumes_without_recomputing(checkpoint, tmp_path, capsys, monkeypatch):

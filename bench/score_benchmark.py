@@ -1,6 +1,7 @@
 """Speed of `nv_esm.scoring` (what `nv-esm score` runs) vs a transformers loop written as users write it.
 
     python bench/score_benchmark.py --model ./esm2_650M_te --out bench/results/score_h100.json
+    python bench/score_benchmark.py --shape 650M --out bench/results/score_h100.json   # random weights, no download
     python bench/score_benchmark.py --model ./esm2_nv --quick          # a small run; also on the CPU
 
 Two workloads, on random sequences:
@@ -28,6 +29,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm import scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
+from nv_esm.shapes import ESM2_SHAPES, esm2_config
 
 VARIANTS = {"nv": ("off", True), "nv_eager": ("off", False), "nv_fp8": ("all", True)}  # name: (fp8, cuda graphs)
 
@@ -124,7 +127,9 @@ def timed(device: torch.device, function, *args, **kwargs):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="an NVEsm masked-LM folder (nv-esm convert hf-to-te)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="an NVEsm masked-LM folder (nv-esm convert hf-to-te)")
+    source.add_argument("--shape", choices=sorted(ESM2_SHAPES), help="an ESM-2 shape with random weights (seed 0)")
     parser.add_argument("--quick", action="store_true", help="8 proteins (median 40) and a 100-row scan of 40")
     parser.add_argument("--proteins", type=int, default=500)
     parser.add_argument("--median-length", type=int, default=270)
@@ -136,6 +141,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/score_benchmark.json"))
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        if args.shape:
+            args.model = str(random_checkpoint(args.shape, Path(work)))
+        run(args)
+
+
+def random_checkpoint(shape: str, work: Path) -> Path:
+    """An NVEsm folder under `work` holding transformers' `EsmForMaskedLM` of `shape` with random weights."""
+    from transformers import EsmForMaskedLM
+
+    torch.manual_seed(0)
+    EsmForMaskedLM(esm2_config(**ESM2_SHAPES[shape])).save_pretrained(work / "random_hf")
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        shutil.copy(Path(__file__).resolve().parents[1] / "assets" / "esm2_tiny" / name, work / "random_hf" / name)
+    assert convert_checkpoint.main(["hf-to-te", str(work / "random_hf"), str(work / "random_nv")]) == 0
+    return work / "random_nv"
+
+
+def run(args: argparse.Namespace) -> None:
     if args.quick:
         args.proteins, args.median_length, args.scan_rows, args.scan_length = 8, 40, 100, 40
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

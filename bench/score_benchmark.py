@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> None:
         "pll_seconds": seconds_pll, "pll_proteins_per_s": len(proteins) / seconds_pll, "pll_peak_gb": peak_pll,
         "scan_seconds": seconds_scan, "scan_rows_per_s": len(mutants) / seconds_scan, "scan_peak_gb": peak_scan,
     }  # fmt: skip
+    write(args.out, summary)
     del reference
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -230,9 +231,13 @@ def run(args: argparse.Namespace) -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        write(args.out, summary)  # after each variant: a run cut short keeps what it measured
     print(json.dumps(summary, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def write(path: Path, summary: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

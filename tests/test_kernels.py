@@ -86,7 +86,7 @@ def test_rotate_qk_matches_its_twin_forward_and_backward(shape, dtype):
         source.grad = None
         rotate_qk(source, *args).backward(grad)
         assert torch.equal(grad, given)  # the given gradient is left as it was
-        twin_source = qkv.float().requires_grad_()
+        twin_source = qkv.detach().float().requires_grad_()  # a new leaf each time (fp32: .float() is qkv)
         rotate_qk_reference(twin_source, *args).backward(grad.float())
         within_a_step(source.grad, twin_source.grad.to(dtype), dtype)
 

@@ -104,15 +104,15 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:
-    """The options `nv-esm embed` and `nv-esm score` share: the token budget, the backend and its FP8 layers and
-    CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`, `--trust-remote-code`
-    and `--no-progress`."""
+def add_run_arguments(
+    parser: argparse.ArgumentParser, graphs_note: str, fp8_help: str = "FP8 layers (Transformer Engine on CUDA)"
+) -> None:
+    """The options `nv-esm embed` and `nv-esm score` share: the token budget, the backend and its FP8 layers
+    (`fp8_help`) and CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
+    `--trust-remote-code` and `--no-progress`."""
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
-    parser.add_argument(
-        "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA)"
-    )
+    parser.add_argument("--fp8", choices=FP8_LAYER_CHOICES, default="off", help=fp8_help)
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

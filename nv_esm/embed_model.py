@@ -48,12 +48,15 @@ def load_model(
     device: torch.device,
     trust_remote_code: bool = False,
     masked_lm: bool = False,
+    fp8_recipe: str | None = None,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included; with `masked_lm`, `NVEsmForMaskedLM`) of `checkpoint` on
     `device` in eval mode: bf16 weights on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend`
-    gives it. Without the data-dependent input checks, which wait for the device: the commands pack the inputs
-    themselves from checked records. The installed package's model code runs the checkpoint's weights; the
-    checkpoint's own code only with `trust_remote_code` and where it differs (`remote_code_differences`)."""
+    gives it; `fp8` a `FP8_LAYER_CHOICES` mode, its layers scaled by `fp8_recipe` (the config's `fp8_recipe`
+    names; None: the config's default, delayed scaling). Without the data-dependent input checks, which wait for
+    the device: the commands pack the inputs themselves from checked records. The installed package's model code
+    runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it differs
+    (`remote_code_differences`)."""
     from transformers import AutoModel, AutoModelForMaskedLM
 
     from nv_esm.hub_folder import remote_code_differences
@@ -65,6 +68,8 @@ def load_model(
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "backend": backend,
     }
+    if fp8_recipe is not None:
+        options["fp8_recipe"] = fp8_recipe
     if not masked_lm:
         options["add_pooling_layer"] = False
     auto_class, installed_class = (

@@ -4,7 +4,8 @@ Every file is written under a temporary name and renamed (`write_shard`, `write_
 half-written file under its final name. `prepare_output` keeps the finished shards of an earlier run only when its
 manifest holds equal settings (`EmbedSettings`, the checkpoint's fingerprint included); `output_lock` holds the
 folder while a run writes it; `iter_embeddings` reads a finished folder back, protein by protein. `prepare_output`
-and `output_lock` serve `nv-esm score`'s folder of finished parts too (`OutputFolder` says whose folder it is).
+(its decision alone, reading only: `check_output_folder`) and `output_lock` serve `nv-esm score`'s folder of
+finished parts too (`OutputFolder` says whose folder it is).
 """
 
 from __future__ import annotations
@@ -63,8 +64,25 @@ def prepare_output(folder: Path, settings: Any, overwrite: bool, kind: OutputFol
     """Create `folder`, or check that it holds an earlier run of this command with equal settings (its finished
     shards are then kept). Refuses a folder with anything else in it; with other settings, refuses unless
     `overwrite`, which deletes only the files this command writes (the manifest last). `settings`: a dataclass
-    (`EmbedSettings` for `nv-esm embed`); `kind`: whose folder it is."""
+    (`EmbedSettings` for `nv-esm embed`); `kind`: whose folder it is. The decision is `check_output_folder`'s."""
     folder.mkdir(parents=True, exist_ok=True)
+    if check_output_folder(folder, settings, overwrite, kind):
+        for path in sorted(folder.iterdir(), key=lambda path: path.name == MANIFEST_NAME):
+            if path.name != kind.lock_name:
+                path.unlink()
+    for stale in folder.glob("*.tmp"):
+        stale.unlink()
+    write_atomically(folder / MANIFEST_NAME, json.dumps(_manifest(settings, kind), indent=2) + "\n")
+
+
+def check_output_folder(folder: Path, settings: Any, overwrite: bool, kind: OutputFolder = EMBED_FOLDER) -> bool:
+    """Whether `prepare_output` may take `folder` for a run with `settings`, found by reading it only (a command
+    asks before it loads its model; `prepare_output` asks again, holding the folder): FileExistsError for a folder
+    with files `kind.command` did not write, finished pieces without a manifest, or a manifest of other settings
+    without `overwrite`. Returns whether the earlier run's files are to be deleted (other settings, `overwrite`); a
+    folder that does not exist yet is fine."""
+    if not folder.exists():
+        return False
     entries = list(folder.iterdir())
     foreign = sorted(path.name for path in entries if not (path.is_file() and kind.names.fullmatch(path.name)))
     if foreign:
@@ -73,33 +91,32 @@ def prepare_output(folder: Path, settings: Any, overwrite: bool, kind: OutputFol
             "folder."
         )
     manifest = folder / MANIFEST_NAME
-    current = {"format": kind.format, **_jsonable(settings)}
     if any(path.name != kind.lock_name for path in entries) and not manifest.exists():
         raise FileExistsError(
             f"{folder} holds {kind.pieces} but no {MANIFEST_NAME}: their settings are unknown; choose a new or empty "
             "folder."
         )
-    if manifest.exists():
-        earlier = {**dict(kind.settings_before), **_read_manifest(manifest, kind)}
-        changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
-        if changed and not overwrite:
-            details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
-            raise FileExistsError(
-                f"{folder} holds a run with other settings ({details}). Its {kind.pieces} would not match: pass "
-                "--overwrite to delete them, or choose another folder."
-            )
-        if changed:
-            for path in sorted(entries, key=lambda path: path.name == MANIFEST_NAME):
-                if path.name != kind.lock_name:
-                    path.unlink()
-    for stale in folder.glob("*.tmp"):
-        stale.unlink()
-    write_atomically(manifest, json.dumps(current, indent=2) + "\n")
+    if not manifest.exists():
+        return False
+    current = _manifest(settings, kind)
+    earlier = {**dict(kind.settings_before), **_read_manifest(manifest, kind)}
+    changed = sorted(key for key in current.keys() | earlier.keys() if current.get(key) != earlier.get(key))
+    if changed and not overwrite:
+        details = "; ".join(f"{key}: {earlier.get(key)!r} -> {current.get(key)!r}" for key in changed)
+        raise FileExistsError(
+            f"{folder} holds a run with other settings ({details}). Its {kind.pieces} would not match: pass "
+            "--overwrite to delete them, or choose another folder."
+        )
+    return bool(changed)
+
+
+def _manifest(settings: Any, kind: OutputFolder) -> dict[str, Any]:
+    return {"format": kind.format, **_jsonable(settings)}
 
 
 def _read_manifest(path: Path, kind: OutputFolder) -> dict[str, Any]:
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not a manifest of {kind.command} ({error}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != kind.format:
@@ -114,7 +131,7 @@ def _jsonable(settings: Any) -> dict[str, Any]:
 def write_atomically(path: Path, text: str) -> None:
     """`text` under `path`, written to a temporary name beside it, synced, then renamed."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as file:
+    with open(temporary, "w", encoding="utf-8") as file:
         file.write(text)
         file.flush()
         os.fsync(file.fileno())
@@ -212,7 +229,7 @@ def output_lock(folder: Path, kind: OutputFolder = EMBED_FOLDER) -> Iterator[Non
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / kind.lock_name
-    with open(path, "a+") as file:
+    with open(path, "a+", encoding="utf-8") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

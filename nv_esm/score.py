@@ -10,16 +10,19 @@ holds the wild type (one record) and the CSV a `--mutant-column` in ProteinGym's
 `--score-column` (default `DMS_score`, where there is one) gets Spearman's rho per method, printed. The methods, the
 window rule for long proteins and the numerics are `nv_esm.scoring`'s.
 
-Every input is checked before the model loads: FASTA records as `nv-esm embed` checks them, each mutant row
-(format, positions, the wild-type letter; for the marginal methods, that its positions fit one window). A bad one
-stops the run with its row and position, or with `--invalid skip` is left unscored (its status says why).
+Every input is checked before the model loads: FASTA records as `nv-esm embed` checks them, the CSV (parsed
+strictly: a malformed line stops the run with its line), each mutant row (format, positions, the wild-type letter;
+for the marginal methods, that its positions fit one window). A bad one stops the run with its row and position, or
+with `--invalid skip` is left unscored (its status says why). So is the output: an existing one without
+`--overwrite`, or parts of a run with other settings, are refused before the model loads.
 
 Resumable: the work is cut into parts (`--shard-size` records, or about `--shard-size` rows; a mutant part holds
 whole groups of rows changing the same positions, so each group is one forward), each written, when finished, to
 `OUTPUT.parts/part-NNNNN.csv` beside the output (with `manifest.json`: the settings and fingerprints of the weights and
 inputs). A rerun with the same settings computes only the missing parts (under torchrun, split over the ranks);
 other settings are refused unless `--overwrite`. Rank 0 writes OUTPUT when every part is there and removes the parts;
-an existing OUTPUT is replaced only with `--overwrite`.
+an existing OUTPUT is replaced only with `--overwrite`. `--fp8` layers run with current scaling (`FP8_RECIPE`): a
+batch's FP8 scales come from its own tensors, so a part's scores do not depend on the parts run before it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import csv
 import hashlib
 import io
+import itertools
 import math
 import re
 import shutil
@@ -46,8 +50,9 @@ from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model
-from nv_esm.embed_output import OutputFolder, output_lock, prepare_output, write_atomically
+from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output, write_atomically
 from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
+from nv_esm.hub_folder import remote_code_differences
 from nv_esm.scoring import METHODS, Scorer, Substitution, check_variant, default_window
 
 SCORE_FOLDER = OutputFolder(
@@ -61,6 +66,9 @@ PLL_COLUMNS = ("pll", "pseudo_perplexity")
 STATUS_COLUMN = "status"
 DEFAULT_SCORE_COLUMN = "DMS_score"
 DEFAULT_METHODS = ["masked_marginal"]
+# FP8 scales of each batch from that batch's own tensors (Float8CurrentScaling), not from an amax history of the
+# batches before it (DelayedScaling, the model's default): a score does not depend on what ran before it.
+FP8_RECIPE = "current"
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -99,7 +107,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument(
         "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
     )
-    add_run_arguments(parser, "every forward of masked copies")
+    add_run_arguments(
+        parser,
+        "every forward of masked copies",
+        "FP8 layers (Transformer Engine on CUDA), with current scaling: each batch is scaled from its own tensors, "
+        "so a score does not depend on the batches run before it",
+    )
     args = parser.parse_args(argv)
     if args.mutants is None and (args.methods is not DEFAULT_METHODS or args.score_column):
         parser.error("--methods and --score-column score mutants: pass --mutants CSV")
@@ -116,6 +129,7 @@ class ScoreSettings:
     """Everything that decides the numbers written (the parts folder's manifest; a rerun resumes only if equal)."""
 
     checkpoint: str  # a fingerprint of the weights (`checkpoint_fingerprint`)
+    model_code: str  # what runs them: "installed", or "checkpoint" (--trust-remote-code, where its code differs)
     fasta_sha256: str
     mutants_sha256: str  # "" in FASTA mode
     mutant_column: str
@@ -126,7 +140,9 @@ class ScoreSettings:
     shard_size: int
     precision: str
     backend: str
-    fp8: str
+    fp8: str  # layers in FP8 (scaled by `FP8_RECIPE`)
+    # Not here: --tokens-per-batch only packs the same copies differently (scores move by rounding: bf16, or a
+    # batch's FP8 scales), and a rerun after running out of memory must be able to lower it.
 
 
 @dataclass
@@ -151,8 +167,10 @@ def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window
     if not 1 <= window <= longest:
         raise ValueError(f"--window must be 1 to {longest} residues (the checkpoint's max_protein_length - 2).")
     records, fasta_sha256 = scan_fasta(args.fasta, window, "window", args.invalid, args.strip_stop)
+    own_code = args.trust_remote_code and remote_code_differences(args.checkpoint)  # as `load_model` decides
     settings = dict(
         checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+        model_code="checkpoint" if own_code else "installed",
         fasta_sha256=fasta_sha256,
         mutant_column=args.mutant_column if args.mutants else "",
         methods=args.methods,
@@ -191,7 +209,8 @@ def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: Sco
     added = [name for name in (*args.methods, STATUS_COLUMN) if name in columns]
     if args.mutant_column not in columns or added:
         problem = f"has no column {args.mutant_column!r}" if not added else f"has columns named {', '.join(added)}"
-        raise ValueError(f"{args.mutants} {problem} (columns: {', '.join(columns)}); see --mutant-column.")
+        found = ", ".join(map(repr, columns[:20])) + (f" and {len(columns) - 20} more" if len(columns) > 20 else "")
+        raise ValueError(f"{args.mutants} {problem} (its columns: {found}); see --mutant-column.")
     if args.score_column and args.score_column not in columns:
         raise ValueError(f"{args.mutants} has no --score-column {args.score_column!r}.")
     statuses, variants = [], {}
@@ -228,12 +247,28 @@ def _positions(substitutions: tuple[Substitution, ...]) -> tuple[int, ...]:
     return tuple(s.position for s in substitutions)
 
 
-def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str], int]]]:
-    """(columns, [(row, line number), ...]) of a CSV file with a header line."""
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str | None], int]]]:
+    """(columns, [(row, line number), ...]) of a CSV file with a header line (UTF-8, a byte-order mark dropped),
+    parsed strictly (an unterminated quote is an error, not a field that runs to the end of the file); blank lines
+    are skipped, a short row's missing fields are None. ValueError naming the file and line for text that is not
+    UTF-8 or not CSV, or a row with more fields than the header."""
+    rows = []
     with open(path, newline="", encoding="utf-8-sig") as file:
-        reader = csv.DictReader(file)
-        columns = list(reader.fieldnames or [])
-        rows = [(row, reader.line_num) for row in reader]
+        reader = csv.reader(file, strict=True)
+        try:
+            columns = next(reader, [])
+            for fields in reader:
+                if len(fields) > len(columns):
+                    raise ValueError(
+                        f"{path}, line {reader.line_num}: {len(fields)} fields, more than the header's "
+                        f"{len(columns)} (a field holding a ',' needs quotes)."
+                    )
+                if fields:
+                    rows.append((dict(itertools.zip_longest(columns, fields)), reader.line_num))
+        except csv.Error as error:
+            raise ValueError(f"{path}, line {reader.line_num}: not a valid CSV file ({error}).") from None
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text ({error.reason}).") from None
     if not columns or not rows:
         raise ValueError(f"{path}: no header line or no rows.")
     return columns, rows
@@ -265,7 +300,9 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
         config = load_config(args.checkpoint)
         window = default_window(config) if args.window is None else args.window
         job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
-        check_output(args)
+        check_output(args)  # and a finished output, or a parts folder of other settings, as `run` would refuse them
+        check_output_folder(parts_folder(args.output), job.settings, args.overwrite, SCORE_FOLDER)
+        barrier(world_size)  # every rank has read the parts folder before rank 0 changes it
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
         model = load_model(
             args.checkpoint,
@@ -276,6 +313,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
             device,
             args.trust_remote_code,
             masked_lm=True,
+            fp8_recipe=FP8_RECIPE,
         )
         scorer = Scorer(model, EsmTokenizer.from_pretrained(args.checkpoint), window, args.tokens_per_batch)
         run(args, scorer, job, rank, world_size)
@@ -364,7 +402,7 @@ def _score_parts(
 def _read_part(path: Path, units: list[int], columns: list[str]) -> dict[int, list[str]] | None:
     """{unit: its values as written} of a finished part, or None if missing, cut off or not this part's."""
     try:
-        header, *lines = path.read_text().splitlines()
+        header, *lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError):
         return None
     values = {}

@@ -11,9 +11,11 @@ compared within L x ATOL_FP32 (observed: ~1e-5 at L = 60).
 
 from __future__ import annotations
 
+import ast
 import csv
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,7 @@ from conftest import ATOL_FP32, TINY_CHECKPOINT, make_hf_model, make_nv_model
 from convert_helpers import save_hf
 from nv_esm import score, scoring
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
+from nv_esm.embed_model import load_config
 
 WINDOW = 24  # max_position_embeddings - 2 of the random checkpoints below
 CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
@@ -303,7 +306,7 @@ def write_mutants(path: Path, wild_type: str, generator: torch.Generator, count:
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as file:
+    with open(path, newline="", encoding="utf-8") as file:
         return list(csv.DictReader(file))
 
 
@@ -427,11 +430,14 @@ def test_an_interrupted_run_resumes_without_recomputing(checkpoint, tmp_path, ca
     assert not (tmp_path / "out.csv").exists()
     stamp = (parts / "part-00000.csv").stat().st_mtime_ns
 
+    loads, real_load = [], score.load_model
+    monkeypatch.setattr(score, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     assert run_score(*args, "--methods", "wildtype_marginal") == 1  # other settings: refused, nothing deleted
     assert "holds a run with other settings (methods: ['masked_marginal'] -> ['wildtype_marginal'])" in (
         capsys.readouterr().err
     )
     assert (parts / "part-00000.csv").stat().st_mtime_ns == stamp
+    assert loads == []  # refused before the model loaded
 
     rescored = []
     monkeypatch.setattr(
@@ -443,8 +449,10 @@ def test_an_interrupted_run_resumes_without_recomputing(checkpoint, tmp_path, ca
     assert (tmp_path / "out.csv").read_text().splitlines()[1:] == (tmp_path / "whole.csv").read_text().splitlines()[1:]
     assert not parts.exists()
 
+    assert len(loads) == 1
     assert run_score(*args) == 1  # a finished output is not replaced without asking
     assert "out.csv exists; pass --overwrite" in capsys.readouterr().err
+    assert len(loads) == 1  # refused before the model loaded
     assert run_score(*args, "--overwrite") == 0
 
 
@@ -464,3 +472,106 @@ def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
     assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
     for ours, theirs in zip(ranks, single):
         assert float(ours["masked_marginal"]) == pytest.approx(float(theirs["masked_marginal"]), abs=ATOL_FP32)
+
+
+def test_the_settings_record_whose_model_code_runs(checkpoint, tmp_path):
+    """--trust-remote-code changes the scores where the checkpoint's model code differs from the installed one (that
+    code then runs): the manifest's settings say whose code runs. --tokens-per-batch only packs the same copies
+    differently: a rerun may change it (after running out of memory) and keep the finished parts."""
+    fasta = write_fasta(tmp_path / "in.fasta", [("p", "MKVL")])
+    config = load_config(str(checkpoint))
+
+    def settings(folder: Path, *options: str) -> score.ScoreSettings:
+        args = score.parse_args([str(folder), str(fasta), str(tmp_path / "out.csv"), *CPU, *options], "nv-esm score")
+        return score.plan_job(args, config, torch.device("cpu"), WINDOW).settings
+
+    assert settings(checkpoint).model_code == settings(checkpoint, "--trust-remote-code").model_code == "installed"
+    edited = tmp_path / "edited"
+    shutil.copytree(checkpoint, edited)
+    with open(edited / "modeling_nv_esm.py", "a", encoding="utf-8") as file:
+        file.write("\n# the checkpoint's own edit\n")
+    assert settings(edited, "--trust-remote-code").model_code == "checkpoint"
+    assert settings(edited).model_code == "installed"
+    assert settings(checkpoint, "--tokens-per-batch", "64") == settings(checkpoint)
+
+
+def test_a_malformed_mutant_table_is_named_with_its_line(checkpoint, tmp_path, capsys):
+    """A CSV Python's parser refuses (strictly: an unterminated quote would otherwise swallow the rows after it), a
+    row with more fields than the header, text that is not UTF-8: one line naming the file and the line. A table
+    without the mutant column names the columns it has."""
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", "MKVLA")])
+    cases = {
+        b'mutant,DMS_score\nM1A,1\nK2A,"0.5\nV3A,2\n': ", line 4: not a valid CSV file (unexpected end of data).",
+        b'mutant,DMS_score\nM1A,"1"x\nK2A,2\n': ", line 2: not a valid CSV file (',' expected after '\"').",
+        b"mutant,DMS_score\nM1A,1\nK2A,1,5\n": ", line 3: 3 fields, more than the header's 2 (a field holding a ','",
+        b"mutant,DMS_score\nM1A,1\nK2A,\xff\n": ": not UTF-8 text (invalid start byte).",
+        b"\xef\xbb\xbfvariant,DMS score\nM1A,1\n": " has no column 'mutant' (its columns: 'variant', 'DMS score'); see",
+    }
+    for number, (text, message) in enumerate(cases.items()):
+        table = tmp_path / f"table{number}.csv"
+        table.write_bytes(text)
+        assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--mutants", table, *CPU) == 1, text
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"error: {table}{message}" in error, (text, error)
+        assert not (tmp_path / "out.csv").exists() and not (tmp_path / "out.csv.parts").exists()
+    short = tmp_path / "short.csv"  # blank lines are skipped; a short row's missing fields are empty
+    short.write_bytes(b"mutant,DMS_score,note\n\nM1A,1\nK2A\n")
+    assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--mutants", short, *CPU) == 0
+    rows = read_csv(tmp_path / "out.csv")
+    assert [(row["mutant"], row["DMS_score"], row["note"], row["status"]) for row in rows] == [
+        ("M1A", "1", "", "scored"),
+        ("K2A", "", "", "scored"),
+    ]
+
+
+def test_every_file_the_command_reads_or_writes_names_its_encoding():
+    """`nv-esm score`'s modules and the helpers they call open text files as UTF-8 whatever the locale: each
+    `open`, `read_text` and `write_text` names its encoding, or opens the file in binary."""
+    unnamed = []
+    for module in ("score", "scoring", "embed_output", "embed_plan"):
+        path = Path(score.__file__).with_name(f"{module}.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name not in ("open", "read_text", "write_text"):
+                continue
+            keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+            positional = node.args[1:2] if isinstance(node.func, ast.Name) else node.args[:1]  # open(path, mode)
+            mode = keywords.get("mode", positional[0] if positional and name == "open" else None)
+            binary = isinstance(mode, ast.Constant) and "b" in str(mode.value)
+            if "encoding" not in keywords and not binary:
+                unnamed.append(f"{path.name}:{node.lineno}")
+    assert not unnamed
+
+
+def test_the_command_writes_utf8_under_an_ascii_locale(checkpoint, tmp_path):
+    """Non-ASCII text of the table (a column name, a cell) reaches the output CSV, and back, under a locale whose
+    default encoding is ASCII."""
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", "MKVLA")])
+    table = tmp_path / "dms.csv"
+    table.write_text("mutant,DMS_score,r\u00e9sum\u00e9\nM1A,1,caf\u00e9 \u0394G\nK2A,2,\n", encoding="utf-8")
+    command = [sys.executable, "-m", "nv_esm", "score", str(checkpoint), str(fasta), str(tmp_path / "out.csv")]
+    environment = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, "--mutants", str(table), *CPU], capture_output=True, text=True, env=environment, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_csv(tmp_path / "out.csv")
+    assert [row["r\u00e9sum\u00e9"] for row in rows] == ["caf\u00e9 \u0394G", ""]
+
+
+def test_the_command_loads_fp8_layers_with_current_scaling(checkpoint, tmp_path, monkeypatch):
+    """`nv-esm score` asks for Float8CurrentScaling (each batch scaled from its own tensors; delayed scaling would
+    make a batch's scores depend on the batches before it, through the amax history); `load_model` without a recipe
+    (`nv-esm embed`) keeps the config's default, delayed scaling. The recipe runs only on a GPU (tests/test_gpu.py)."""
+    from nv_esm import embed_model
+
+    loaded, real_load = [], score.load_model
+    monkeypatch.setattr(score, "load_model", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    fasta = write_fasta(tmp_path / "in.fasta", [("p", "MKVL")])
+    assert run_score(checkpoint, fasta, tmp_path / "pll.csv", *CPU) == 0
+    assert loaded[0].config.fp8_recipe == score.FP8_RECIPE == "current"
+    config = load_config(str(checkpoint))
+    embedding = embed_model.load_model(str(checkpoint), config, "torch", "off", False, torch.device("cpu"))
+    assert embedding.config.fp8_recipe == "delayed"

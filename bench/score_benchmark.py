@@ -17,10 +17,10 @@ row's positions masked. Log-softmax in fp32 over the full vocabulary, as `nv_esm
 
 Ours: `nv_esm.scoring.pseudo_log_likelihood` / `score_variants(method="masked_marginal")` on the model as
 `nv-esm score` loads it (bf16 weights on CUDA, no data-dependent input checks), per variant: `nv` (CUDA graphs on
-Transformer Engine, the default), `nv_eager` (`cuda_graphs=False`), `nv_fp8` (every layer FP8, graphs). Each timed
-run follows an untimed warm-up on a slice of the same workload (captures, cuDNN plans). The JSON has seconds,
-proteins/s or rows/s, the speed-up over the reference loop, peak GPU memory, and the largest difference of our
-PLLs / scores from the reference's (bf16 noise on the GPU).
+Transformer Engine, the default), `nv_eager` (`cuda_graphs=False`), `nv_fp8` (every layer FP8 with the current
+scaling `nv-esm score` uses, graphs). Each timed run follows an untimed warm-up on a slice of the same workload
+(captures, cuDNN plans). The JSON has seconds, proteins/s or rows/s, the speed-up over the reference loop, peak GPU
+memory, and the largest difference of our PLLs / scores from the reference's (bf16 noise on the GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm import scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
+from nv_esm.score import FP8_RECIPE
 from nv_esm.shapes import ESM2_SHAPES, esm2_config
 
 VARIANTS = {"nv": ("off", True), "nv_eager": ("off", False), "nv_fp8": ("all", True)}  # name: (fp8, cuda graphs)
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> None:
     backend = modeling_nv_esm.resolve_backend("auto", device).name
     for name in variants:
         fp8, graphs = VARIANTS[name]
-        model = load_model(args.model, config, backend, fp8, graphs, device, masked_lm=True)
+        model = load_model(args.model, config, backend, fp8, graphs, device, masked_lm=True, fp8_recipe=FP8_RECIPE)
         options = {"max_tokens_per_batch": args.tokens_per_batch}
         scoring.pseudo_log_likelihood(model, proteins[: max(1, len(proteins) // 10)], tokenizer, **options)  # warm-up
         scoring.score_variants(model, wild_type, mutants[: max(1, len(mutants) // 10)], tokenizer, **options)

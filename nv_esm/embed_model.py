@@ -17,6 +17,7 @@ import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
 from nv_esm.embed_plan import SAVE_DTYPES, EmbedSettings, Piece, embedded_residues, pieces_of
+from nv_esm.hub_folder import remote_code_differences
 
 
 def load_config(checkpoint: str) -> Any:
@@ -59,8 +60,6 @@ def load_model(
     (`remote_code_differences`)."""
     from transformers import AutoModel, AutoModelForMaskedLM
 
-    from nv_esm.hub_folder import remote_code_differences
-
     options = {
         "layer_precision": fp8_layer_precision(fp8, config.num_hidden_layers),
         "cuda_graphs": cuda_graphs,
@@ -78,7 +77,7 @@ def load_model(
         else (AutoModel, modeling_nv_esm.NVEsmModel)
     )
     differing = remote_code_differences(checkpoint)
-    if differing and trust_remote_code:
+    if runs_checkpoint_code(differing, trust_remote_code):
         print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
         model = auto_class.from_pretrained(checkpoint, trust_remote_code=True, **options)
     else:
@@ -90,6 +89,12 @@ def load_model(
             )
         model = installed_class.from_pretrained(checkpoint, use_safetensors=True, **options)
     return model.to(device).eval()
+
+
+def runs_checkpoint_code(differing: list[str], trust_remote_code: bool) -> bool:
+    """Whether `load_model` runs the checkpoint's own model code (`differing`: `remote_code_differences`' files):
+    only with `trust_remote_code` and where it differs from the installed package's."""
+    return bool(differing) and trust_remote_code
 
 
 class ShardEmbedder:

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
-from nv_esm.embed_model import load_config, load_model
+from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output, write_atomically
 from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
 from nv_esm.hub_folder import remote_code_differences
@@ -167,7 +167,7 @@ def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window
     if not 1 <= window <= longest:
         raise ValueError(f"--window must be 1 to {longest} residues (the checkpoint's max_protein_length - 2).")
     records, fasta_sha256 = scan_fasta(args.fasta, window, "window", args.invalid, args.strip_stop)
-    own_code = args.trust_remote_code and remote_code_differences(args.checkpoint)  # as `load_model` decides
+    own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
     settings = dict(
         checkpoint=checkpoint_fingerprint(args.checkpoint, config),
         model_code="checkpoint" if own_code else "installed",

@@ -61,3 +61,34 @@ def test_bf16_scores_are_as_close_to_fp32_as_transformers_bf16(cuda_graphs, capt
 
     replayed = [graph for graph in model.esm.encoder.graphs._graphs.values() if graph is not None]
     assert bool(replayed) == cuda_graphs, "with cuda_graphs, no captured graph replayed"
+
+
+def test_fp8_scores_do_not_depend_on_the_batches_before():
+    """`nv-esm score --fp8` (every layer FP8 with `FP8_RECIPE`, current scaling): a scan's scores are the same, bit
+    for bit, before and after other batches ran (delayed scaling would scale them from those batches' amax history),
+    and stay near the fp32 reference (FP8's error: a loose bound, the premise here is the independence). Eager, so
+    that both runs take the same path (a first-use capture runs its batch eagerly, later batches replay)."""
+    from nv_esm.score import FP8_RECIPE
+
+    hf_fp32 = make_hf_model("esm2_8M", seed=302)
+    layers = hf_fp32.config.num_hidden_layers
+    model = make_nv_model(
+        hf_fp32,
+        backend="te",
+        layer_precision=["fp8"] * layers,
+        fp8_recipe=FP8_RECIPE,
+        cuda_graphs=False,
+        check_inputs=False,
+    )
+    model = model.to("cuda", torch.bfloat16)
+    tokenizer = EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
+    generator = torch.Generator().manual_seed(303)
+    wild_type = random_sequence(64, generator)
+    mutants = random_mutants(wild_type, generator, 12)
+    first = scoring.score_variants(model, wild_type, mutants, tokenizer)
+    other = random_sequence(120, generator)  # different activations: other amaxes
+    scoring.pseudo_log_likelihood(model, [other.replace("A", "W"), other], tokenizer)
+    again = scoring.score_variants(model, wild_type, mutants, tokenizer)
+    assert torch.equal(first, again)
+    expected = torch.tensor([reference_score(hf_fp32, wild_type, m, "masked_marginal", 10**6) for m in mutants])
+    assert (first - expected).abs().max().item() < 1.0

@@ -57,7 +57,8 @@ def load_model(
     names; None: the config's default, delayed scaling). Without the data-dependent input checks, which wait for
     the device: the commands pack the inputs themselves from checked records. The installed package's model code
     runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it differs
-    (`remote_code_differences`)."""
+    (`remote_code_differences`). With `masked_lm`, a checkpoint without weights the model needs (a classifier's has
+    no LM head) is refused (ValueError) rather than run with random ones."""
     from transformers import AutoModel, AutoModelForMaskedLM
 
     options = {
@@ -79,7 +80,9 @@ def load_model(
     differing = remote_code_differences(checkpoint)
     if runs_checkpoint_code(differing, trust_remote_code):
         print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
-        model = auto_class.from_pretrained(checkpoint, trust_remote_code=True, **options)
+        model, loading = auto_class.from_pretrained(
+            checkpoint, trust_remote_code=True, output_loading_info=True, **options
+        )
     else:
         if differing:
             print(
@@ -87,7 +90,17 @@ def load_model(
                 "installed model code (--trust-remote-code runs its own, for folders you trust)",
                 file=sys.stderr,
             )
-        model = installed_class.from_pretrained(checkpoint, use_safetensors=True, **options)
+        model, loading = installed_class.from_pretrained(
+            checkpoint, use_safetensors=True, output_loading_info=True, **options
+        )
+    missing = sorted(loading["missing_keys"]) if masked_lm else []  # (the base model: nv-esm embed keeps its rules)
+    if missing:  # transformers would start them at random values, and only log it
+        kinds = ", ".join(getattr(config, "architectures", None) or ["no architectures named"])
+        raise ValueError(
+            f"{checkpoint} has no weights for {len(missing)} tensors the {type(model).__name__} needs "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would run with random values; "
+            f"its config names {kinds}" + ": scoring needs a masked-LM checkpoint (NVEsmForMaskedLM)."
+        )
     return model.to(device).eval()
 
 

@@ -50,10 +50,17 @@ from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
-from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output, write_atomically
+from nv_esm.embed_output import (
+    MANIFEST_NAME,
+    OutputFolder,
+    check_output_folder,
+    output_lock,
+    prepare_output,
+    write_atomically,
+)
 from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
 from nv_esm.hub_folder import remote_code_differences
-from nv_esm.scoring import METHODS, Scorer, Substitution, check_variant, default_window
+from nv_esm.scoring import METHODS, Scorer, SequenceLikelihood, Substitution, check_variant, resolve_window
 
 SCORE_FOLDER = OutputFolder(
     "nv-esm score",
@@ -163,9 +170,6 @@ class ScoreJob:
 def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window: int) -> ScoreJob:
     """Check every input (before the model loads) and cut the work into parts."""
     backend = command_backend(args, device)
-    longest = config.max_protein_length - 2
-    if not 1 <= window <= longest:
-        raise ValueError(f"--window must be 1 to {longest} residues (the checkpoint's max_protein_length - 2).")
     records, fasta_sha256 = scan_fasta(args.fasta, window, "window", args.invalid, args.strip_stop)
     own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
     settings = dict(
@@ -257,6 +261,10 @@ def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str | None], 
         reader = csv.reader(file, strict=True)
         try:
             columns = next(reader, [])
+            repeated = sorted({name for name in columns if columns.count(name) > 1})
+            if repeated:
+                names = ", ".join(map(repr, repeated[:5]))
+                raise ValueError(f"{path}, line 1: the header repeats {names}; each column needs a name of its own.")
             for fields in reader:
                 if len(fields) > len(columns):
                     raise ValueError(
@@ -295,14 +303,13 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
-        from transformers import EsmTokenizer  # the converter writes ESM's tokenizer files: no remote code
-
         config = load_config(args.checkpoint)
-        window = default_window(config) if args.window is None else args.window
+        window = resolve_window(config, args.window, "--window")
         job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
         check_output(args)  # and a finished output, or a parts folder of other settings, as `run` would refuse them
         check_output_folder(parts_folder(args.output), job.settings, args.overwrite, SCORE_FOLDER)
         barrier(world_size)  # every rank has read the parts folder before rank 0 changes it
+        tokenizer = load_tokenizer(args.checkpoint)
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
         model = load_model(
             args.checkpoint,
@@ -315,16 +322,30 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
             masked_lm=True,
             fp8_recipe=FP8_RECIPE,
         )
-        scorer = Scorer(model, EsmTokenizer.from_pretrained(args.checkpoint), window, args.tokens_per_batch)
+        scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
         run(args, scorer, job, rank, world_size)
 
     kept = f"finished parts in {parts_folder(args.output)} are kept, a rerun resumes"
     return run_on_ranks(args.device, score_on, kept)
 
 
+def load_tokenizer(checkpoint: str) -> Any:
+    """The checkpoint's ESM tokenizer (the converter writes `vocab.txt`: no remote code), or a one-line error."""
+    from transformers import EsmTokenizer
+
+    try:
+        return EsmTokenizer.from_pretrained(checkpoint)
+    except (OSError, TypeError, ValueError) as error:
+        raise ValueError(f"{checkpoint}: no ESM tokenizer to read (vocab.txt): {error}".splitlines()[0]) from None
+
+
 def check_output(args: argparse.Namespace) -> None:
-    """Refuse to replace a finished output (one without a parts folder beside it) unless `--overwrite`."""
-    if args.output.exists() and not parts_folder(args.output).exists() and not args.overwrite:
+    """Refuse to replace an existing output unless `--overwrite`, or unless the parts folder beside it holds a
+    manifest: the output is then a run's that was cut short after writing it, and `check_output_folder` refuses the
+    folder if that run had other settings. (An empty parts folder, or one holding only its lock, says nothing of
+    the output's settings.)"""
+    unfinished = (parts_folder(args.output) / MANIFEST_NAME).exists()
+    if args.output.exists() and not unfinished and not args.overwrite:
         raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it, or choose another output.")
 
 
@@ -394,9 +415,8 @@ def _score_parts(
                 for record, sequence in shard_records
                 if job.statuses[record.number - 1].startswith("scored")
             ]
-            values = scorer.position_log_likelihoods(sequences, progress)
-            plls = [per_residue.sum().item() for per_residue in values]
-            yield part, [[pll, math.exp(-pll / len(v))] for pll, v in zip(plls, values)]
+            likelihoods = map(SequenceLikelihood.of, scorer.position_log_likelihoods(sequences, progress))
+            yield part, [[likelihood.pll, likelihood.pseudo_perplexity] for likelihood in likelihoods]
 
 
 def _read_part(path: Path, units: list[int], columns: list[str]) -> dict[int, list[str]] | None:

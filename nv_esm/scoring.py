@@ -75,6 +75,12 @@ class SequenceLikelihood:
     pseudo_perplexity: float
     per_position: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, per_position: torch.Tensor, keep: bool = False) -> SequenceLikelihood:
+        """From `per_position [L]` (`Scorer.position_log_likelihoods`), kept in the result if `keep`."""
+        pll = per_position.sum().item()
+        return cls(pll, math.exp(-pll / len(per_position)), per_position if keep else None)
+
 
 @dataclass(frozen=True, slots=True)
 class MaskedCopy:
@@ -148,6 +154,16 @@ def default_window(config: Any) -> int:
     return tokens - 2
 
 
+def resolve_window(config: Any, window: int | None, name: str = "window") -> int:
+    """`window` (None: `default_window`), checked: 1 to `config.max_protein_length - 2` residues, else ValueError
+    naming it as `name` (the command's `--window`)."""
+    window = default_window(config) if window is None else window
+    longest = config.max_protein_length - 2
+    if not 1 <= window <= longest:
+        raise ValueError(f"{name} must be 1 to {longest} residues (config.max_protein_length - 2), got {window}.")
+    return window
+
+
 def check_variant(
     mutant: str, wild_type: str, methods: Sequence[str], window: int, name: str
 ) -> tuple[Substitution, ...]:
@@ -186,10 +202,7 @@ class Scorer:
         if model.training:
             raise ValueError("the model is in training mode; call model.eval() before scoring.")
         config = model.config
-        longest = config.max_protein_length - 2
-        window = default_window(config) if window is None else window
-        if not 1 <= window <= longest:
-            raise ValueError(f"window must be 1 to {longest} residues (config.max_protein_length - 2), got {window}.")
+        window = resolve_window(config, window)
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}.")
         self.model, self.window, self.max_tokens = model, window, max_tokens_per_batch
@@ -281,7 +294,11 @@ class Scorer:
         self, wild_type: torch.Tensor, variants: Sequence[Sequence[Substitution]], progress: Any
     ) -> torch.Tensor:
         """PLL(mutant) - PLL(wild type); mutants of the same sequence are scored once, and one equal to the wild
-        type (only synonymous substitutions, e.g. K2K) reuses the wild type's PLL: its score is exactly 0."""
+        type (only synonymous substitutions, e.g. K2K) reuses the wild type's PLL: its score is exactly 0. The wild
+        type's copies run in batches of their own, so its PLL is the same in every call (`nv-esm score` calls once
+        per part): in bf16 or FP8 a copy's values depend on what shares its batch, and a wild type packed with each
+        part's mutants would shift the scores of each part by a different rounding."""
+        wild_type_pll = self.position_log_likelihoods([wild_type])[0].sum().item()
         distinct: dict[tuple[Substitution, ...], int] = {(): 0}
         sequences, owners = [wild_type], [[]]
         keys = [_changes(substitutions) for substitutions in variants]
@@ -294,8 +311,9 @@ class Scorer:
                 sequences.append(mutant)
                 owners.append([])
             owners[distinct[key]].append(row)
-        plls = [values.sum().item() for values in self.position_log_likelihoods(sequences, progress, owners)]
-        return torch.tensor([plls[distinct[key]] - plls[0] for key in keys], dtype=torch.float64)
+        mutants = self.position_log_likelihoods(sequences[1:], progress, owners[1:])
+        plls = [wild_type_pll, *(values.sum().item() for values in mutants)]
+        return torch.tensor([plls[distinct[key]] - wild_type_pll for key in keys], dtype=torch.float64)
 
     def _log_probs(
         self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy]
@@ -427,11 +445,7 @@ def pseudo_log_likelihood(
     encoded = [scorer.encode(protein_residues(s, f"sequences[{i}]")) for i, s in enumerate(sequences)]
     with tqdm(total=len(encoded), unit="protein", desc="PLL", disable=not show_progress) as progress:
         values = scorer.position_log_likelihoods(encoded, progress)
-    result = []
-    for per_residue in values:
-        pll = per_residue.sum().item()
-        result.append(SequenceLikelihood(pll, math.exp(-pll / len(per_residue)), per_residue if per_position else None))
-    return result
+    return [SequenceLikelihood.of(per_residue, per_position) for per_residue in values]
 
 
 def score_variants(

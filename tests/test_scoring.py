@@ -277,6 +277,24 @@ def test_a_synonymous_mutant_reuses_the_wild_type(model, tokenizer):
         assert scoring.score_variants(model, wild_type, ["K2K"], tokenizer, method).item() == 0.0
 
 
+def test_the_wild_type_pll_runs_in_batches_of_its_own(model, tokenizer, monkeypatch):
+    """pseudo_likelihood: no packed batch mixes the wild type's masked copies with a mutant's, so the wild type's
+    PLL (every score's baseline) comes out the same in each call, i.e. in each part of `nv-esm score` (in bf16 or
+    FP8 a copy's values depend on what shares its batch)."""
+    wild_type = "M" + random_sequence(11, torch.Generator().manual_seed(45))
+    batches, real = [], scoring.Scorer._launch
+
+    def launch(self, sequences, copies, batch):
+        batches.append({(len(sequences), copies[index].sequence) for index in batch})
+        return real(self, sequences, copies, batch)
+
+    monkeypatch.setattr(scoring.Scorer, "_launch", launch)
+    scorer = scoring.Scorer(model, tokenizer, max_tokens_per_batch=10**6)  # room for every copy in one batch
+    mutant = scoring.parse_mutant("M1A", wild_type, "row 0")
+    scorer.variant_scores(scorer.encode(wild_type), [mutant], "pseudo_likelihood")
+    assert batches == [{(1, 0)}, {(1, 0)}], batches  # the wild type alone, then the mutant alone
+
+
 def test_the_default_window():
     """min(max_position_embeddings, max_protein_length) - 2: 1,024 for ESM-2; a config without max_protein_length
     (another version's) uses max_position_embeddings alone."""
@@ -452,8 +470,57 @@ def test_an_interrupted_run_resumes_without_recomputing(checkpoint, tmp_path, ca
     assert len(loads) == 1
     assert run_score(*args) == 1  # a finished output is not replaced without asking
     assert "out.csv exists; pass --overwrite" in capsys.readouterr().err
+    finished = (tmp_path / "out.csv").read_bytes()
+    parts.mkdir()  # an empty parts folder (or one with only its lock) is no unfinished run of these settings
+    (parts / ".nv-esm-score.lock").touch()
+    assert run_score(*args, "--methods", "wildtype_marginal") == 1
+    assert "out.csv exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "out.csv").read_bytes() == finished
     assert len(loads) == 1  # refused before the model loaded
     assert run_score(*args, "--overwrite") == 0
+
+
+def test_the_command_refuses_a_window_the_model_cannot_run(checkpoint, tmp_path, capsys):
+    """`--window` is checked as the API checks `window` (`resolve_window`), before the model loads."""
+    fasta = write_fasta(tmp_path / "p.fasta", [("p", "MKVLA")])
+    longest = load_config(str(checkpoint)).max_protein_length - 2
+    for window in (0, longest + 1):
+        assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--window", window, *CPU) == 1
+        assert f"error: --window must be 1 to {longest} residues" in capsys.readouterr().err
+    assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--window", longest, *CPU) == 0
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys):
+    folder = tmp_path / "nv"
+    shutil.copytree(checkpoint, folder)
+    (folder / "vocab.txt").unlink()
+    fasta = write_fasta(tmp_path / "p.fasta", [("p", "MKVLA")])
+    loads = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(score, "load_model", lambda *a, **k: loads.append(a))
+        assert run_score(folder, fasta, tmp_path / "out.csv", *CPU) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no ESM tokenizer to read (vocab.txt)" in errors[0], errors
+    assert loads == []
+
+
+def test_a_checkpoint_without_an_lm_head_is_refused(tmp_path, capsys):
+    """A converted classifier is a valid NVEsm folder but has no LM head: scoring it would use a random one (a
+    different score each run), so the command refuses it with one line naming the missing weights."""
+    from transformers import EsmForSequenceClassification
+
+    classifier = EsmForSequenceClassification(make_hf_model("tiny", seed=33).config)
+    source = save_hf(classifier, tmp_path / "hf")
+    assert convert_checkpoint.main(["hf-to-te", str(source), str(tmp_path / "nv")]) == 0
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", "MKVLA")])
+    table = tmp_path / "dms.csv"
+    table.write_text("mutant\nM1A\n", encoding="utf-8")
+    capsys.readouterr()
+    assert run_score(tmp_path / "nv", fasta, tmp_path / "out.csv", "--mutants", table, *CPU) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has no weights for 5 tensors" in errors[0] and "lm_head." in errors[0], errors
+    assert "its config names NVEsmForSequenceClassification: scoring needs a masked-LM checkpoint" in errors[0]
+    assert not (tmp_path / "out.csv").exists()
 
 
 def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
@@ -506,6 +573,7 @@ def test_a_malformed_mutant_table_is_named_with_its_line(checkpoint, tmp_path, c
         b"mutant,DMS_score\nM1A,1\nK2A,1,5\n": ", line 3: 3 fields, more than the header's 2 (a field holding a ','",
         b"mutant,DMS_score\nM1A,1\nK2A,\xff\n": ": not UTF-8 text (invalid start byte).",
         b"\xef\xbb\xbfvariant,DMS score\nM1A,1\n": " has no column 'mutant' (its columns: 'variant', 'DMS score'); see",
+        b"mutant,score,note,score\nM1A,1,a,10\n": ", line 1: the header repeats 'score'; each column needs a name",
     }
     for number, (text, message) in enumerate(cases.items()):
         table = tmp_path / f"table{number}.csv"

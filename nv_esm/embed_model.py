@@ -93,8 +93,11 @@ def load_model(
         model, loading = installed_class.from_pretrained(
             checkpoint, use_safetensors=True, output_loading_info=True, **options
         )
-    missing = sorted(loading["missing_keys"]) if masked_lm else []  # (the base model: nv-esm embed keeps its rules)
-    if missing:  # transformers would start them at random values, and only log it
+    # Parameters the checkpoint does not hold: transformers starts them at random values and only logs it. (Buffers
+    # and TE's `_extra_state` are not weights; the base model of nv-esm embed keeps its own rules.)
+    parameters = {name for name, _ in model.named_parameters()}
+    missing = sorted(set(loading["missing_keys"]) & parameters) if masked_lm else []
+    if missing:
         kinds = ", ".join(getattr(config, "architectures", None) or ["no architectures named"])
         raise ValueError(
             f"{checkpoint} has no weights for {len(missing)} tensors the {type(model).__name__} needs "

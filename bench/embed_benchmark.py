@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 from benchmark import ROOT, SHAPES, draw_batches
+from random_checkpoint import random_checkpoint  # bench/random_checkpoint.py, beside this script
 
-import convert_checkpoint
 from nv_esm import embed, embed_model, embed_plan
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 
@@ -85,22 +85,12 @@ def command_variant(checkpoint: Path, fasta: Path, warm_fasta: Path, work: Path,
 def make_workload(shape: str, proteins: int, work: Path) -> tuple[list[str], list[int], object, Path]:
     """(sequences, their lengths, transformers' `EsmForMaskedLM` with random weights, its converted checkpoint
     folder): `proteins` random proteins of UniRef50-like lengths, the model of `shape`, both written under `work`."""
-    from transformers import EsmForMaskedLM
-
-    from nv_esm.shapes import esm2_config
-
     lengths = [len(p) for batch in draw_batches(proteins // 100, 100, seed=3) for p in batch]
     generator = torch.Generator().manual_seed(4)
     sequences = [
         "".join(STANDARD_AMINO_ACIDS[i] for i in torch.randint(0, 20, (n,), generator=generator)) for n in lengths
     ]
-    torch.manual_seed(0)
-    reference = EsmForMaskedLM(esm2_config(**SHAPES[shape]))
-    reference.save_pretrained(work / "hf")
-    for name in ("vocab.txt", "tokenizer_config.json"):
-        shutil.copy(ROOT / "assets" / "esm2_tiny" / name, work / "hf" / name)
-    checkpoint = work / "nv"
-    assert convert_checkpoint.main(["hf-to-te", str(work / "hf"), str(checkpoint)]) == 0
+    reference, checkpoint = random_checkpoint(shape, work)
     return sequences, lengths, reference, checkpoint
 
 

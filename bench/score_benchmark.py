@@ -29,12 +29,12 @@ import argparse
 import json
 import math
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from random_checkpoint import random_checkpoint  # bench/random_checkpoint.py, beside this script
 
 import convert_checkpoint
 import modeling_nv_esm
@@ -43,7 +43,7 @@ from nv_esm import scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
 from nv_esm.score import FP8_RECIPE
-from nv_esm.shapes import ESM2_SHAPES, esm2_config
+from nv_esm.shapes import ESM2_SHAPES
 
 VARIANTS = {"nv": ("off", True), "nv_eager": ("off", False), "nv_fp8": ("all", True)}  # name: (fp8, cuda graphs)
 
@@ -144,20 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
         if args.shape:
-            args.model = str(random_checkpoint(args.shape, Path(work)))
+            args.model = str(random_checkpoint(args.shape, Path(work))[1])
         run(args)
-
-
-def random_checkpoint(shape: str, work: Path) -> Path:
-    """An NVEsm folder under `work` holding transformers' `EsmForMaskedLM` of `shape` with random weights."""
-    from transformers import EsmForMaskedLM
-
-    torch.manual_seed(0)
-    EsmForMaskedLM(esm2_config(**ESM2_SHAPES[shape])).save_pretrained(work / "random_hf")
-    for name in ("vocab.txt", "tokenizer_config.json"):
-        shutil.copy(Path(__file__).resolve().parents[1] / "assets" / "esm2_tiny" / name, work / "random_hf" / name)
-    assert convert_checkpoint.main(["hf-to-te", str(work / "random_hf"), str(work / "random_nv")]) == 0
-    return work / "random_nv"
 
 
 def run(args: argparse.Namespace) -> None:

@@ -183,6 +183,12 @@ def command_backend(args: argparse.Namespace, device: torch.device) -> Any:
     return backend
 
 
+def command_precision(device: torch.device) -> str:
+    """The commands' precision on `device`, as the manifests record it: bf16 on CUDA (`embed_model.load_model`'s
+    weights, `device_autocast`), fp32 on the CPU."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
 def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tuple[EmbedSettings, list[Record]]:
     """Check the arguments against the checkpoint and make the first pass over the FASTA file."""
     longest = config.max_protein_length - 2
@@ -199,7 +205,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
     settings = EmbedSettings(
         checkpoint=checkpoint_fingerprint(args.checkpoint, config),
         fasta_sha256=fasta_sha256,
-        precision="bf16" if device.type == "cuda" else "fp32",
+        precision=command_precision(device),
         layers=tuple(sorted({layer % states for layer in args.layers})),
         include=tuple(output for output in OUTPUTS if output in args.include),
         max_length=max_length,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import hashlib
 import io
 import itertools
 import math
@@ -48,6 +47,7 @@ from tqdm.auto import tqdm
 
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
+from nv_esm.checkpoint_io import file_sha256
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import (
@@ -58,7 +58,15 @@ from nv_esm.embed_output import (
     prepare_output,
     write_atomically,
 )
-from nv_esm.embed_plan import Record, checkpoint_fingerprint, command_backend, records_by_shard, scan_fasta, text_lines
+from nv_esm.embed_plan import (
+    Record,
+    checkpoint_fingerprint,
+    command_backend,
+    command_precision,
+    records_by_shard,
+    scan_fasta,
+    text_lines,
+)
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.scoring import METHODS, Scorer, SequenceLikelihood, Substitution, check_variant, resolve_window
 
@@ -182,7 +190,7 @@ def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window
         invalid=args.invalid,
         strip_stop=args.strip_stop,
         shard_size=args.shard_size,
-        precision="bf16" if device.type == "cuda" else "fp32",
+        precision=command_precision(device),
         backend=backend.name,
         fp8=args.fp8,
     )
@@ -195,7 +203,7 @@ def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window
         ]
         job_settings = ScoreSettings(mutants_sha256="", **settings)
         return ScoreJob(job_settings, statuses, [part for part in parts if part], records=records)
-    return _plan_mutants(args, records, ScoreSettings(mutants_sha256=_sha256(args.mutants), **settings))
+    return _plan_mutants(args, records, ScoreSettings(mutants_sha256=file_sha256(args.mutants), **settings))
 
 
 def _record_status(status: str) -> str:
@@ -282,14 +290,6 @@ def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str | None], 
     return columns, rows
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def parts_folder(output: Path) -> Path:
     """Where a run keeps its finished parts: `OUTPUT.parts/` beside the output."""
     return output.with_name(output.name + ".parts")
@@ -352,7 +352,7 @@ def check_output(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, world_size: int = 1) -> None:
     """Score the missing parts (this rank's share of them), then (rank 0, after every rank) write the output."""
     folder = parts_folder(args.output)
-    check_output(args)
+    check_output(args)  # again: another run may have finished this output while the model loaded
     with output_lock(folder, SCORE_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(folder, job.settings, args.overwrite, SCORE_FOLDER)

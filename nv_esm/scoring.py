@@ -164,6 +164,12 @@ def resolve_window(config: Any, window: int | None, name: str = "window") -> int
     return window
 
 
+def check_method(method: str) -> None:
+    """ValueError unless `method` is one of `METHODS`."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+
+
 def check_variant(
     mutant: str, wild_type: str, methods: Sequence[str], window: int, name: str
 ) -> tuple[Substitution, ...]:
@@ -249,8 +255,7 @@ class Scorer:
     ) -> torch.Tensor:
         """`[M]` float64 scores of `variants` (`check_variant`'s) of the wild type `[L]` (`encode`) by `method`
         (see the module's docstring). `progress` is ticked once per variant scored."""
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+        check_method(method)
         if not variants:
             return torch.empty(0, dtype=torch.float64)
         if method == "pseudo_likelihood":
@@ -473,8 +478,7 @@ def score_variants(
         max_tokens_per_batch: Token budget of one packed batch of masked copies.
         show_progress: A progress bar over mutants.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+    check_method(method)
     if isinstance(mutants, str):
         raise ValueError("score_variants takes a list of mutants and got one string; pass [mutant].")
     scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)

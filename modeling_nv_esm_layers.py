@@ -353,9 +353,8 @@ def te_layer_class() -> type[nn.Module]:
             packed = (*qkv.shape[:-1], heads, 3, head_dim)
             qkv = rotate_qk(qkv.view(-1, heads, 3, head_dim), rotation.positions, rotation.cos, rotation.sin)
             query, key, value = (part.squeeze(-2) for part in split_along_dim.apply(qkv.view(packed), -2, (1, 1, 1)))
-            kwargs = {name: value for name, value in layout.te_kwargs.items() if name != "rotary_pos_emb"}
-            kwargs.update(qkv_format=self.qkv_format, attn_mask_type=kwargs.pop("self_attn_mask_type"))
-            return self.proj(self.core_attention(query, key, value, **kwargs))
+            context = self.core_attention(query, key, value, qkv_format=self.qkv_format, **layout.attention_kwargs)
+            return self.proj(context)
 
     class NVEsmTELayer(te.TransformerLayer):
         def __init__(self, *args: Any, config: NVEsmConfig, **kwargs: Any) -> None:

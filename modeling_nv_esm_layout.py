@@ -116,7 +116,11 @@ class RunLayout:
     Attributes (every subclass):
         rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout (None only in a
             layout built without a rotary table, which no layer runs).
-        te_kwargs: keyword arguments of `transformer_engine.pytorch.TransformerLayer.forward` besides the states.
+        attention_kwargs: keyword arguments of TE's `DotProductAttention.forward` besides the queries, keys,
+            values and `qkv_format`: the mask type and the lengths (what `NVEsmTEMultiheadAttention.rotated_forward`
+            passes).
+        te_kwargs: the same as TE's `TransformerLayer.forward` names them (`self_attn_mask_type`), with the
+            rotary table (`rotary_pos_emb`): what TE's own layer forward takes. Both made once, by `set_attention`.
         qkv_rotation: how TE layers rotate their fused QKV projection (`QKVRotation`, `rotate_qk`); None where TE's
             own attention block must rotate the split queries and keys (context parallelism's per-rank chunks; no
             Triton; `QKVRotation.of`).
@@ -124,13 +128,19 @@ class RunLayout:
     """
 
     rotary_angles: torch.Tensor | None
+    attention_kwargs: dict[str, Any]
     te_kwargs: dict[str, Any]
     qkv_rotation: QKVRotation | None = None
     static_shape: bool = False
 
-    def rotary_kwargs(self) -> dict[str, Any]:
-        """TE's `rotary_pos_emb`, `[L, 1, 1, head_dim]`."""
-        return {} if self.rotary_angles is None else {"rotary_pos_emb": self.rotary_angles[:, None, None, :]}
+    def set_attention(self, attention_kwargs: dict[str, Any]) -> None:
+        """Set `attention_kwargs` and the `te_kwargs` that say the same to TE's `TransformerLayer`, with TE's
+        `rotary_pos_emb` (`[L, 1, 1, head_dim]`) where the layout has a rotary table."""
+        self.attention_kwargs = attention_kwargs
+        layer_names = {"attn_mask_type": "self_attn_mask_type"}
+        self.te_kwargs = {layer_names.get(name, name): value for name, value in attention_kwargs.items()}
+        if self.rotary_angles is not None:
+            self.te_kwargs["rotary_pos_emb"] = self.rotary_angles[:, None, None, :]
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """The states this rank's layers run (all of them without tensor or context parallelism)."""
@@ -188,10 +198,10 @@ class PaddedRun(RunLayout):
         rows: int,
     ) -> None:
         self.rotary_angles, self.key_mask, self.width, self.run, self.batch = rotary_angles, key_mask, width, run, batch
-        mask = {"self_attn_mask_type": "no_mask"}
+        mask = {"attn_mask_type": "no_mask"}
         if key_mask is not None:
-            mask = {"self_attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
-        self.te_kwargs = {**self.rotary_kwargs(), **mask}
+            mask = {"attn_mask_type": "padding", "attention_mask": ~key_mask[:, None, None, :]}
+        self.set_attention(mask)
         self.qkv_rotation = QKVRotation.of(
             rotary_angles, lambda: torch.arange(rotary_angles.shape[0], device=rotary_angles.device).repeat(rows)
         )
@@ -252,14 +262,13 @@ class PackedRun(RunLayout):
         self.packed, self.rotary_angles, self.num_tokens = packed, rotary_angles, num_tokens
         self.batch, self.static_shape = batch, static_shape
         self.key_mask = packed.key_mask() if key_mask is None else key_mask
-        self.te_kwargs = self.make_te_kwargs()
+        self.set_attention(self.make_attention_kwargs())
         self.qkv_rotation = self.make_qkv_rotation()
 
-    def make_te_kwargs(self) -> dict[str, Any]:
+    def make_attention_kwargs(self) -> dict[str, Any]:
         cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length
         return {
-            **self.rotary_kwargs(),
-            "self_attn_mask_type": "padding",
+            "attn_mask_type": "padding",
             "cu_seqlens_q": cu_seq_lens,
             "cu_seqlens_kv": cu_seq_lens,
             "max_seqlen_q": max_length,

@@ -200,11 +200,10 @@ class ContextParallelLayout(PackedRun):
         # the padded proteins' real tokens (PackedRun's own would be the unpadded view's)
         super().__init__(packed, rotary_angles, packed.num_tokens, batch, key_mask=key_mask)
 
-    def make_te_kwargs(self) -> dict[str, Any]:
+    def make_attention_kwargs(self) -> dict[str, Any]:
         """The whole batch's real and padded lengths; TE finds this rank's part."""
         return {
-            **self.rotary_kwargs(),
-            "self_attn_mask_type": "padding",
+            "attn_mask_type": "padding",
             "cu_seqlens_q": self.cu_seq_lens,
             "cu_seqlens_kv": self.cu_seq_lens,
             "cu_seqlens_q_padded": self.cu_seq_lens_padded,

@@ -16,6 +16,7 @@ import torch
 
 from conftest import GPU_MARKS
 from modeling_nv_esm_kernels import rotate_qk, rotate_qk_reference
+from modeling_nv_esm_layers import import_transformer_engine, transformer_engine_available
 from modeling_nv_esm_layout import QKVRotation, apply_rotary
 
 SHAPES = [(1, 1, 8), (37, 20, 64), (300, 5, 24), (64, 3, 128)]  # tokens, heads, head_dim (ESM-2 35M: 24)
@@ -109,3 +110,36 @@ def test_rotate_qk_refuses_layouts_it_cannot_read():
         rotate_qk(qkv.transpose(1, 2), *args)  # [T, 3, heads, d]: q, k, v of a head not side by side
     with pytest.raises(ValueError, match="one contiguous position per token"):
         rotate_qk(qkv, rotation.positions[:4], rotation.cos, rotation.sin)
+
+
+def layouts() -> list:
+    """A packed run (three proteins) and padded runs with and without padding, on the CPU."""
+    from modeling_nv_esm_batch import PackedSequences
+    from modeling_nv_esm_layout import PackedRun, PaddedRun
+
+    angles = angle_table(12, 8)
+    cu_seq_lens = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    packed = PackedRun(PackedSequences.right_padded(cu_seq_lens, 6, 12), angles[:6], 12)
+    key_mask = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    padded = PaddedRun(angles[:6], key_mask, 6, None, None, 2)
+    unpadded = PaddedRun(angles[:6], None, 6, None, None, 2)
+    return [packed, padded, unpadded]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["packed", "padded", "unpadded"])
+def test_the_layout_says_the_same_to_te_layers_and_to_their_attention(index):
+    """`attention_kwargs` (what the rotated attention passes to TE's `DotProductAttention`) and `te_kwargs` (TE's
+    `TransformerLayer`) hold the same lengths and mask, under each forward's names, and only `te_kwargs` the rotary
+    table; where Transformer Engine is installed, every name is a parameter of the forward it goes to."""
+    layout = layouts()[index]
+    attention, layer = layout.attention_kwargs, dict(layout.te_kwargs)
+    torch.testing.assert_close(layer.pop("rotary_pos_emb")[:, 0, 0], layout.rotary_angles, rtol=0, atol=0)
+    assert layer.pop("self_attn_mask_type") == attention["attn_mask_type"]
+    assert layer.keys() == attention.keys() - {"attn_mask_type"}
+    assert all(layer[name] is attention[name] for name in layer)
+    if transformer_engine_available():
+        import inspect
+
+        te = import_transformer_engine()
+        assert set(layout.te_kwargs) <= set(inspect.signature(te.TransformerLayer.forward).parameters)
+        assert set(attention) <= set(inspect.signature(te.DotProductAttention.forward).parameters)

@@ -184,18 +184,21 @@ def inputs_for(variant: str, tokens, labels) -> dict:
     return packed(tokens, labels) if variant in PACKED_VARIANTS else padded(tokens, labels)
 
 
-def step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, autocast: bool = True) -> None:
-    """One training step (forward, backward, AdamW; under bf16 autocast unless the weights are bf16 already) or,
-    without optimizer, one inference."""
+def step(
+    model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, autocast: bool = True
+) -> torch.Tensor | None:
+    """One training step (forward, backward, AdamW; under bf16 autocast unless the weights are bf16 already; its
+    loss, detached, is returned without waiting for it) or, without optimizer, one inference (None)."""
     if optimizer is None:
         with torch.no_grad():
             model(**{k: v for k, v in batch.items() if k != "labels"})
-        return
+        return None
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int, warmup: int) -> dict:

@@ -213,12 +213,13 @@ def main() -> None:
             continue
         result = json.loads(lines[0]) | {"log": [line for line in process.stderr.splitlines() if "CUDA graph" in line]}
         summary = {k: result.get(k) for k in ("case", "oom", "tokens_per_second", "peak_allocated_gb")}
-        print(json.dumps(summary | {"peak_reserved_gb": result["peak_reserved_gb"]}), flush=True)
+        summary |= {"peak_reserved_gb": result["peak_reserved_gb"], "captures": result["captures"]}
+        print(json.dumps(summary | {"losses": [step["loss"] for step in result["steps"]]}), flush=True)
         results.append(result)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    (args.out / f"graph_memory_{args.shape}_{args.proteins}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1)
-    )
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        (args.out / f"graph_memory_{args.shape}_{args.proteins}.json").write_text(  # after each case: a cut run
+            json.dumps({"meta": meta, "results": results}, indent=1)  # keeps what it measured
+        )
 
 
 if __name__ == "__main__":

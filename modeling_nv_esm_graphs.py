@@ -133,7 +133,8 @@ class StaticShapeGraphs(FreshWhenCopied):
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
     optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
     are captured anew. Gradient hooks on parameters also see TE's warm-up gradients while a shape is captured.
-    A capture that runs out of GPU memory frees every graph, their memory pool and the shared weight-gradient
+    From the second capture on, TE's eager warm-up before it runs in the pool's memory (`WarmUpInPool`), not beside
+    it. A capture that runs out of GPU memory frees every graph, their memory pool and the shared weight-gradient
     buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
     """
 
@@ -267,6 +268,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         training = hidden_states.requires_grad
         weights = _graph_weights(encoder) if training else []
         accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
+        warm_up = WarmUpInPool(self._pool, routed=any(graph is not None for graph in self._graphs.values()))
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
             with (
                 _expandable_segments(),
@@ -288,15 +290,21 @@ class StaticShapeGraphs(FreshWhenCopied):
                     # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
                     # captures`). Training keeps TE's three forward+backward passes.
                     num_warmup_iters=3 if training else 1,
-                    post_warmup_hook=torch.cuda.empty_cache,  # warm-up memory (a side stream) back before capture
+                    pre_warmup_hook=warm_up.begin,
+                    post_warmup_hook=warm_up.end,
                 )
         except Exception as error:  # e.g. a capture that meets another live autograd graph: run this shape eagerly
+            warm_up.close()
             importlib.import_module("transformer_engine.pytorch.graph").set_capture_end()
             if "__call__" in vars(StaticShapeLayers):  # TE's FP8 wrapper, left in place when capture fails
                 del StaticShapeLayers.__call__
             for parameter, grad in zip(parameters, grads):
                 parameter.grad = grad
             _restore_main_grads(weights, accumulated)
+            if isinstance(error, WarmUpLeftTensorsInPool):  # the earlier graphs' replays would overwrite them
+                logger.warning(f"{error} The CUDA graphs are dropped; {shape} is captured into a new pool.")
+                self.clear()
+                return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)  # not routed
             if isinstance(error, torch.OutOfMemoryError):
                 self._free_after_out_of_memory(encoder)
                 logger.warning(
@@ -310,8 +318,73 @@ class StaticShapeGraphs(FreshWhenCopied):
             return None
         _restore_main_grads(weights, accumulated)
         torch.cuda.empty_cache()
-        logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s")
+        where = "in the graphs' memory pool" if warm_up.routed else "beside the graphs' memory pool"
+        logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s (warm-up {where})")
         return graph
+
+
+class WarmUpLeftTensorsInPool(RuntimeError):
+    """A capture's warm-up kept tensors alive in the graphs' memory pool."""
+
+
+class WarmUpInPool:
+    """TE's eager warm-up before a capture (`make_graphed_callables`' `pre_warmup_hook` / `post_warmup_hook`), run
+    in the memory the captured graphs use, not beside it, once the pool holds graphs (`routed`).
+
+    A captured graph's temporaries and saved activations are blocks of the shared pool that only its replays use,
+    so while no replay runs (and none is awaiting its backward) they are free memory. The caching allocator reuses
+    a pool's blocks only for allocations on the stream they were made on, so the warm-up runs on the stream the
+    graphs are captured on (`torch.cuda.graph.default_capture_stream`) and that stream's allocations, the warm-up's
+    backward included (autograd runs it on the forward's stream), come from the pool. A 3B training step's
+    activations then exist once, not twice, while a new shape is captured (H100 80 GB, 16 proteins: 68 GB reserved
+    at most, `bench/graph_memory.py`; out of memory before). Safe only if the warm-up leaves nothing alive there (a
+    replay would overwrite it): `end` checks the pool's live bytes and raises `WarmUpLeftTensorsInPool` otherwise.
+    The first capture into a pool warms up beside it, and its memory is returned (`empty_cache`) before capture."""
+
+    def __init__(self, pool: Any, routed: bool) -> None:
+        capture_stream = torch.cuda.graph.default_capture_stream
+        begin = getattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool", None)
+        self.pool = pool
+        self.routed = routed and capture_stream is not None and begin is not None
+        self._capture_stream = capture_stream
+        self._live_before = 0
+        self._routing = False
+
+    def begin(self) -> None:
+        """Called inside TE's `with torch.cuda.stream(warm-up stream)`, which restores the stream afterwards."""
+        if not self.routed:
+            return
+        torch.cuda.synchronize()  # the pool's blocks were last used by replays on other streams
+        torch.cuda.set_stream(self._capture_stream)
+        self._live_before = live_bytes_in_pool(self.pool)
+        torch._C._cuda_beginAllocateCurrentStreamToPool(torch.cuda.current_device(), self.pool)
+        self._routing = True
+
+    def end(self) -> None:
+        self.close()
+        if self.routed:
+            left = live_bytes_in_pool(self.pool) - self._live_before
+            if left:
+                raise WarmUpLeftTensorsInPool(f"The CUDA-graph warm-up left {left} bytes alive in the graphs' pool.")
+        torch.cuda.empty_cache()  # the warm-up's memory beside the pool, back before capture
+
+    def close(self) -> None:
+        """Stop routing allocations to the pool (also where the warm-up raised)."""
+        if self._routing:
+            torch.cuda.synchronize()
+            device = torch.cuda.current_device()
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+            torch._C._cuda_releasePool(device, self.pool)  # begin took a use of the pool
+            self._routing = False
+
+
+def live_bytes_in_pool(pool: Any) -> int:
+    """Bytes of live tensors in the segments of the CUDA memory pool `pool` (from the allocator's snapshot)."""
+    return sum(
+        segment["allocated_size"]
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment["segment_pool_id"]) == tuple(pool)
+    )
 
 
 @contextlib.contextmanager

@@ -13,14 +13,11 @@ Cases (each in its own process, same batches, fp32 weights + bf16 autocast + fus
   one_shape        cuda_graphs=True, every batch padded to the bucket of the largest batch: one capture
   one_shape_fp8    one_shape with every layer FP8 (DelayedScaling)
   eager_fp8        eager with every layer FP8
-  buckets_warmup_in_pool, buckets_warmup_in_pool_fp8  experiment (issue 33, 3B graphs on 80 GB): buckets (and
-                   FP8), with TE's eager warm-up before each capture after the first run on the graphs' capture
-                   stream and allocating from their memory pool (`pre_warmup_hook` / `post_warmup_hook`) instead of
-                   beside it: the captured graphs use their pool's blocks only while they replay, and a training
-                   shape's capture comes after the previous step's backward. Safe only if the warm-up leaves nothing
-                   alive in the pool (a live tensor there would be overwritten by the next replay): each capture
-                   records the bytes it left (`left_in_pool`, must be 0), and every step its loss, to compare with
-                   `eager`.
+  buckets_warmup_beside_pool, buckets_warmup_beside_pool_fp8  buckets (and FP8) with TE's eager warm-up before
+                   each capture beside the graphs' memory pool, as before issue 33 (`WarmUpInPool` not routed): the
+                   second shape's warm-up needs its activations on top of the pool's (3B at 16 proteins on an 80 GB
+                   H100: out of memory, eager from then on). The other `buckets` cases warm up in the pool from the
+                   second capture on; each capture's record says where (`captures`).
 
 Per step it records the bucket, the number of captured shapes (0 after a capture ran out of memory: eager from
 then on), allocated / reserved / peak memory; at the end the
@@ -33,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import subprocess
@@ -58,68 +54,23 @@ CASES = {
     "one_shape": dict(cuda_graphs=True),
     "one_shape_fp8": dict(cuda_graphs=True, fp8=True),
     "eager_fp8": dict(cuda_graphs=False, fp8=True),
-    "buckets_warmup_in_pool": dict(cuda_graphs=True),
-    "buckets_warmup_in_pool_fp8": dict(cuda_graphs=True, fp8=True),
+    "buckets_warmup_beside_pool": dict(cuda_graphs=True),
+    "buckets_warmup_beside_pool_fp8": dict(cuda_graphs=True, fp8=True),
 }
 GB = 2**30
 
 
-def live_bytes_in_pool(pool: tuple[int, int]) -> int:
-    """Bytes of live tensors in the segments of the memory pool `pool` (the allocator's snapshot)."""
-    return sum(
-        segment["allocated_size"]
-        for segment in torch.cuda.memory_snapshot()
-        if tuple(segment["segment_pool_id"]) == tuple(pool)
-    )
+def record_warm_ups(captures: list[dict], routed: bool) -> None:
+    """Append to `captures` where each capture's warm-up ran (`WarmUpInPool.routed`), forcing it beside the pool
+    unless `routed`."""
+    warm_up = modeling_nv_esm_graphs.WarmUpInPool
+    real_init = warm_up.__init__
 
+    def init(self, pool, routed_by_model: bool) -> None:
+        real_init(self, pool, routed_by_model and routed)
+        captures.append({"warm_up_in_pool": self.routed})
 
-def warm_up_in_the_graph_pool(captures: list[dict]) -> None:
-    """Patch TE's `make_graphed_callables` (as the model calls it) so that, from the second capture on, its eager
-    warm-up runs on the stream the graphs are captured on (`torch.cuda.graph.default_capture_stream`) with that
-    stream's allocations (the backward's included: autograd runs it on the forward's stream) taken from the graphs'
-    pool: the caching allocator reuses a freed block only on the stream it was allocated on, so only there can the
-    warm-up reuse the blocks the captured graphs use while they replay. `captures` gets one record per capture:
-    whether its warm-up was routed and the bytes it left alive in the pool."""
-    te = importlib.import_module("transformer_engine.pytorch")
-    original = te.make_graphed_callables
-
-    def make_graphed_callables(*args, pool=None, pre_warmup_hook=None, post_warmup_hook=None, **kwargs):
-        device = torch.cuda.current_device()
-        capture_stream = torch.cuda.graph.default_capture_stream
-        record = {"routed": pool is not None and capture_stream is not None and bool(captures)}
-        captures.append(record)
-        routing = [False]
-
-        def begin() -> None:  # inside TE's `with torch.cuda.stream(warm-up stream)`, which restores the stream after
-            if record["routed"]:
-                torch.cuda.synchronize()
-                torch.cuda.set_stream(capture_stream)
-                record["live_before"] = live_bytes_in_pool(pool)
-                torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
-                routing[0] = True
-            if pre_warmup_hook is not None:
-                pre_warmup_hook()
-
-        def stop_routing() -> None:
-            if routing[0]:
-                torch.cuda.synchronize()
-                torch._C._cuda_endAllocateToPool(device, pool)
-                torch._C._cuda_releasePool(device, pool)
-                routing[0] = False
-
-        def end() -> None:
-            if routing[0]:
-                stop_routing()
-                record["left_in_pool"] = live_bytes_in_pool(pool) - record["live_before"]
-            if post_warmup_hook is not None:
-                post_warmup_hook()
-
-        try:
-            return original(*args, pool=pool, pre_warmup_hook=begin, post_warmup_hook=end, **kwargs)
-        finally:
-            stop_routing()  # where the warm-up raised
-
-    te.make_graphed_callables = make_graphed_callables
+    warm_up.__init__ = init
 
 
 def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
@@ -136,8 +87,7 @@ def run_case(case: str, shape_name: str, proteins: int, steps: int) -> dict:
     if case == "buckets_fixed_segments":
         modeling_nv_esm_graphs._expandable_segments = contextlib.nullcontext
     captures: list[dict] = []
-    if case.startswith("buckets_warmup_in_pool"):
-        warm_up_in_the_graph_pool(captures)
+    record_warm_ups(captures, routed=not case.startswith("buckets_warmup_beside_pool"))
     if options.pop("fp8", False):
         options["layer_precision"] = ["fp8"] * shape["num_hidden_layers"]
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ controlled batch shapes, and the top operators, for one or several benchmark.py 
 
     python bench/profile_step.py --shape 650M --proteins 16 64 --variants nv_thd nv_thd_graphs --out bench/results/x
 
-Per variant, mode (train/infer) and protein count, after a warm pass over the same batches (cuDNN plans, TE set-up,
+Per variant, mode (train/infer) and protein count, after two warm passes over the same batches (cuDNN plans, TE set-up,
 CUDA-graph captures: none of that is traced):
   trace         `--trace-steps` new random batches under torch.profiler, each step a `train_step_i` span; from the
                 Chrome trace (`nv_esm.trace_summary`): wall time per step (first to last kernel), GPU busy (union of
@@ -101,7 +101,8 @@ def main() -> None:
             for proteins in args.proteins:
                 raw = draw_batches(args.trace_steps, proteins, seed=9)
                 batches = [packed(*mlm_inputs(b, seed=99 + i)) for i, b in enumerate(raw)]
-                step_times(model, batches, optimizer)  # warm pass: captures and set-up stay out of the trace
+                for _ in range(2):  # warm passes: captures (an inference shape's at its second batch) and set-up
+                    step_times(model, batches, optimizer)  # stay out of the trace
                 name = f"{variant}_{mode}_{proteins}"
                 summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz")
                 run = dict(variant=variant, mode=mode, proteins=proteins, **summary)

@@ -9,6 +9,8 @@ moves logits by far more. Skipped without CUDA and Transformer Engine.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -298,3 +300,136 @@ def test_graphs_stay_off_where_a_replay_would_be_wrong(hf_fp32, monkeypatch):
         assert encoder.uses_cuda_graphs(output_hidden_states=False)  # inference graphs do not involve the ranks
         encoder._is_replica = True
         assert not encoder.uses_cuda_graphs(output_hidden_states=False)
+
+
+def train_side_by_side(eager, graphed, lengths_per_step: list[list[int]], seed: int) -> None:
+    """One SGD step per batch for both models (bf16 autocast); losses and gradients of the graphed model follow
+    the eager one at every step."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    for index, lengths in enumerate(lengths_per_step):
+        batch = packed_on_gpu(random_proteins(lengths, seed=seed + index, mask_fraction=0.15))
+        losses = []
+        for model in (eager, graphed):
+            model.train()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**batch, labels=batch["input_ids"]).loss
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[1] - losses[0]) <= LOSS_RTOL * losses[0], index
+        for (name, a), (_, b) in zip(eager.named_parameters(), graphed.named_parameters()):
+            if a.grad is not None and a.grad.norm() > 0:
+                assert relative_error(b.grad, a.grad) <= GRAD_RTOL, (index, name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+LARGE, MEDIUM, SMALL = [500, 480, 450], [250, 240, 200], [60, 50, 40]  # 1536 / 768 / 256 tokens: three shapes
+
+
+def test_captures_after_the_first_warm_up_in_the_graphs_pool_and_earlier_graphs_replay_unharmed(hf_fp32, monkeypatch):
+    """From the second capture on, TE's warm-up runs in the graphs' pool (`WarmUpInPool`), reusing blocks the
+    earlier graphs use while they replay: replaying those graphs afterwards (new batches of the first two shapes)
+    still follows eager, step by step."""
+    from modeling_nv_esm_graphs import WarmUpInPool
+
+    routed = []
+    real_end = WarmUpInPool.end
+
+    def end(self):
+        routed.append(self.routed)
+        real_end(self)
+
+    monkeypatch.setattr(WarmUpInPool, "end", end)
+    eager, graphed = te_pair(hf_fp32)
+    train_side_by_side(eager, graphed, [LARGE, MEDIUM, SMALL, LARGE, MEDIUM], seed=220)
+    assert routed == [False, True, True]  # three captures, the last two replays
+    assert len(graphed.esm.encoder.graphs._graphs) == 3
+
+
+def test_a_new_shape_warms_up_without_memory_beside_the_graphs_pool(hf_fp32, monkeypatch):
+    """Capturing a second training shape reserves at most half the memory it reserved when its warm-up ran beside
+    the pool (what let 3B's second shape run out of memory on an 80 GB H100)."""
+    from modeling_nv_esm_graphs import WarmUpInPool
+
+    real_init = WarmUpInPool.__init__
+    growth = {}
+    for where in ("in the pool", "beside the pool"):
+        if where == "beside the pool":
+            monkeypatch.setattr(WarmUpInPool, "__init__", lambda self, pool, routed: real_init(self, pool, False))
+        graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
+        for index, lengths in enumerate((LARGE, MEDIUM)):
+            batch = packed_on_gpu(random_proteins(lengths, seed=230 + index, mask_fraction=0.15))
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                graphed(**batch, labels=batch["input_ids"]).loss.backward()
+            graphed.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            growth[where] = torch.cuda.max_memory_reserved() - reserved  # the second shape's is kept
+        del graphed, batch
+        gc.collect()
+        torch.cuda.empty_cache()
+    megabytes = {where: round(value / 1e6, 1) for where, value in growth.items()}
+    print(f"\n[graphs warm-up] peak reserved growth at the second capture, MB: {megabytes}")
+    assert growth["beside the pool"] > 0
+    assert growth["in the pool"] <= growth["beside the pool"] / 2
+
+
+def test_a_warm_up_that_leaves_a_tensor_in_the_pool_is_refused():
+    """`WarmUpInPool` routes the capture stream's allocations to the pool between `begin` and `end`, and `end`
+    raises when the warm-up left a tensor alive there (an earlier graph's replay would overwrite it)."""
+    from modeling_nv_esm_graphs import WarmUpInPool, WarmUpLeftTensorsInPool, live_bytes_in_pool
+
+    pool = torch.cuda.graph_pool_handle()
+    static = torch.arange(1024.0, device=CUDA)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool):  # a graph in the pool, and the capture stream set
+        doubled = static * 2
+        output = doubled + 1
+    del doubled  # a block only the replays use
+    for keep in (False, True):
+        warm_up = WarmUpInPool(pool, routed=True)
+        assert warm_up.routed
+        with torch.cuda.stream(torch.cuda.Stream()):
+            warm_up.begin()
+            before = live_bytes_in_pool(pool)
+            tensor = torch.ones(1 << 20, device=CUDA)
+            assert live_bytes_in_pool(pool) > before  # taken from the pool
+            if keep:
+                with pytest.raises(WarmUpLeftTensorsInPool):
+                    warm_up.end()
+            else:
+                del tensor
+                warm_up.end()
+    assert live_bytes_in_pool(pool) - before == tensor.numel() * tensor.element_size()
+    static.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(output, torch.full_like(output, 3.0))
+    del tensor
+
+
+def test_a_warm_up_that_left_tensors_in_the_pool_drops_the_graphs_and_captures_anew(hf_fp32, monkeypatch):
+    """Where a routed warm-up left tensors in the pool (simulated), the earlier graphs are dropped and the shape is
+    captured into a new pool, its warm-up beside it; training goes on following eager."""
+    from modeling_nv_esm_graphs import WarmUpInPool, WarmUpLeftTensorsInPool
+
+    real_end = WarmUpInPool.end
+    refused = []
+
+    def end(self):
+        real_end(self)
+        if self.routed:
+            refused.append(1)
+            raise WarmUpLeftTensorsInPool("simulated")
+
+    monkeypatch.setattr(WarmUpInPool, "end", end)
+    eager, graphed = te_pair(hf_fp32)
+    train_side_by_side(eager, graphed, [LARGE, MEDIUM], seed=240)
+    assert len(refused) == 1
+    assert len(graphed.esm.encoder.graphs._graphs) == 1  # only the second shape, in a new pool
+    train_side_by_side(eager, graphed, [MEDIUM], seed=250)  # replays it
+    assert len(graphed.esm.encoder.graphs._graphs) == 1

@@ -133,9 +133,9 @@ class StaticShapeGraphs(FreshWhenCopied):
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
     optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
     are captured anew. Gradient hooks on parameters also see TE's warm-up gradients while a shape is captured.
-    From the second capture on, TE's eager warm-up before it runs in the pool's memory (`WarmUpInPool`), not beside
-    it. A capture that runs out of GPU memory frees every graph, their memory pool and the shared weight-gradient
-    buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
+    From the second capture on, TE's eager warm-up before a training capture runs in the pool's memory
+    (`WarmUpInPool`), not beside it. A capture that runs out of GPU memory frees every graph, their memory pool and
+    the shared weight-gradient buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
@@ -150,6 +150,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._awaiting_backward = False
         self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
         self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
+        self._warm_up_in_pool = True  # off for good once a warm-up in the pool left tensors there
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
@@ -268,7 +269,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         training = hidden_states.requires_grad
         weights = _graph_weights(encoder) if training else []
         accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
-        warm_up = WarmUpInPool(self._pool, routed=any(graph is not None for graph in self._graphs.values()))
+        routed = training and self._warm_up_in_pool and any(graph is not None for graph in self._graphs.values())
+        warm_up = WarmUpInPool(self._pool, routed)
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
             with (
                 _expandable_segments(),
@@ -302,9 +304,15 @@ class StaticShapeGraphs(FreshWhenCopied):
                 parameter.grad = grad
             _restore_main_grads(weights, accumulated)
             if isinstance(error, WarmUpLeftTensorsInPool):  # the earlier graphs' replays would overwrite them
-                logger.warning(f"{error} The CUDA graphs are dropped; {shape} is captured into a new pool.")
+                logger.warning(
+                    f"{error} The CUDA graphs are dropped and {shape} is captured into a new pool; from now on "
+                    "warm-ups run beside it."
+                )
+                self._warm_up_in_pool = False
                 self.clear()
-                return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)  # not routed
+                gc.collect()  # the dropped graphs' pool goes back once they are collected
+                torch.cuda.empty_cache()
+                return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)
             if isinstance(error, torch.OutOfMemoryError):
                 self._free_after_out_of_memory(encoder)
                 logger.warning(
@@ -329,7 +337,9 @@ class WarmUpLeftTensorsInPool(RuntimeError):
 
 class WarmUpInPool:
     """TE's eager warm-up before a capture (`make_graphed_callables`' `pre_warmup_hook` / `post_warmup_hook`), run
-    in the memory the captured graphs use, not beside it, once the pool holds graphs (`routed`).
+    in the memory the captured graphs use, not beside it, once the pool holds graphs (`routed`). Only training
+    captures are routed: their warm-up keeps a step's activations for its backward, while an inference warm-up is
+    one forward without saved activations (a layer's temporaries beside the pool).
 
     A captured graph's temporaries and saved activations are blocks of the shared pool that only its replays use,
     so while no replay runs (and none is awaiting its backward) they are free memory. The caching allocator reuses

@@ -413,8 +413,8 @@ def test_a_warm_up_that_leaves_a_tensor_in_the_pool_is_refused():
 
 
 def test_a_warm_up_that_left_tensors_in_the_pool_drops_the_graphs_and_captures_anew(hf_fp32, monkeypatch):
-    """Where a routed warm-up left tensors in the pool (simulated), the earlier graphs are dropped and the shape is
-    captured into a new pool, its warm-up beside it; training goes on following eager."""
+    """Where a routed warm-up left tensors in the pool (simulated), the earlier graphs are dropped, the shape is
+    captured into a new pool and later warm-ups run beside it; training goes on following eager."""
     from modeling_nv_esm_graphs import WarmUpInPool, WarmUpLeftTensorsInPool
 
     real_end = WarmUpInPool.end
@@ -431,5 +431,6 @@ def test_a_warm_up_that_left_tensors_in_the_pool_drops_the_graphs_and_captures_a
     train_side_by_side(eager, graphed, [LARGE, MEDIUM], seed=240)
     assert len(refused) == 1
     assert len(graphed.esm.encoder.graphs._graphs) == 1  # only the second shape, in a new pool
-    train_side_by_side(eager, graphed, [MEDIUM], seed=250)  # replays it
-    assert len(graphed.esm.encoder.graphs._graphs) == 1
+    train_side_by_side(eager, graphed, [MEDIUM, LARGE], seed=250)  # replays the second shape, captures the first
+    assert len(refused) == 1  # not routed again
+    assert len(graphed.esm.encoder.graphs._graphs) == 2

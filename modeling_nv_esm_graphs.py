@@ -335,6 +335,11 @@ class WarmUpLeftTensorsInPool(RuntimeError):
     """A capture's warm-up kept tensors alive in the graphs' memory pool."""
 
 
+# PyTorch's private allocator bindings the routing uses (torch >= 2.8; before, the second was named otherwise):
+# without them every warm-up runs beside the pool.
+ALLOCATOR_POOL_BINDINGS = ("_cuda_beginAllocateCurrentStreamToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
+
+
 class WarmUpInPool:
     """TE's eager warm-up before a capture (`make_graphed_callables`' `pre_warmup_hook` / `post_warmup_hook`), run
     in the memory the captured graphs use, not beside it, once the pool holds graphs (`routed`). Only training
@@ -353,9 +358,9 @@ class WarmUpInPool:
 
     def __init__(self, pool: Any, routed: bool) -> None:
         capture_stream = torch.cuda.graph.default_capture_stream
-        begin = getattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool", None)
+        bindings = all(hasattr(torch._C, name) for name in ALLOCATOR_POOL_BINDINGS)
         self.pool = pool
-        self.routed = routed and capture_stream is not None and begin is not None
+        self.routed = routed and capture_stream is not None and bindings
         self._capture_stream = capture_stream
         self._live_before = 0
         self._routing = False

@@ -15,7 +15,15 @@ import torch
 from conftest import make_hf_model, make_nv_model, max_abs_diff, pack_batch, random_lengths, random_proteins
 from modeling_nv_esm import PackedSequences, length_sorted_batches
 from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE
-from modeling_nv_esm_graphs import StaticShapeGraphs, _expandable_segments, _graph_mode, host_shape, static_shape
+from modeling_nv_esm_graphs import (
+    ALLOCATOR_POOL_BINDINGS,
+    StaticShapeGraphs,
+    WarmUpInPool,
+    _expandable_segments,
+    _graph_mode,
+    host_shape,
+    static_shape,
+)
 from modeling_nv_esm_layout import PackedRun, pad_packed, pad_packed_to_multiple
 
 
@@ -163,3 +171,19 @@ def test_captures_use_expandable_segments_and_switch_back(monkeypatch, process_s
         assert calls == ([] if process_setting else ["expandable_segments:True"])
         raise RuntimeError("capture failed")
     assert calls == ([] if process_setting else ["expandable_segments:True", "expandable_segments:False"])
+
+
+@pytest.mark.parametrize("missing", [None, *ALLOCATOR_POOL_BINDINGS])
+def test_warm_ups_are_routed_to_the_pool_only_where_torch_has_every_binding_it_needs(monkeypatch, missing):
+    """Routing a warm-up into the graphs' pool needs three private allocator bindings (torch >= 2.8; torch 2.4-2.7
+    name the second otherwise): where one is missing it runs beside the pool, as it did before, instead of failing
+    half-way. It also needs the capture stream a first capture sets."""
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", object())
+    for name in ALLOCATOR_POOL_BINDINGS:
+        monkeypatch.setattr(torch._C, name, lambda *args: None, raising=False)
+    if missing is not None:
+        monkeypatch.delattr(torch._C, missing)
+    assert WarmUpInPool((0, 1), routed=True).routed == (missing is None)
+    assert not WarmUpInPool((0, 1), routed=False).routed
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+    assert not WarmUpInPool((0, 1), routed=True).routed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
 import os
 import time
 from collections.abc import Iterable
@@ -292,8 +293,7 @@ class StaticShapeGraphs(FreshWhenCopied):
                     # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
                     # captures`). Training keeps TE's three forward+backward passes.
                     num_warmup_iters=3 if training else 1,
-                    pre_warmup_hook=warm_up.begin,
-                    post_warmup_hook=warm_up.end,
+                    **warm_up_hooks(te.make_graphed_callables, warm_up),
                 )
         except Exception as error:  # e.g. a capture that meets another live autograd graph: run this shape eagerly
             warm_up.close()
@@ -391,6 +391,16 @@ class WarmUpInPool:
             torch._C._cuda_endAllocateToPool(device, self.pool)
             torch._C._cuda_releasePool(device, self.pool)  # begin took a use of the pool
             self._routing = False
+
+
+def warm_up_hooks(make_graphed_callables: Any, warm_up: WarmUpInPool) -> dict[str, Any]:
+    """`warm_up`'s hooks as `make_graphed_callables`' keyword arguments, where it takes them (TE >= 2.14); none
+    before (the warm-up then runs beside the pool, its memory not returned before capture)."""
+    parameters = inspect.signature(make_graphed_callables).parameters
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    if not takes_any and ("pre_warmup_hook" not in parameters or "post_warmup_hook" not in parameters):
+        return {}
+    return {"pre_warmup_hook": warm_up.begin, "post_warmup_hook": warm_up.end}
 
 
 def live_bytes_in_pool(pool: Any) -> int:

@@ -23,6 +23,7 @@ from modeling_nv_esm_graphs import (
     _graph_mode,
     host_shape,
     static_shape,
+    warm_up_hooks,
 )
 from modeling_nv_esm_layout import PackedRun, pad_packed, pad_packed_to_multiple
 
@@ -187,3 +188,24 @@ def test_warm_ups_are_routed_to_the_pool_only_where_torch_has_every_binding_it_n
     assert not WarmUpInPool((0, 1), routed=False).routed
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     assert not WarmUpInPool((0, 1), routed=True).routed
+
+
+def test_the_warm_up_hooks_are_passed_only_to_a_transformer_engine_that_takes_them():
+    """TE < 2.14's `make_graphed_callables` has no `pre_warmup_hook` / `post_warmup_hook` (pyproject allows TE >=
+    2.8): passing them would make every capture fail with a TypeError and run eagerly."""
+
+    def te_2_13(modules, sample_args, num_warmup_iters=3, pool=None, enabled=None, recipe=None):
+        return modules
+
+    def te_2_14(modules, sample_args, num_warmup_iters=3, pool=None, pre_warmup_hook=None, post_warmup_hook=None):
+        return modules
+
+    def wrapper(*args, **kwargs):  # a wrapper (as tests patch it) passes them on
+        return te_2_14(*args, **kwargs)
+
+    warm_up = WarmUpInPool((0, 1), routed=False)
+    assert warm_up_hooks(te_2_13, warm_up) == {}
+    assert warm_up_hooks(wrapper, warm_up) == warm_up_hooks(te_2_14, warm_up)
+    hooks = warm_up_hooks(te_2_14, warm_up)
+    assert hooks == {"pre_warmup_hook": warm_up.begin, "post_warmup_hook": warm_up.end}
+    te_2_13(None, None, **warm_up_hooks(te_2_13, warm_up))  # the call the model makes does not raise

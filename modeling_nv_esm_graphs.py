@@ -272,6 +272,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
         routed = training and self._warm_up_in_pool and any(graph is not None for graph in self._graphs.values())
         warm_up = WarmUpInPool(self._pool, routed)
+        out_of_memory, failure = False, ""
         try:  # TE refuses the autocast weight cache while capturing; the layers' casts are part of the graph
             with (
                 _expandable_segments(),
@@ -302,37 +303,37 @@ class StaticShapeGraphs(FreshWhenCopied):
                 del StaticShapeLayers.__call__
             for parameter, grad in zip(parameters, grads):
                 parameter.grad = grad
-            _restore_main_grads(weights, accumulated)
-            if isinstance(error, WarmUpLeftTensorsInPool):  # the earlier graphs' replays would overwrite them
-                logger.warning(
-                    f"{error} The CUDA graphs are dropped and {shape} is captured into a new pool; from now on "
-                    "warm-ups run beside it."
-                )
-                self._warm_up_in_pool = False
-                self.clear()
-                gc.collect()  # the dropped graphs' pool goes back once they are collected
-                torch.cuda.empty_cache()
-                return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)
-            if isinstance(error, torch.OutOfMemoryError):
+            out_of_memory = isinstance(error, torch.OutOfMemoryError)
+            failure = f"{type(error).__name__}: {error}"
+            graph = None  # handled below, once the traceback (which holds the warm-up's tensors) is gone
+        _restore_main_grads(weights, accumulated)
+        if warm_up.left_in_pool:  # the earlier graphs' replays would overwrite them: drop those graphs
+            logger.warning(
+                f"The CUDA-graph warm-up left {warm_up.left_in_pool} bytes alive in the graphs' memory pool: the "
+                f"graphs are dropped and {shape} is captured into a new pool; from now on warm-ups run beside it."
+            )
+            self._warm_up_in_pool = False
+            graph = None
+            self.clear()
+            gc.collect()  # the dropped graphs' pool goes back once they are collected
+            torch.cuda.empty_cache()
+            return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)
+        if graph is None:
+            if out_of_memory:
                 self._free_after_out_of_memory(encoder)
                 logger.warning(
                     f"CUDA graph capture ran out of GPU memory ({shape}); the graphs are freed and this model runs "
                     "eagerly from now on (load it with cuda_graphs=False to skip capturing)."
                 )
                 return None
-            logger.warning(
-                f"CUDA graph capture failed ({shape}); this shape runs eagerly. {type(error).__name__}: {error}"
-            )
+            if warm_up.routed:  # what the failed warm-up still holds in the pool, the earlier graphs would overwrite
+                self.clear()
+            logger.warning(f"CUDA graph capture failed ({shape}); this shape runs eagerly. {failure}")
             return None
-        _restore_main_grads(weights, accumulated)
         torch.cuda.empty_cache()
         where = "in the graphs' memory pool" if warm_up.routed else "beside the graphs' memory pool"
         logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s (warm-up {where})")
         return graph
-
-
-class WarmUpLeftTensorsInPool(RuntimeError):
-    """A capture's warm-up kept tensors alive in the graphs' memory pool."""
 
 
 # PyTorch's private allocator bindings the routing uses (torch >= 2.8; before, the second was named otherwise):
@@ -350,19 +351,24 @@ class WarmUpInPool:
     so while no replay runs (and none is awaiting its backward) they are free memory. The caching allocator reuses
     a pool's blocks only for allocations on the stream they were made on, so the warm-up runs on the stream the
     graphs are captured on (`torch.cuda.graph.default_capture_stream`) and that stream's allocations, the warm-up's
-    backward included (autograd runs it on the forward's stream), come from the pool. A 3B training step's
+    backward included (autograd runs a node on its forward's stream), come from the pool. A 3B training step's
     activations then exist once, not twice, while a new shape is captured (H100 80 GB, 16 proteins: 68 GB reserved
     at most, `bench/graph_memory.py`; out of memory before). Safe only if the warm-up leaves nothing alive there (a
-    replay would overwrite it): `end` checks the pool's live bytes and raises `WarmUpLeftTensorsInPool` otherwise.
-    The first capture into a pool warms up beside it, and its memory is returned (`empty_cache`) before capture."""
+    replay would overwrite it): `end` records the bytes of blocks it allocated that are still alive
+    (`left_in_pool`), and the caller then drops the graphs. The first capture into a pool warms up beside it, and
+    that memory is returned (`empty_cache`) before capture. Routing needs PyTorch's private allocator bindings
+    (torch >= 2.8); without them every warm-up runs beside the pool."""
 
     def __init__(self, pool: Any, routed: bool) -> None:
         capture_stream = torch.cuda.graph.default_capture_stream
-        bindings = all(hasattr(torch._C, name) for name in ALLOCATOR_POOL_BINDINGS)
+        bindings = [getattr(torch._C, name, None) for name in ALLOCATOR_POOL_BINDINGS]
         self.pool = pool
-        self.routed = routed and capture_stream is not None and bindings
+        self.routed = routed and capture_stream is not None and all(bindings)
+        self.left_in_pool = 0
         self._capture_stream = capture_stream
-        self._live_before = 0
+        self._begin, self._end, self._release = bindings
+        self._device = 0  # set in `begin`
+        self._blocks_before: set[int] = set()
         self._routing = False
 
     def begin(self) -> None:
@@ -370,26 +376,29 @@ class WarmUpInPool:
         if not self.routed:
             return
         torch.cuda.synchronize()  # the pool's blocks were last used by replays on other streams
+        torch.cuda.empty_cache()  # while routing, the allocator cannot free cached blocks beside the pool to grow it
         torch.cuda.set_stream(self._capture_stream)
-        self._live_before = live_bytes_in_pool(self.pool)
-        torch._C._cuda_beginAllocateCurrentStreamToPool(torch.cuda.current_device(), self.pool)
+        self._device = torch.cuda.current_device()
+        self._blocks_before = set(live_blocks_in_pool(self.pool))
+        self._begin(self._device, self.pool)  # takes a use of the pool, given back in `close`
         self._routing = True
 
     def end(self) -> None:
         self.close()
         if self.routed:
-            left = live_bytes_in_pool(self.pool) - self._live_before
-            if left:
-                raise WarmUpLeftTensorsInPool(f"The CUDA-graph warm-up left {left} bytes alive in the graphs' pool.")
+            left = live_blocks_in_pool(self.pool).keys() - self._blocks_before
+            if left:  # a reference cycle may still hold them: collect, then look again
+                gc.collect()
+                blocks = live_blocks_in_pool(self.pool)
+                self.left_in_pool = sum(blocks[address] for address in blocks.keys() - self._blocks_before)
         torch.cuda.empty_cache()  # the warm-up's memory beside the pool, back before capture
 
     def close(self) -> None:
         """Stop routing allocations to the pool (also where the warm-up raised)."""
         if self._routing:
             torch.cuda.synchronize()
-            device = torch.cuda.current_device()
-            torch._C._cuda_endAllocateToPool(device, self.pool)
-            torch._C._cuda_releasePool(device, self.pool)  # begin took a use of the pool
+            self._end(self._device, self.pool)
+            self._release(self._device, self.pool)
             self._routing = False
 
 
@@ -403,13 +412,16 @@ def warm_up_hooks(make_graphed_callables: Any, warm_up: WarmUpInPool) -> dict[st
     return {"pre_warmup_hook": warm_up.begin, "post_warmup_hook": warm_up.end}
 
 
-def live_bytes_in_pool(pool: Any) -> int:
-    """Bytes of live tensors in the segments of the CUDA memory pool `pool` (from the allocator's snapshot)."""
-    return sum(
-        segment["allocated_size"]
+def live_blocks_in_pool(pool: Any) -> dict[int, int]:
+    """Address -> bytes of each live block (allocated tensor memory) in the CUDA memory pool `pool`, from the
+    allocator's snapshot."""
+    return {
+        block["address"]: block["size"]
         for segment in torch.cuda.memory_snapshot()
         if tuple(segment["segment_pool_id"]) == tuple(pool)
-    )
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
 
 
 @contextlib.contextmanager

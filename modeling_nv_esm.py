@@ -393,6 +393,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        # asked before the input checks: their device sync would leave the GPU idle through this host work
+        graphed = self.encoder.uses_cuda_graphs(output_hidden_states or output_attentions)
         batch = self._prepare_inputs(
             input_ids,
             attention_mask,
@@ -411,6 +413,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             self.rotary_embeddings,
             output_hidden_states,
             maps.append if output_attentions else None,
+            graphed=graphed,
         )
         cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
         pooler_output = None
@@ -452,7 +455,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         )
         hidden_states = self._embed(input_ids, None, batch)
         contacts = StreamedContacts(self.contact_head.regression, batch.run_token_ids(input_ids), self.config)
-        self.encoder(hidden_states, batch, self.rotary_embeddings, attention_sink=contacts.add_layer)
+        self.encoder(hidden_states, batch, self.rotary_embeddings, attention_sink=contacts.add_layer, graphed=False)
         result = contacts.probabilities()
         if batch.input_is_packed:
             return result

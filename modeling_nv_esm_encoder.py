@@ -19,7 +19,7 @@ from transformers.utils import logging
 try:
     from .configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
     from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
-    from .modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
+    from .modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs
     from .modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
@@ -48,7 +48,7 @@ try:
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
     from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
-    from modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs, has_module_hooks
+    from modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs
     from modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
@@ -191,13 +191,16 @@ class NVEsmEncoder(nn.Module):
         rotary: RotaryTable,
         output_hidden_states: bool = False,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
+        *,
+        graphed: bool,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run the layers and the final LayerNorm on `batch`'s embeddings: packed `[T, hidden]`, or `[B, S, hidden]`
         when `batch.packed` is None (`NVEsmModel._embed`). The encoder lays them out as the layers run them
         (`plan`), runs them as a CUDA graph or eagerly, and returns the final states in the input's layout and, if
         asked, the embedding output and every layer's output (the last one LayerNormed, as in ESM and
         transformers). `attention_sink`, if given, receives each layer's attention probabilities in the run layout
-        (`attention_probabilities`) as the layers run."""
+        (`attention_probabilities`) as the layers run. `graphed`: what `uses_cuda_graphs` said for this call, asked
+        by the caller before checking the inputs (whose device sync leaves the GPU idle while the host works)."""
         if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not self.backend.caller_fp8_enabled():
             raise ValueError(
                 "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
@@ -208,8 +211,9 @@ class NVEsmEncoder(nn.Module):
                 "attention maps (output_attentions, predict_contacts) are not supported with tensor or context "
                 "parallelism."
             )
-        eager = output_hidden_states or attention_sink is not None
-        hidden_states, layout = self.plan(hidden_states, batch, rotary, eager)
+        if graphed and (output_hidden_states or attention_sink is not None):
+            raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
+        hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed)
         states = self.graphs.run(self, hidden_states, layout) if layout.static_shape else None
         if states is not None:
             return layout.to_input(states), None
@@ -222,12 +226,12 @@ class NVEsmEncoder(nn.Module):
         return layout.to_input(states), tuple(map(layout.to_input, all_hidden_states))
 
     def plan(
-        self, hidden_states: torch.Tensor, batch: InputBatch, rotary: RotaryTable, eager: bool
+        self, hidden_states: torch.Tensor, batch: InputBatch, rotary: RotaryTable, graphed: bool
     ) -> tuple[torch.Tensor, RunLayout]:
         """The one place that decides how this batch runs: its run layout (`RunLayout`) and the states laid out for
         it. Padded layers run `PaddedRun`; packed layers pad the tokens with dummy proteins (`pad_packed`) to a
-        CUDA graph's static shape when this call replays one (`uses_cuda_graphs`, `StaticShapeGraphs.shape_for`;
-        not when it needs the layers run `eager`: per-layer outputs or attention maps), else to the multiple FP8
+        CUDA graph's static shape when this call replays one (`graphed`: `uses_cuda_graphs` said so;
+        `StaticShapeGraphs.shape_for`), else to the multiple FP8
         (`FP8_TOKEN_MULTIPLE`) and tensor parallelism's ranks need; context parallelism pads each protein
         (`ContextParallelLayout`)."""
         fp8 = self.pads_for_fp8()
@@ -241,9 +245,7 @@ class NVEsmEncoder(nn.Module):
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel
             return TensorParallelRun.of(hidden_states, batch, rotary, multiple * tp.size, tp=tp)
-        shape = None
-        if self.uses_cuda_graphs(eager):
-            shape = self.graphs.shape_for(self, hidden_states, batch.run_packing)
+        shape = self.graphs.shape_for(self, hidden_states, batch.run_packing) if graphed else None
         return PackedRun.of(hidden_states, batch, rotary, multiple, shape)
 
     def body(
@@ -431,7 +433,8 @@ class NVEsmEncoder(nn.Module):
     def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
         train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
-        offloading, layers not sharded by FSDP, no module hooks (a replay would not call them), not inside
+        offloading, layers not sharded by FSDP, no module hooks (`StaticShapeGraphs.replayable`, which also drops
+        the graphs when the parameters changed), not inside
         `torch.compile`, another CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a
         process group of several ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to
         `main_grad` instead).
@@ -464,7 +467,7 @@ class NVEsmEncoder(nn.Module):
             return False
         if self.fp8_recipe is None and self.backend.caller_fp8_enabled():  # the caller's te.autocast: not in the
             return False  # graphs' state
-        return not is_sharded(self.layers[0]) and not has_module_hooks(self)
+        return not is_sharded(self.layers[0]) and self.graphs.replayable(self)
 
     def pads_for_fp8(self) -> bool:
         """Whether this call's FP8 GEMMs need the token count padded (`FP8_TOKEN_MULTIPLE`): FP8 layers of the

@@ -176,7 +176,6 @@ class StaticShapeGraphs(FreshWhenCopied):
         `run`, or None: run it eagerly, unpadded (an inference shape not captured yet, with no graph to hold it)."""
         if self._out_of_memory:
             return None
-        self._check_parameters(encoder)
         num_sequences = packed.cu_seq_lens.numel() - 1
         own = static_shape(packed.num_tokens, num_sequences, packed.max_length)
         mode = _graph_mode(encoder, hidden_states)
@@ -223,13 +222,24 @@ class StaticShapeGraphs(FreshWhenCopied):
             states.register_hook(self._backward_started)
         return states
 
-    def _check_parameters(self, encoder: nn.Module) -> None:
-        """Graphs read the parameters' storage and fix at capture which parameters get gradients: when either
-        changed, drop them."""
-        storage = tuple((parameter.data_ptr(), parameter.requires_grad) for parameter in encoder.parameters())
+    def replayable(self, encoder: nn.Module) -> bool:
+        """Whether a replay would do what an eager call does: no module of `encoder` has forward or backward hooks
+        (a replay would not call them). Graphs read the parameters' storage and fix at capture which parameters
+        get gradients: when either changed since the last call, they are dropped. One pass over the modules: it
+        runs on every graphed call (a millisecond of host time for the 729 modules of a 650M TE model)."""
+        modules = list(encoder.modules())
+        if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules):
+            return False
+        storage = tuple(
+            (parameter.data_ptr(), parameter.requires_grad)
+            for module in modules
+            for parameter in module._parameters.values()
+            if parameter is not None
+        )
         if storage != self._parameter_storage:
             self.clear()
             self._parameter_storage = storage
+        return True
 
     def _free_after_out_of_memory(self, encoder: nn.Module) -> None:
         """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
@@ -503,9 +513,3 @@ def _restore_main_grads(weights: list[nn.Parameter], accumulated: list[torch.Ten
             weight.main_grad.zero_()
         else:
             weight.main_grad.copy_(saved)
-
-
-def has_module_hooks(module: nn.Module) -> bool:
-    """Whether any submodule has forward or backward hooks."""
-    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(m, kind, None) for m in module.modules() for kind in kinds)

@@ -70,6 +70,7 @@ VARIANT_CONFIGS = {
     "nv_thd_fp8": dict(check_inputs=False, fp8=True),
     "nv_thd_bf16w": dict(check_inputs=False),
     "nv_thd_graphs": dict(cuda_graphs=True),
+    "nv_thd_graphs_unchecked": dict(cuda_graphs=True, check_inputs=False),
     "nv_thd_graphs_fp8": dict(cuda_graphs=True, fp8=True),
     "nv_thd_fp8_current": dict(check_inputs=False, fp8=True, fp8_recipe="current"),
     "nv_thd_graphs_fp8_current": dict(cuda_graphs=True, fp8=True, fp8_recipe="current"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -166,9 +167,13 @@ class LargeGPUMemoryWarning(UserWarning):
 @pytest.fixture(autouse=True)
 def note_large_gpu_memory(request: pytest.FixtureRequest) -> Iterator[None]:
     """Name the tests whose tensors peak above `GPU_MEMORY_NOTE_GIB` on the GPU (allocated, not the allocator's cache,
-    which earlier tests of the process leave). Nothing where CUDA was never initialized."""
+    which earlier tests of the process leave), then give the test's cached memory back: the GPU suite runs a dozen
+    pytest workers on one GPU, and a worker that kept what its largest test reserved (33 GB) left too little for the
+    tensor-parallel test's ranks. Nothing where CUDA was never initialized."""
     yield
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()  # models in reference cycles (layers and their adapter targets, graphs) hold their memory
+        torch.cuda.empty_cache()
         peak = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
         if peak > GPU_MEMORY_NOTE_GIB:

@@ -161,6 +161,41 @@ def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_paddin
     assert graphs.shape_for(encoder, *small) is None
 
 
+def test_replayable_finds_any_module_hook_and_drops_the_graphs_when_the_parameters_change():
+    """`StaticShapeGraphs.replayable`, asked on every graphed call: any forward or backward hook on any module
+    (the deepest one here) makes the call eager; the graphs are dropped when a parameter's storage or
+    `requires_grad` changed (cast, replaced, frozen), and kept otherwise."""
+    nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
+    encoder, graphs = nv.esm.encoder, StaticShapeGraphs()
+    assert graphs.replayable(encoder)
+    graphs._graphs["shape"] = "graph"  # a captured graph, as `run` files it
+    assert graphs.replayable(encoder) and graphs._graphs  # nothing changed: kept
+    deepest = list(encoder.modules())[-1]
+    for register in (
+        deepest.register_forward_hook,
+        deepest.register_forward_pre_hook,
+        deepest.register_full_backward_hook,
+        deepest.register_full_backward_pre_hook,
+    ):
+        handle = register(lambda *args: None)
+        assert not graphs.replayable(encoder)
+        handle.remove()
+        assert graphs.replayable(encoder) and graphs._graphs
+    layer = encoder.layers[-1]
+    name, weight = next(layer.named_parameters())
+    changes = {
+        "frozen": lambda: weight.requires_grad_(False),
+        "cast": lambda: encoder.to(torch.float64),
+        "replaced": lambda: setattr(
+            layer.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], torch.nn.Parameter(weight.detach())
+        ),
+    }
+    for change, apply in changes.items():
+        apply()
+        assert graphs.replayable(encoder) and not graphs._graphs, change
+        graphs._graphs["shape"] = "graph"
+
+
 @pytest.mark.parametrize("process_setting", ["", "expandable_segments:True"])
 def test_captures_use_expandable_segments_and_switch_back(monkeypatch, process_setting):
     """A capture switches the allocator to expandable segments and back, even when it fails; a process started

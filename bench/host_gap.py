@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from benchmark import PACKED_VARIANTS, SHAPES, build, draw_batches, make_optimizer, mlm_inputs, packed, step
-from profile_step import step_times, traced
+from profile_step import record_trace, step_times, traced
 
 
 def window_tree(events: list[dict], start: float, end: float, min_us: float) -> list[str]:
@@ -86,11 +86,8 @@ def host_costs(model, batches: list[dict], optimizer, top: int) -> dict:
     torch.cuda.synchronize()
     pieces = {}
     if encoder is not None:
-        import modeling_nv_esm_graphs as graphs
-
         for name, call in {
-            "has_module_hooks": lambda: graphs.has_module_hooks(encoder),
-            "check_parameters": lambda: encoder.graphs._check_parameters(encoder),
+            "replayable": lambda: encoder.graphs.replayable(encoder),  # the graph checks' one pass over the modules
             "modules": lambda: list(encoder.modules()),
         }.items():
             start = time.perf_counter()
@@ -135,15 +132,8 @@ def main() -> None:
             timed = [round(1e3 * t, 2) for t in step_times(model, batches, optimizer)]
             path = Path(f"/tmp/host_gap_{variant}_{mode}.json.gz")
             summary = traced(model, batches, optimizer, path)
-            with torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], with_stack=True
-            ) as profiler:
-                for index, batch in enumerate(batches):
-                    with torch.profiler.record_function(f"train_step_{index}"):
-                        step(model, batch, optimizer)
-                torch.cuda.synchronize()
             stacked = Path(f"/tmp/host_gap_{variant}_{mode}_stacks.json.gz")
-            profiler.export_chrome_trace(str(stacked))
+            record_trace(model, batches, optimizer, stacked, with_stack=True)
             run = dict(
                 variant=variant,
                 mode=mode,

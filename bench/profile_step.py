@@ -40,16 +40,22 @@ def step_times(model, batches: list[dict], optimizer) -> list[float]:
     return times
 
 
-def traced(model, batches: list[dict], optimizer, path: Path) -> dict:
-    """Trace `batches` (one `train_step_i` span each) into `path`; its `trace_summary` with the idle fraction."""
+def record_trace(model, batches: list[dict], optimizer, path: Path, with_stack: bool = False) -> None:
+    """Run `batches` under torch.profiler (CPU and CUDA; Python stacks too with `with_stack`), one `train_step_i`
+    span each, and write the Chrome trace to `path`."""
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, with_stack=with_stack) as profiler:
         for index, batch in enumerate(batches):
             with torch.profiler.record_function(f"train_step_{index}"):
                 step(model, batch, optimizer)
         torch.cuda.synchronize()
     profiler.export_chrome_trace(str(path))
+
+
+def traced(model, batches: list[dict], optimizer, path: Path) -> dict:
+    """Trace `batches` (one `train_step_i` span each) into `path`; its `trace_summary` with the idle fraction."""
+    record_trace(model, batches, optimizer, path)
     summary = trace_summary.summarise(path, top=12)
     times = summary["ms_per_step"]
     summary["gpu_idle_fraction"] = round(times["gpu_idle"] / times["wall"], 3)

@@ -25,7 +25,7 @@ def main() -> None:
             parameter.normal_(0.0, 0.3 if parameter.dim() == 1 else 0.1)
         model.esm.embeddings.word_embeddings.weight[model.config.pad_token_id].zero_()
     model.save_pretrained(folder)
-    write_esm_tokenizer(folder)
+    write_esm_tokenizer(folder, remote_code=False)
     print(f"wrote {folder}")
 
 

@@ -109,7 +109,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nv_esm_embed_bench_"))
     sequences, lengths, reference, checkpoint = make_workload(args.shape, args.proteins, work)
     fasta, warm_fasta = write_fasta(work / "all.fasta", sequences), write_fasta(work / "warm.fasta", sequences[:512])
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
 
     results: dict[str, dict] = {}
     base = reference.esm.cuda().to(torch.bfloat16).eval()

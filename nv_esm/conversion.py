@@ -176,7 +176,7 @@ def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: 
         config_dict = hf_config_from_nv(config, source.head)
     config_dict["dtype"] = weights_dtype_name(steps)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out, source.folder, config.vocab_size)
+    write_tokenizer(out, source.folder, config.vocab_size, remote_code=direction.to_nv)
     if direction.to_nv:
         copy_remote_code(out)
     write_license(out, with_code=direction.to_nv)

@@ -8,6 +8,7 @@ Both the checkpoint converter and the trainer's export write their folders with 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 # at it (the repository's own config.json carries the same; tests/test_hub.py checks that).
 # The model file imports its flat siblings (transformers' loader copies what it imports relatively), each only the
 # ones listed before it. pyproject.toml's py-modules installs the same files (tests/test_layout.py checks both).
-REMOTE_CODE_FILES = (
+MODEL_CODE_FILES = (
     "configuration_nv_esm.py",
     "modeling_nv_esm_batch.py",
     "modeling_nv_esm_kernels.py",
@@ -43,6 +44,9 @@ REMOTE_CODE_FILES = (
     "modeling_nv_esm_encoder.py",
     "modeling_nv_esm.py",
 )
+# The tokenizer's remote code, which tokenizer_config.json's `auto_map` names (imports only transformers).
+TOKENIZER_CODE_FILE = "tokenization_nv_esm.py"
+REMOTE_CODE_FILES = (*MODEL_CODE_FILES, TOKENIZER_CODE_FILE)
 AUTO_MAP = {
     "AutoConfig": "configuration_nv_esm.NVEsmConfig",
     "AutoModel": "modeling_nv_esm.NVEsmModel",
@@ -77,7 +81,9 @@ LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
 OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
 SOFTWARE.
 """
-CODE_COPYRIGHT = "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm*.py)."
+CODE_COPYRIGHT = (
+    "\nCopyright (c) the nv-esm contributors (configuration_nv_esm.py, modeling_nv_esm*.py, tokenization_nv_esm.py)."
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -93,13 +99,13 @@ def nv_config_dict(config: NVEsmConfig, architecture: str = "NVEsmForMaskedLM") 
     return config_dict
 
 
-def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int) -> None:
-    """An `EsmTokenizer` with the vocabulary and settings of the checkpoint in `source_folder`, checked; ESM-2's
-    when there is no source folder or it has no vocab.txt (fair-esm checkpoints carry no tokenizer). The source's
-    tokenizer files are read, never copied: their `SPECIAL_TOKENS` must be ESM-2's, and only `model_max_length` is
-    taken from them."""
+def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int, remote_code: bool) -> None:
+    """The tokenizer (`write_esm_tokenizer`) with the vocabulary and settings of the checkpoint in `source_folder`,
+    checked; ESM-2's when there is no source folder or it has no vocab.txt (fair-esm checkpoints carry no tokenizer).
+    The source's tokenizer files are read, never copied: their `SPECIAL_TOKENS` must be ESM-2's, and only
+    `model_max_length` is taken from them."""
     if source_folder is None or not (source_folder / "vocab.txt").exists():
-        write_esm_tokenizer(out)
+        write_esm_tokenizer(out, remote_code=remote_code)
         return
     vocab = read_vocab(source_folder / "vocab.txt", vocab_size)
     settings: dict[str, Any] = {}
@@ -116,7 +122,7 @@ def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int) -> N
             if key == "model_max_length" and (type(value) is not int or value < 1):
                 raise ValueError(f"{path}: {key} {value!r} is not a count.")
             settings[key] = value
-    write_esm_tokenizer(out, vocab, **settings)
+    write_esm_tokenizer(out, vocab, remote_code=remote_code, **settings)
 
 
 def read_vocab(path: Path, vocab_size: int) -> list[str]:
@@ -141,14 +147,27 @@ def read_vocab(path: Path, vocab_size: int) -> list[str]:
     return tokens
 
 
-def write_esm_tokenizer(folder: Path, vocab: list[str] = ESM_VOCAB, **settings: Any) -> None:
-    """vocab.txt (default: the ESM-2 alphabet) and the `EsmTokenizer` files that AutoTokenizer loads; `settings`
-    are `EsmTokenizer` arguments (special tokens, `model_max_length`)."""
+# The tokenizer_config.json `auto_map` of an NVEsm folder: AutoTokenizer(..., trust_remote_code=True) loads
+# tokenization_nv_esm.NVEsmTokenizer (either case, no silent <unk>); without trust_remote_code it refuses in one line.
+TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_nv_esm.NVEsmTokenizer", None]}
+
+
+def write_esm_tokenizer(folder: Path, vocab: list[str] = ESM_VOCAB, *, remote_code: bool, **settings: Any) -> None:
+    """vocab.txt (default: the ESM-2 alphabet) and the tokenizer files that AutoTokenizer loads: NVEsm's
+    `NVEsmTokenizer` (`remote_code`; its file is one of `REMOTE_CODE_FILES`, which `copy_remote_code` writes), or
+    transformers' `EsmTokenizer` for a transformers folder. `settings` are `EsmTokenizer` arguments (special tokens,
+    `model_max_length`)."""
     from transformers import EsmTokenizer
+
+    from tokenization_nv_esm import NVEsmTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    EsmTokenizer(str(folder / "vocab.txt"), **settings).save_pretrained(folder)
+    tokenizer_class = NVEsmTokenizer if remote_code else EsmTokenizer
+    tokenizer_class(str(folder / "vocab.txt"), **settings).save_pretrained(folder)
+    if remote_code:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**read_json(path), "auto_map": TOKENIZER_AUTO_MAP}, indent=2) + "\n")
 
 
 # The remote-code files lie beside the nv_esm package: at the top of a checkout (editable install) and in

@@ -330,11 +330,12 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
 
 
 def load_tokenizer(checkpoint: str) -> Any:
-    """The checkpoint's ESM tokenizer (the converter writes `vocab.txt`: no remote code), or a one-line error."""
-    from transformers import EsmTokenizer
+    """The checkpoint's vocabulary read by the installed `NVEsmTokenizer` (never the folder's code), or a one-line
+    error."""
+    from tokenization_nv_esm import NVEsmTokenizer
 
     try:
-        return EsmTokenizer.from_pretrained(checkpoint)
+        return NVEsmTokenizer.from_pretrained(checkpoint)
     except (OSError, TypeError, ValueError) as error:
         raise ValueError(f"{checkpoint}: no ESM tokenizer to read (vocab.txt): {error}".splitlines()[0]) from None
 

@@ -30,6 +30,7 @@ NV_FILES = {
     "modeling_nv_esm_layers.py",
     "modeling_nv_esm_graphs.py",
     "modeling_nv_esm_encoder.py",
+    "tokenization_nv_esm.py",
     "LICENSE",
     "README.md",
     "vocab.txt",
@@ -41,7 +42,7 @@ def save_hf(model: EsmForMaskedLM, folder: Path, dtype: str = "float32", shard: 
     """A transformers checkpoint folder as `save_pretrained` writes it, with the ESM tokenizer."""
     kwargs = {"max_shard_size": shard} if shard else {}
     model.to(DTYPES[dtype]).save_pretrained(folder, **kwargs)
-    write_esm_tokenizer(folder)
+    write_esm_tokenizer(folder, remote_code=False)
     return folder
 
 

@@ -144,7 +144,7 @@ def leave_the_folder(absolute: bool):
 
 def float64_source(tmp_path: Path) -> Path:
     make_hf_model("tiny", seed=10).double().save_pretrained(tmp_path / "src")
-    write_esm_tokenizer(tmp_path / "src")
+    write_esm_tokenizer(tmp_path / "src", remote_code=False)
     return tmp_path / "src"
 
 
@@ -233,11 +233,15 @@ def test_source_tokenizer_files_cannot_bring_remote_code(tmp_path, capsys, tiny_
     assert set(written) == {"config.json", "tokenizer_config.json"}
     assert written["config.json"].get("auto_map") == (hub_folder.AUTO_MAP if direction == "hf-to-te" else None)
     assert "extra" not in written["config.json"]
+    to_nv = direction == "hf-to-te"
     tokenizer_keys = {"added_tokens_decoder", "backend", "model_max_length", "tokenizer_class"}
+    tokenizer_keys |= {"auto_map"} if to_nv else set()  # the output's own tokenizer code, never the source's
     assert set(written["tokenizer_config.json"]) == tokenizer_keys | set(hub_folder.SPECIAL_TOKENS)
-    assert written["tokenizer_config.json"]["tokenizer_class"] == "EsmTokenizer"
+    assert written["tokenizer_config.json"].get("auto_map") == (hub_folder.TOKENIZER_AUTO_MAP if to_nv else None)
+    class_name = "NVEsmTokenizer" if to_nv else "EsmTokenizer"
+    assert written["tokenizer_config.json"]["tokenizer_class"] == class_name
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", trust_remote_code=True)
-    assert type(tokenizer).__name__ == "EsmTokenizer"
+    assert type(tokenizer).__name__ == class_name
     reference = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
     assert tokenizer(GFP + "<mask>")["input_ids"] == reference(GFP + "<mask>")["input_ids"]
 

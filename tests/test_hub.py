@@ -224,24 +224,27 @@ def test_converted_folders_have_no_default_labels_so_any_num_labels_loads_quietl
 def test_a_folder_loads_as_the_hub_user_has_it_and_saves_every_sibling(exported, reference, tmp_path):
     """The Hub user's situation: a fresh process in an empty folder where neither this repository nor the installed
     package can be imported (their modules blocked), a fresh modules cache. `trust_remote_code=True` copies the
-    folder's flat remote-code files (`modeling_nv_esm.py` and the siblings it imports relatively), the model runs
-    and equals transformers, and `save_pretrained` writes every remote-code file again."""
+    folder's flat remote-code files (`modeling_nv_esm.py` and the siblings it imports relatively; the tokenizer's
+    `tokenization_nv_esm.py`), the model runs and equals transformers on the ids the tokenizer gives a lower-case
+    protein, and the model's and the tokenizer's `save_pretrained` write every remote-code file again."""
     from nv_esm.hub_folder import REMOTE_CODE_FILES
 
-    tokens = torch.tensor([[0, 20, 5, 32, 11, 2]])
+    tokens = torch.tensor([[0, 20, 5, 32, 11, 2]])  # <cls> M A <mask> T <eos>
     with torch.no_grad():
         expected = reference(tokens).logits
-    torch.save(tokens, tmp_path / "tokens.pt")
     blocked = [name.removesuffix(".py") for name in REMOTE_CODE_FILES] + ["nv_esm", "convert_checkpoint"]
     script = (
         "import sys, torch\n"
         f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
-        "from transformers import AutoModelForMaskedLM\n"
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer\n"
         f"model = AutoModelForMaskedLM.from_pretrained({str(exported)!r}, trust_remote_code=True).eval()\n"
-        "assert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(exported)!r}, trust_remote_code=True)\n"
+        "for loaded in (model, tokenizer):\n"
+        "    assert type(loaded).__module__.startswith('transformers_modules'), type(loaded).__module__\n"
         "with torch.no_grad():\n"
-        "    torch.save(model(torch.load('tokens.pt')).logits, 'logits.pt')\n"
+        "    torch.save(model(**tokenizer(['ma<mask>t'], return_tensors='pt')).logits, 'logits.pt')\n"
         "model.save_pretrained('saved')\n"
+        "tokenizer.save_pretrained('saved')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")

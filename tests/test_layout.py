@@ -20,6 +20,7 @@ LIBRARY_MODULES = (
     "modeling_nv_esm_layers",
     "modeling_nv_esm_graphs",
     "modeling_nv_esm_encoder",
+    "tokenization_nv_esm",
     "convert_checkpoint",
     "nv_esm.conversion_plan",
     "nv_esm.conversion",
@@ -58,9 +59,10 @@ def test_the_remote_code_files_are_installed_and_import_only_downward():
 
     import tomllib
 
-    from nv_esm.hub_folder import REMOTE_CODE_FILES
+    from nv_esm.hub_folder import MODEL_CODE_FILES, REMOTE_CODE_FILES
 
-    modules = [name.removesuffix(".py") for name in REMOTE_CODE_FILES]
+    assert set(REMOTE_CODE_FILES) - set(MODEL_CODE_FILES) == {"tokenization_nv_esm.py"}  # loaded on its own
+    modules = [name.removesuffix(".py") for name in MODEL_CODE_FILES]
     installed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
     assert set(modules) <= set(installed)
     imported_by_model = set()

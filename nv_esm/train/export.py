@@ -54,7 +54,7 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         config_dict = nv_config_dict(config, MODEL_CLASSES[task].__name__)
         config_dict["dtype"] = "float32"
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        write_esm_tokenizer(staging)
+        write_esm_tokenizer(staging, remote_code=True)
         copy_remote_code(staging)
         write_license(staging, with_code=True)
         (staging / "README.md").write_text(training_card(checkpoint, run, weights))

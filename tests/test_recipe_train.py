@@ -20,6 +20,8 @@ from conftest import ATOL_FP32, ROOT, TINY_CHECKPOINT, max_abs_diff
 from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
 from nv_esm import trace_summary
 from nv_esm.conversion import convert_nv_to_hf
+from nv_esm.hub_folder import REMOTE_CODE_FILES
+from nv_esm.plots import training_curves
 from nv_esm.train.config import ModelConfig, OptimizerConfig
 from nv_esm.train.export import export_weights
 from nv_esm.train.loop import learning_rate_factor
@@ -73,6 +75,13 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_con
         assert two[step] == pytest.approx(one[step], rel=1e-5), step
         assert resumed[step] == two[step], step  # bit-exact: same shards, data positions, RNG, optimizer state
     assert sum(list(two.values())[-3:]) < sum(list(two.values())[:3])
+    import matplotlib.image
+
+    for run in ("two", "resumed"):  # the picture of metrics.jsonl, redrawn at each checkpoint and at the end
+        image = matplotlib.image.imread(tmp_path / run / "metrics.png")
+        assert image.ndim == 3 and image.std() > 0
+        steps, values = training_curves(tmp_path / run / "metrics.jsonl")["loss"]
+        assert dict(zip(steps, values)) == losses(tmp_path / run)
 
 
 def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, tmp_path: Path) -> None:
@@ -89,7 +98,7 @@ def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, t
         torch.testing.assert_close(exported[name], tensor.float(), rtol=0, atol=0, msg=name)
     model = NVEsmForMaskedLM.from_pretrained(tmp_path / "run" / "final")
     assert model.config.backend == "auto"
-    for name in ("config.json", "modeling_nv_esm.py", "configuration_nv_esm.py", "vocab.txt", "LICENSE", "README.md"):
+    for name in (*REMOTE_CODE_FILES, "config.json", "vocab.txt", "tokenizer_config.json", "LICENSE", "README.md"):
         assert (tmp_path / "run" / "final" / name).exists(), name
 
 

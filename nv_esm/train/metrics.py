@@ -1,12 +1,13 @@
 """What a training run reports: per-step numbers (`StepResult`) and validation metrics in metrics.jsonl / tqdm /
-TensorBoard (`MetricsLog`), and torch.profiler traces of chosen steps (`StepProfiler`; summarised by
-`nv_esm.trace_summary`).
+TensorBoard, and their picture, metrics.png (`MetricsLog`), and torch.profiler traces of chosen steps (`StepProfiler`;
+summarised by `nv_esm.trace_summary`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nv_esm.plots import PLOTS_HINT, plot_training, pyplot
 from nv_esm.shapes import peak_tflops
 from nv_esm.train.config import LoggingConfig
 from nv_esm.train.parallel import Dist
@@ -46,7 +48,7 @@ class MetricsLog:
     def __init__(self, out: Path, settings: LoggingConfig, total_steps: int, world: Dist, first_step: int) -> None:
         from tqdm.auto import tqdm
 
-        self.world = world
+        self.world, self.out, self.missing_plot = world, out, False
         self.peak = peak_tflops(torch.cuda.get_device_name()) if world.device.type == "cuda" else None
         self.file = open(out / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
         self.bar = tqdm(
@@ -128,10 +130,23 @@ class MetricsLog:
         """This rank's peak GPU memory allocated so far, in GiB (0 on CPU)."""
         return torch.cuda.max_memory_allocated() / 2**30 if self.world.device.type == "cuda" else 0.0
 
+    def draw(self) -> None:
+        """OUT/metrics.png from metrics.jsonl (rank 0; `nv_esm.plots.plot_training`): at each checkpoint and at the
+        end. Without matplotlib, one line at the end says how to get it."""
+        if not self.world.is_main:
+            return
+        if pyplot() is None:
+            self.missing_plot = True
+            return
+        plot_training(self.out / "metrics.jsonl", self.out / "metrics.png")
+
     def close(self) -> None:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+            self.draw()
+            if self.missing_plot:
+                print(PLOTS_HINT.format(what="the loss curve (OUT/metrics.png)"), file=sys.stderr)
         if self.tensorboard is not None:
             self.tensorboard.close()
 

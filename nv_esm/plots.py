@@ -1,0 +1,150 @@
+"""Pictures the commands write beside their outputs, for a person to look at: a training run's loss, learning rate and
+throughput (`nv-esm train`: OUT/metrics.png), scores against measurements (`nv-esm score --score-column`), and
+contact maps (`nv-esm embed --contacts`).
+
+matplotlib is optional (`pip install "nv-esm[plots]"`): without it each function returns None and writes nothing, and
+the command says once how to get the picture. Files are written under a fresh temporary name in the target's folder
+and renamed into place, so a reader never sees half a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PLOTS_HINT = 'pip install "nv-esm[plots]" (matplotlib) to get {what} as a PNG'
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on the Agg backend (files only, no display), or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure: Any, png: Path) -> Path:
+    """Write `figure` to `png` through a fresh temporary file in the same folder (renamed into place), then close
+    it."""
+    plt = pyplot()
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            figure.savefig(file, format="png", dpi=110, bbox_inches="tight")
+        os.replace(temporary, png)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(figure)
+    return png
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nv-esm train
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def training_curves(metrics: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """The curves of a run's metrics.jsonl, each `(steps, values)` in step order: `loss`, `lr`, `tokens_per_s_per_gpu`
+    (the logging interval's, at its steps) and every validation metric (`val_*`). A step logged twice (a run resumed
+    from an earlier checkpoint redoes the steps after it) keeps its last record; non-finite values and skipped steps'
+    losses are left out."""
+    latest: dict[str, dict[int, float]] = {}
+    for line in metrics.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        step = record.get("step")
+        for key, value in record.items():
+            wanted = key in ("loss", "lr", "tokens_per_s_per_gpu") or key.startswith("val_")
+            if (
+                not wanted
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not isinstance(step, int)
+            ):
+                continue
+            if key == "loss" and record.get("skipped"):
+                continue
+            if math.isfinite(value):
+                latest.setdefault(key, {})[step] = float(value)
+    return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in latest.items()}
+
+
+def plot_training(metrics: Path, png: Path) -> Path | None:
+    """OUT/metrics.png from OUT/metrics.jsonl: loss (training, and validation where present) on a log scale, learning
+    rate, tokens/s per GPU, against the step. None without matplotlib or before the first logged step."""
+    plt = pyplot()
+    curves = training_curves(metrics) if metrics.is_file() else {}
+    if plt is None or "loss" not in curves:
+        return None
+    figure, (loss_axis, lr_axis, speed_axis) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    loss_axis.plot(*curves["loss"], label="training", linewidth=1)
+    validation = sorted(key for key in curves if key.startswith("val_") and "loss" in key)
+    for key in validation:
+        loss_axis.plot(*curves[key], "o-", label=key.removeprefix("val_").replace("_", " "))
+    if all(value > 0 for key in ("loss", *validation) for value in curves[key][1]):
+        loss_axis.set_yscale("log")
+    loss_axis.set_ylabel("loss")
+    loss_axis.legend()
+    if "lr" in curves:
+        lr_axis.plot(*curves["lr"], color="tab:orange")
+    lr_axis.set_ylabel("learning rate")
+    if "tokens_per_s_per_gpu" in curves:
+        speed_axis.plot(*curves["tokens_per_s_per_gpu"], color="tab:green")
+    speed_axis.set_ylabel("tokens/s per GPU")
+    speed_axis.set_xlabel("step")
+    for axis in (loss_axis, lr_axis, speed_axis):
+        axis.grid(alpha=0.3)
+    figure.suptitle(metrics.parent.name)
+    return save_figure(figure, png)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nv-esm score and nv-esm embed
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def plot_scores(scores: Sequence[float], measured: Sequence[float], png: Path, title: str) -> Path | None:
+    """A scatter of model scores (x) against measured values (y), one point per variant, rows with a missing (NaN)
+    value left out; `title` (e.g. the method and its Spearman) on top. None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    x, y = np.asarray(scores, dtype=float), np.asarray(measured, dtype=float)
+    kept = np.isfinite(x) & np.isfinite(y)
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    axis.scatter(x[kept], y[kept], s=8, alpha=0.6, linewidths=0)
+    axis.set_xlabel("model score")
+    axis.set_ylabel("measured")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    return save_figure(figure, png)
+
+
+def plot_contact_maps(maps: Sequence[tuple[str, np.ndarray]], png: Path) -> Path | None:
+    """Contact probabilities `[L, L]` of a few proteins, one panel each with its id, side by side. None without
+    matplotlib or without maps."""
+    plt = pyplot()
+    if plt is None or not maps:
+        return None
+    figure, axes = plt.subplots(1, len(maps), figsize=(3.6 * len(maps), 3.6), squeeze=False)
+    for axis, (name, contacts) in zip(axes[0], maps):
+        image = axis.imshow(contacts, cmap="Blues", vmin=0.0, vmax=1.0, origin="upper")
+        axis.set_title(f"{name} ({contacts.shape[0]} residues)", fontsize=9)
+        axis.set_xlabel("residue")
+    axes[0][0].set_ylabel("residue")
+    figure.colorbar(image, ax=list(axes[0]), shrink=0.8, label="contact probability")
+    return save_figure(figure, png)

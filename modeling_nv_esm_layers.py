@@ -50,7 +50,8 @@ logger = logging.get_logger(__name__)
 TE_INSTALL_HINT = (
     "Install NVIDIA Transformer Engine for PyTorch on a CUDA machine "
     "(pip install --no-build-isolation 'transformer-engine[pytorch]'), "
-    "or pass backend='torch' to run the PyTorch implementation."
+    "or run the PyTorch implementation: from_pretrained(..., backend='torch'), or --backend torch on the nv-esm "
+    "command line."
 )
 
 
@@ -605,7 +606,8 @@ class TEBackend(TorchBackend):
         if device.type != "cuda":
             raise ValueError(
                 f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
-                "Move the model and inputs to a GPU, or load the model with backend='torch' to run on the CPU."
+                "Move the model and inputs to a GPU, or load the model with backend='torch' (nv-esm: --backend torch) "
+                "to run on the CPU."
             )
 
     def checkpoint(self, layer: nn.Module, states: torch.Tensor, layout: Any, checkpoint_function: Any) -> Any:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,6 +88,9 @@ def test_the_first_run_says_how_to_reach_nv_esm(tmp_path, monkeypatch, capsys):
     ]
     monkeypatch.setenv("VIRTUAL_ENV", str(venv))  # run from the activated venv: nothing to activate
     assert "source" not in demo.next_steps()
+    if shutil.which("make"):  # `make test` ends with the same line (-n: prints the commands, runs none)
+        dry_run = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True)
+        assert "source .venv/bin/activate" in dry_run.stdout.strip().splitlines()[-1]
 
 
 def test_the_readme_snippets_run_as_written(tmp_path, monkeypatch):

@@ -112,12 +112,7 @@ def add_run_arguments(
     (`fp8_help`) and CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
     `--trust-remote-code` and `--no-progress`."""
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="auto",
-        help=BACKEND_HELP,
-    )
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     parser.add_argument("--fp8", choices=FP8_LAYER_CHOICES, default="off", help=fp8_help)
     parser.add_argument(
         "--cuda-graphs",

@@ -84,11 +84,7 @@ class ModelConfig:
         one_of=True,
     )
     task: str = option("mlm", "mlm, or a fine-tuning head", choices=TASKS)
-    backend: str = option(
-        "auto",
-        BACKEND_HELP,
-        choices=BACKENDS,
-    )
+    backend: str = option("auto", BACKEND_HELP, choices=BACKENDS)
     fp8: str = option("off", "FP8 layers (TE): all, or all but first/last", choices=FP8_LAYER_CHOICES)
     fp8_recipe: str = option("delayed", "FP8 scaling of --fp8 layers", choices=FP8_RECIPES)
     cuda_graphs: bool = option(  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)

@@ -36,7 +36,9 @@ suite: $(VENV)/.installed
 	  assert '$(TRANSFORMERS_PIN)' in ('', t.__version__), '$(VENV) does not hold transformers $(TRANSFORMERS_PIN)'"
 	$(PY) -m pytest -q
 
+# The README's commands run in the venv: say how to reach them (make runs $(PY) without activating it).
 test: check-pins lint suite
+	@echo "Next, the README's Quickstart in $(VENV): source $(VENV)/bin/activate (or $(abspath $(VENV))/bin/nv-esm)"
 
 # The whole suite again, in its own venv, with the lowest transformers that pyproject.toml allows.
 test-transformers-oldest: check-pins

@@ -27,6 +27,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, parse_size
+from nv_esm.cli import print_error
 from nv_esm.conversion import ConvertOptions, convert, verify_folder
 from nv_esm.conversion_plan import DIRECTIONS
 from nv_esm.hub_folder import push_to_hub
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         with sigterm_as_interrupt():
             if args.command == "verify":
-                return _main_verify(args)
+                return _main_verify(args, parser.prog)
             options = ConvertOptions(
                 revision=args.revision,
                 dtype=args.dtype,
@@ -171,15 +172,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             result = convert(DIRECTIONS[args.command], args.source, args.out, options)
     except VerificationFailed as failure:
         print(failure.report.table(), file=sys.stderr)
-        print(f"error: {failure}; {args.out} was not written.", file=sys.stderr)
+        print_error(parser.prog, f"{failure}; {args.out} was not written.")
         return 3
     except (ValueError, OSError, SafetensorError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_error(parser.prog, error)
         return 1
     except KeyboardInterrupt as interrupt:
         signum = interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT
         untouched = "" if args.command == "verify" else f"; {args.out} was not written"
-        print(f"error: interrupted ({signal.Signals(signum).name}){untouched}.", file=sys.stderr)
+        print_error(parser.prog, f"interrupted ({signal.Signals(signum).name}){untouched}.")
         return 128 + signum
     if result.report is not None:
         print(result.report.table())
@@ -189,18 +190,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         try:
             push_to_hub(args.out, args.push_to_hub, args.private, message, args.dry_run)
         except Exception as error:
-            print(f"error: upload to {args.push_to_hub} failed ({args.out} is complete): {error}", file=sys.stderr)
+            print_error(parser.prog, f"upload to {args.push_to_hub} failed ({args.out} is complete): {error}")
             return 1
     return 0
 
 
-def _main_verify(args: argparse.Namespace) -> int:
+def _main_verify(args: argparse.Namespace, prog: str) -> int:
     check = verify_folder(args.source, args.out, args.revision, args.verify_atol, args.verify_device or "auto")
     print(check.text())
     if check.passed:
         return 0
     verdict = "PASSED" if check.report.passed else "FAILED"
-    print(f"error: verify failed: tensors {check.differences}; logit table {verdict}.", file=sys.stderr)
+    print_error(prog, f"verify failed: tensors {check.differences}; logit table {verdict}.")
     return 3
 
 

@@ -196,6 +196,12 @@ class NVEsmPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["NVEsmTorchLayer", "NVEsmTELayer", "NVEsmEmbeddings"]
     _keys_to_ignore_on_load_unexpected = [r"\._extra_state$"]
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether activation checkpointing is on: transformers' deprecated name, which PEFT's `get_peft_model`
+        still reads, answered without transformers' FutureWarning (a user could do nothing about it)."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
@@ -342,6 +348,17 @@ class NVEsmModel(NVEsmPreTrainedModel):
         self.contact_head = NVEsmContactPredictionHead(config)
         self.pooler = NVEsmPooler(config) if add_pooling_layer else None
         self.post_init()
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info: Any) -> None:
+        """transformers' load-time filter of missing and unexpected keys, which also leaves the pooler out of the
+        missing ones when the checkpoint has none of it (every ESM-2 checkpoint: the pooler starts untrained, as
+        the class says, and a LOAD REPORT about it asks nothing of the user). A checkpoint holding part of a
+        pooler still has the rest reported."""
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        if self.pooler is not None:
+            pooler = {f"pooler.{name}" for name, _ in self.pooler.named_parameters()}
+            if pooler <= loading_info.missing_keys:
+                loading_info.missing_keys -= pooler
 
     @property
     def backend(self) -> str:

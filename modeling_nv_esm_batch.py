@@ -529,13 +529,13 @@ def _too_long_message(config: NVEsmConfig) -> str:
 
 
 def _warn_if_longer_than_trained(config: NVEsmConfig, max_length: int) -> None:
-    """Once per process: `max_length` (the longest protein, or the packed batch's stated max_length) is past the
-    crops ESM-2 was trained on."""
+    """Once per process: `max_length` (in tokens, `<cls>` and `<eos>` included: the longest protein, or the packed
+    batch's stated max_length) is past the longest proteins ESM-2 was trained on. Said in residues, as users count."""
     if max_length > config.max_position_embeddings:
         logger.warning_once(
-            f"A protein of up to {max_length} tokens: ESM-2 was trained on crops of {config.max_position_embeddings} "
-            "tokens (1024 residues). It runs (rotary positions need no table), but outputs past that length are "
-            "outside what the model saw in training."
+            f"A protein of up to {max_length - 2} residues: ESM-2 was trained on proteins of at most "
+            f"{config.max_position_embeddings - 2} residues. It runs (rotary positions need no table), but outputs "
+            "past that length are outside what the model saw in training."
         )
 
 

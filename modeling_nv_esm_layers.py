@@ -24,6 +24,7 @@ try:
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
+        fused_module_repr,
         has_active_adapters_in,
         mlp_with_updates,
         refuse_adapters_on_fused_modules,
@@ -37,6 +38,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
+        fused_module_repr,
         has_active_adapters_in,
         mlp_with_updates,
         refuse_adapters_on_fused_modules,
@@ -50,7 +52,8 @@ logger = logging.get_logger(__name__)
 TE_INSTALL_HINT = (
     "Install NVIDIA Transformer Engine for PyTorch on a CUDA machine "
     "(pip install --no-build-isolation 'transformer-engine[pytorch]'), "
-    "or pass backend='torch' to run the PyTorch implementation."
+    "or run the PyTorch implementation: from_pretrained(..., backend='torch'), or --backend torch on the nv-esm "
+    "command line."
 )
 
 
@@ -192,6 +195,9 @@ class NVEsmLayerNormLinear(nn.Module):
             normed = gather_tokens(normed, self.tensor_parallel)
         return with_qkv_updates(self, normed, F.linear(normed, self.weight, self.bias))
 
+    def extra_repr(self) -> str:
+        return fused_module_repr(self, "layernorm_qkv")
+
 
 class NVEsmLinear(nn.Module):
     """Linear with the parameter names of `transformer_engine.pytorch.Linear` (the attention output projection;
@@ -210,6 +216,9 @@ class NVEsmLinear(nn.Module):
         if self.tensor_parallel is not None:
             return scatter_tokens(F.linear(x, self.weight), self.tensor_parallel, summed=True) + self.bias
         return with_update(self.__dict__.get("lora_targets"), x, F.linear(x, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return fused_module_repr(self, "proj")
 
 
 class NVEsmLayerNormMLP(nn.Module):
@@ -241,6 +250,9 @@ class NVEsmLayerNormMLP(nn.Module):
         )
         activated = gelu(F.linear(normed, self.fc1_weight, self.fc1_bias))
         return scatter_tokens(F.linear(activated, self.fc2_weight), tp, summed=True) + self.fc2_bias
+
+    def extra_repr(self) -> str:
+        return fused_module_repr(self, "layernorm_mlp")
 
 
 class NVEsmSelfAttention(nn.Module):
@@ -605,7 +617,8 @@ class TEBackend(TorchBackend):
         if device.type != "cuda":
             raise ValueError(
                 f"This model runs Transformer Engine layers, which need CUDA tensors; got inputs on {device}. "
-                "Move the model and inputs to a GPU, or load the model with backend='torch' to run on the CPU."
+                "Move the model and inputs to a GPU, or load the model with backend='torch' (nv-esm: --backend torch) "
+                "to run on the CPU."
             )
 
     def checkpoint(self, layer: nn.Module, states: torch.Tensor, layout: Any, checkpoint_function: Any) -> Any:

@@ -28,6 +28,31 @@ LORA_TARGETS = (
     "output.dense",
 )
 
+# The fused modules of a layer and the `LORA_TARGETS` inside each: what to target instead of the module itself.
+FUSED_MODULE_TARGETS = {
+    "layernorm_qkv": '"query", "key", "value"',
+    "proj": '"attention.output.dense"',
+    "layernorm_mlp": '"intermediate.dense", "output.dense"',
+}
+
+
+def fused_module_refusal(name: str) -> str:
+    """Why a LoRA adapter on the fused module `name` (a key of `FUSED_MODULE_TARGETS`) is refused, and what to
+    target instead."""
+    return (
+        f"a LoRA adapter on `{name}` is not supported: it is a fused module (its adapter would see the input before "
+        f"the LayerNorm and could not merge). Target its projections by their transformers names: "
+        f'{FUSED_MODULE_TARGETS[name]} ("dense" alone: all three dense projections).'
+    )
+
+
+def fused_module_repr(module: nn.Module, name: str) -> str:
+    """The `extra_repr` of a twin's fused module `name`: what LoRA should target instead (PEFT's error for an
+    adapter on it shows the module's repr), or "" for a module no layer fuses (the LM head's decoder)."""
+    if "lora_targets" not in module.__dict__:
+        return ""
+    return f"fused: LoRA targets {FUSED_MODULE_TARGETS[name]}, not this module"
+
 
 class _FusedRows(torch.Tensor):
     """Rows of a fused weight, gathered into a tensor; assigning its `.data` writes them back.
@@ -185,8 +210,4 @@ def refuse_adapters_on_fused_modules(layer: nn.Module) -> None:
         ("layernorm_mlp", layer.layernorm_mlp),
     ):
         if getattr(module, "base_layer", None) is not None:
-            raise ValueError(
-                f"a LoRA adapter on `{name}` is not supported: it is a fused module. Target the projections by "
-                'their transformers names: "query", "key", "value", "dense" (attention.output.dense, '
-                "intermediate.dense, output.dense)."
-            )
+            raise ValueError(fused_module_refusal(name))

@@ -1,5 +1,7 @@
 """Convert an ESM-2 checkpoint to NVEsm, load it with `AutoModelForMaskedLM` + `trust_remote_code`, fill masks in
-GFP, and print the largest logit difference against transformers' `EsmForMaskedLM` on the same weights.
+GFP, and print the largest logit difference against transformers' `EsmForMaskedLM` on the same weights; then the
+README Quickstart's first commands, in this Python's environment (`make demo` runs `.venv/bin/python`, so `nv-esm`
+is found only after `source .venv/bin/activate`, or by its full path).
 
     python examples/demo.py                                  # the bundled tiny random checkpoint, no network
     python examples/demo.py facebook/esm2_t6_8M_UR50D        # a real ESM-2 from the Hub
@@ -8,6 +10,7 @@ GFP, and print the largest logit difference against transformers' `EsmForMaskedL
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,13 +27,29 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMOPHORE = range(64, 67)  # residues 65-67 (S65, Y66, G67), 0-based
 # fp32, as the converter's --verify; TE's fused GELU is the tanh approximation (see README)
 TOLERANCE = {"torch": DEFAULT_VERIFY_ATOL["float32"], "te": TE_FP32_VERIFY_ATOL}
+QUICKSTART = "nv-esm convert hf-to-te assets/esm2_tiny esm2_nv"  # README.md's first Quickstart command
 
 
-def main() -> int:
+def next_steps() -> str:
+    """The README Quickstart's first commands for this Python's environment: activating it (unless it is the
+    active one) and the conversion, with the full path of its `nv-esm` for a shell that does not activate it."""
+    scripts = Path(sys.prefix) / "bin"
+    if not (scripts / "nv-esm").exists():
+        return f"Next: pip install . (the nv-esm command), then the README's Quickstart: {QUICKSTART}"
+    lines = ["Next, the README's Quickstart (the nv-esm command is in this environment):"]
+    if sys.prefix != sys.base_prefix and os.environ.get("VIRTUAL_ENV") != sys.prefix:
+        activate = scripts / "activate"
+        lines.append(f"    source {os.path.relpath(activate) if activate.is_relative_to(Path.cwd()) else activate}")
+    lines.append(f"    {QUICKSTART}")
+    lines.append(f"  (or, without activating: {scripts / QUICKSTART})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", default=str(ROOT / "assets" / "esm2_tiny"), help="folder or Hub id")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda uses Transformer Engine if installed)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     source = resolve_source(args.source)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "nv_esm"
@@ -63,7 +82,10 @@ def main() -> int:
         f"max |logit difference| vs transformers EsmForMaskedLM: {difference:.3g} (backend {ours.esm.backend}, "
         f"tolerance {tolerance:g})"
     )
-    return 0 if difference <= tolerance else 1
+    if difference > tolerance:
+        return 1
+    print(next_steps())
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,12 +7,16 @@
     nv-esm train --help                                                  # the FSDP2 recipe on one process
     torchrun --nproc-per-node 8 -m nv_esm.train ...                      # ... and on several GPUs
 
-`python -m nv_esm` is the same command.
+`python -m nv_esm` is the same command. Every command reports a failure as one line on stderr, as argparse reports
+a usage error: `nv-esm COMMAND: error: ...` (`print_error`), and its `--help` lists each option's default
+(`HelpFormatter`).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import importlib.metadata
 import sys
 
 COMMANDS = {
@@ -21,14 +25,44 @@ COMMANDS = {
     "score": ("nv_esm.score", "score variants of a wild type (masked marginals, PLL ratios) or a FASTA file's PLLs"),
     "train": ("nv_esm.train.loop", "pre-train or fine-tune NVEsm with FSDP2 (torchrun -m nv_esm.train for many GPUs)"),
 }
+# The help of the commands' --backend (the model's `backend`).
+BACKEND_HELP = "layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)"
+# Commands of a command, listed in the usage under it: (command, subcommand) -> what it does.
+SUBCOMMANDS = {("train", "export"): "write a Hub model folder from a training checkpoint (LoRA merged)"}
+
+
+def version() -> str:
+    """The installed nv-esm's version (pyproject.toml's), or "unknown" where it is not installed."""
+    try:
+        return importlib.metadata.version("nv-esm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 def usage() -> str:
     """The `nv-esm --help` text: the commands and what each does."""
-    lines = ["usage: nv-esm COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<9} {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines = ["usage: nv-esm COMMAND [ARGS...]", "       nv-esm --version", "", "commands:"]
+    for name, (_, summary) in COMMANDS.items():
+        lines.append(f"  {name:<14} {summary}")
+        lines += [f"  {f'{name} {sub}':<14} {text}" for (parent, sub), text in SUBCOMMANDS.items() if parent == name]
     lines += ["", "`nv-esm COMMAND --help` describes a command's arguments."]
     return "\n".join(lines)
+
+
+def print_error(prog: str, message: object) -> None:
+    """Report a failure of the command `prog` (e.g. "nv-esm embed") as one line on stderr, in argparse's own form
+    for usage errors: `PROG: error: MESSAGE`."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default after its help, unless it has none (None, a flag
+    that is off, an empty list): then the help says what happens without it, and "(default: None)" would not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"nv-esm {version()}")
+        return 0
     command, *arguments = argv
     if command not in COMMANDS:
-        print(f"nv-esm: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        print(f"nv-esm: error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
     status = module.main(arguments, prog=f"nv-esm {command}")

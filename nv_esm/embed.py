@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES
 from nv_esm.alphabet import iter_fasta
+from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import INDEX_NAME, output_lock, prepare_output, shard_ids, shard_name, write_index, write_shard
 from nv_esm.embed_output import iter_embeddings as iter_embeddings  # the reader of the command's folders (README)
@@ -61,7 +62,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Embed the proteins of a FASTA file with an NVEsm checkpoint into safetensors shards + index.tsv.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
     parser.add_argument("fasta", type=Path, help="the proteins, one FASTA record each (ids: first word of headers)")
@@ -94,7 +95,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         "stop_removed column says where",
     )
     parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
-    parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32")
+    parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32", help="dtype of the saved arrays")
     add_run_arguments(parser, "last layer only, no contacts")
     args = parser.parse_args(argv)
     if args.shard_size < 1 or args.tokens_per_batch < 1:
@@ -111,7 +112,7 @@ def add_run_arguments(
     (`fp8_help`) and CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
     `--trust-remote-code` and `--no-progress`."""
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     parser.add_argument("--fp8", choices=FP8_LAYER_CHOICES, default="off", help=fp8_help)
     parser.add_argument(
         "--cuda-graphs",
@@ -157,18 +158,21 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
         model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device, args.trust_remote_code)
         run(args, model, settings, records, rank, world_size)
 
-    return run_on_ranks(args.device, embed_on, f"finished shards in {args.output} are kept, a rerun resumes")
+    return run_on_ranks(args.device, embed_on, f"finished shards in {args.output} are kept, a rerun resumes", prog)
 
 
-def run_on_ranks(device_name: str | None, work: Callable[[torch.device, int, int], object], kept: str) -> int:
+def run_on_ranks(
+    device_name: str | None, work: Callable[[torch.device, int, int], object], kept: str, prog: str
+) -> int:
     """Run a command's `work(device, rank, world_size)` on this process's device (`command_device`), in a process
     group when torchrun started several ranks (NCCL on CUDA, else gloo). Returns the exit status: 0; 1 after a
-    one-line `error:` for ValueError, OSError and RuntimeError; 130 after Ctrl-C, saying what is `kept`."""
+    one-line `PROG: error:` (`prog`: the command) for ValueError, OSError and RuntimeError; 130 after Ctrl-C,
+    saying what is `kept`."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         device = command_device(device_name)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_error(prog, error)
         return 1
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -179,10 +183,10 @@ def run_on_ranks(device_name: str | None, work: Callable[[torch.device, int, int
         work(device, rank, world_size)
         return 0
     except (ValueError, OSError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_error(prog, error)
         return 1
     except KeyboardInterrupt:
-        print(f"error: interrupted; {kept}.", file=sys.stderr)
+        print_error(prog, f"interrupted; {kept}.")
         return 130
     finally:
         if world_size > 1:

@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.checkpoint_io import file_sha256
+from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import (
@@ -91,7 +92,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         prog=prog,
         description="Pseudo-log-likelihoods of a FASTA file's proteins, or variant-effect scores of a CSV of mutants "
         "of one wild type, with an NVEsm masked-LM checkpoint.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
     parser.add_argument("fasta", type=Path, help="proteins to score (PLL), or with --mutants the wild type (1 record)")
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
         run(args, scorer, job, rank, world_size)
 
     kept = f"finished parts in {parts_folder(args.output)} are kept, a rerun resumes"
-    return run_on_ranks(args.device, score_on, kept)
+    return run_on_ranks(args.device, score_on, kept, prog)
 
 
 def load_tokenizer(checkpoint: str) -> Any:

@@ -208,7 +208,7 @@ def test_malformed_sources_get_a_one_line_error_naming_the_file(tmp_path, capsys
     source = make_source(tmp_path)
     capsys.readouterr()  # transformers' progress bars while saving the source
     status, _, err = run(capsys, "hf-to-te", source, tmp_path / "te", *extra)
-    assert status == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert status == 1 and err.startswith("nv-esm convert: error: ") and err.count("\n") == 1, err
     assert all(needle in err for needle in needles), err
     assert not (tmp_path / "te").exists() and not list(tmp_path.glob(".te.*"))
 

@@ -272,4 +272,8 @@ def test_proteins_longer_than_esm2_crops_match_transformers(monkeypatch, attn_in
         assert max_abs_diff(packed.logits[0, spans[row]], reference.logits[0]) <= ATOL_FP32, row
         for ours, theirs in zip(batch.hidden_states, reference.hidden_states):
             assert max_abs_diff(ours[row, keep[row]], theirs[0]) <= ATOL_FP32, row
-    assert warnings and all("trained on crops of 1026 tokens" in message for message in warnings)
+    longest = max(len(protein) for protein in proteins) - 2  # residues: <cls> and <eos> left out
+    assert warnings and all(
+        f"A protein of up to {longest} residues: ESM-2 was trained on proteins of at most 1024 residues." in message
+        for message in warnings
+    )

@@ -499,7 +499,7 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_before_the_model_loads(ch
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(score, "load_model", lambda *a, **k: loads.append(a))
         assert run_score(folder, fasta, tmp_path / "out.csv", *CPU) == 1
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nv-esm score: error:")]
     assert len(errors) == 1 and "no ESM tokenizer to read (vocab.txt)" in errors[0], errors
     assert loads == []
 
@@ -517,7 +517,7 @@ def test_a_checkpoint_without_an_lm_head_is_refused(tmp_path, capsys):
     table.write_text("mutant\nM1A\n", encoding="utf-8")
     capsys.readouterr()
     assert run_score(tmp_path / "nv", fasta, tmp_path / "out.csv", "--mutants", table, *CPU) == 1
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nv-esm score: error:")]
     assert len(errors) == 1 and "has no weights for 5 tensors" in errors[0] and "lm_head." in errors[0], errors
     assert "its config names NVEsmForSequenceClassification: scoring needs a masked-LM checkpoint" in errors[0]
     assert not (tmp_path / "out.csv").exists()

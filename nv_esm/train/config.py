@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
+from nv_esm.cli import BACKEND_HELP, HelpFormatter
 from nv_esm.tasks import TASK_HEADS
 
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
@@ -77,14 +78,13 @@ class ModelConfig:
         None, "NVEsm checkpoint folder (nv-esm convert hf-to-te output) to start from", flag="--model", one_of=True
     )
     config_file: str | None = option(
-        None, "config.json of a model trained from scratch (e.g. the repo's 650M one)", flag="--config", one_of=True
+        None,
+        "the model's config.json (its architecture: layers, widths) to train from scratch, e.g. the repo's 650M one",
+        flag="--config",
+        one_of=True,
     )
     task: str = option("mlm", "mlm, or a fine-tuning head", choices=TASKS)
-    backend: str = option(
-        "auto",
-        "layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)",
-        choices=BACKENDS,
-    )
+    backend: str = option("auto", BACKEND_HELP, choices=BACKENDS)
     fp8: str = option("off", "FP8 layers (TE): all, or all but first/last", choices=FP8_LAYER_CHOICES)
     fp8_recipe: str = option("delayed", "FP8 scaling of --fp8 layers", choices=FP8_RECIPES)
     cuda_graphs: bool = option(  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
@@ -357,15 +357,6 @@ class TrainConfig:
         refuse_option_combinations(self.parallel, self.model.lora_rank)
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every option's default after its help (unless it has none: a flag off)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _options(cls: type, group: str = "") -> Iterator[tuple[str, Field]]:

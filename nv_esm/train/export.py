@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 
 from configuration_nv_esm import NVEsmConfig
 from nv_esm.checkpoint_io import WEIGHTS_NAME
+from nv_esm.cli import print_error
 from nv_esm.hub_folder import (
     check_out,
     copy_remote_code,
@@ -115,12 +115,12 @@ def export_main(argv: list[str], prog: str) -> None:
     """The `export` command: `prog CHECKPOINT OUT [--force]`."""
     parser = argparse.ArgumentParser(prog=prog, description="Write a Hub folder from a training checkpoint.")
     parser.add_argument("checkpoint", type=Path, help="OUT/checkpoints/step_NNNNNNN")
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, help="the Hub model folder to write (absent or empty unless --force)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     args = parser.parse_args(argv)
     try:
         export(args.checkpoint, args.out, args.force)
     except (ValueError, FileNotFoundError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print_error(prog, error)
         raise SystemExit(2) from None
     print(describe(args.out))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
 from nv_esm.train.checkpoint import load_checkpoint, load_rng_state, prepare_out, resume_settings, save_checkpoint
@@ -260,11 +261,11 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         return 128 + stop.signum
     except KeyboardInterrupt:
         if report:
-            print(f"{prog}: error: interrupted; --resume continues from the last checkpoint.", file=sys.stderr)
+            print_error(prog, "interrupted; --resume continues from the last checkpoint.")
         return 130
     except USER_ERRORS as error:
         if report:
-            print(f"{prog}: error: {error}", file=sys.stderr)
+            print_error(prog, error)
         else:  # torchrun stops the other ranks when one exits with an error: let rank 0 report first
             time.sleep(REPORT_GRACE_SECONDS)
         return 1

@@ -129,7 +129,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     torch.manual_seed(config.seed + world.rank)
     batches, labels = make_batches(config, world)
     validation = validation_stream(config, world, batches)
-    nv_config = model_config(config.model, labels, world.device)
+    nv_config = model_config(config.model, labels, world.device, config.data.max_length)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():
         if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state

@@ -37,10 +37,11 @@ MODEL_CLASSES = {
 }
 
 
-def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.device) -> NVEsmConfig:
+def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.device, max_length: int) -> NVEsmConfig:
     """The NVEsm config of the run: the source's architecture, the layer backend for `device` (`auto`: TE on GPU
-    when it is installed), packed (THD) inputs, FP8 layers, and the classification `labels` fields
-    (`label_fields`)."""
+    when it is installed), packed (THD) inputs, FP8 layers, the classification `labels` fields (`label_fields`), and
+    a `max_protein_length` (a load-time limit) that accepts the run's longest crop, `max_length` tokens: a protein the
+    recipe was told to crop to N residues is never refused by the model's guard."""
     source = settings.source
     path = source / "config.json" if source.is_dir() else source
     fields = json.loads(path.read_text())
@@ -58,6 +59,7 @@ def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.de
     # The recipe's own packer makes valid batches: skip the model's input checks (each would wait for the GPU).
     fields.update(fp8_recipe=settings.fp8_recipe, check_inputs=False, cuda_graphs=settings.cuda_graphs)
     fields.update(labels)
+    fields.update(max_protein_length=max(NVEsmConfig().max_protein_length, max_length))
     return NVEsmConfig(**fields)
 
 

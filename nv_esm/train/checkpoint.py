@@ -28,6 +28,7 @@ import pickle
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -38,9 +39,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from nv_esm.checkpoint_io import file_sha256
+from nv_esm.checkpoint_io import file_sha256, format_bytes
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist, checkpoint_view
 
@@ -172,44 +174,109 @@ def save_checkpoint(
     """Sharded model + optimizer (DCP), every stream's position, every rank's RNG and FP8 scaling history; written
     to a `.partial` folder that is renamed when complete, so a kill mid-save never leaves a checkpoint that looks
     whole. Keeps the newest `keep` checkpoints (all if 0); returns the new one."""
+    final = out / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
+    partial = final.with_name(final.name + ".partial")
+    try:
+        on_every_rank(world, lambda: _make_partial(partial) if world.is_main else None)
+        rank_parts = on_every_rank(world, lambda: _write_rank_files(partial, model, optimizer, feed, world))
+        on_every_rank(
+            world, lambda: _finish(partial, final, step, world, rank_parts, run_info) if world.is_main else None
+        )
+    except CheckpointNotWritten as error:
+        if world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # gives back the space it took
+        earlier = [p.name for p in checkpoint_dirs(out) if p != final]
+        intact = f"the earlier checkpoints are intact (newest: {earlier[-1]})" if earlier else "no earlier checkpoint"
+        raise CheckpointNotWritten(
+            f"checkpoint {final.name} was not written ({error}; {_free_space(out)} free in {out}); {intact}."
+        ) from None
+    if world.is_main and keep > 0:
+        for old in checkpoint_dirs(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)  # what stays of one is not a checkpoint (no train_state.json)
+    dist.barrier()
+    return final
+
+
+class CheckpointNotWritten(OSError):
+    """A checkpoint save failed on some rank (a full disk, most often); every rank raises it."""
+
+
+# What writing a checkpoint's files raises when the disk is full or failing: OSError (ENOSPC, EIO), torch's zip
+# writer's RuntimeError ("enforce fail at inline_container.cc"), safetensors' error, and DCP's CheckpointException
+# (a BaseException) around them.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
+
+
+def on_every_rank(world: Dist, write: Callable[[], Any]) -> list[Any]:
+    """Run this rank's part of a save (`write`); returns every rank's result. If the part failed on any rank, every
+    rank raises `CheckpointNotWritten` (so none waits at a collective for a rank that gave up)."""
+    try:
+        result, problem = write(), None
+    except _WRITE_ERRORS as error:
+        result, problem = None, _write_error(error)
+    everyone: list[Any] = [None] * world.world_size
+    dist.all_gather_object(everyone, (result, problem))
+    problems = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(everyone) if problem is not None]
+    if problems:
+        raise CheckpointNotWritten(problems[0] if world.world_size > 1 else problems[0].removeprefix("rank 0: "))
+    return [result for result, _ in everyone]
+
+
+def _write_error(error: BaseException) -> str:
+    """What went wrong, in one line (the first failure DCP wrapped)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown space"
+
+
+def _make_partial(partial: Path) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+
+def _write_rank_files(
+    partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer, feed: DataFeed, world: Dist
+) -> tuple[dict, dict[str, str]]:
+    """This rank's DCP shards (DCP's collectives make every rank raise if one fails), RNG and FP8 state; returns its
+    data position and the SHA-256 of the files it wrote."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = out / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
-    partial = final.with_name(final.name + ".partial")
-    if world.is_main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save(
         {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
         checkpoint_id=partial,
     )
-    streams: list[Any] = [None] * world.world_size
-    dist.all_gather_object(streams, feed.state_dict())
     save_rng_state(partial / RNG_FILE.format(rank=world.rank))
     save_fp8_scaling(partial / FP8_FILE.format(rank=world.rank), model)
-    sums: list[Any] = [None] * world.world_size  # each rank hashes the files it wrote
-    dist.all_gather_object(sums, {path.name: file_sha256(path) for path in own_files(partial, world.rank)})
-    if world.is_main:
-        state = {
-            "step": step,
-            "world_size": world.world_size,
-            "tp": world.tp_size,
-            "cp": world.cp_size,
-            "data": streams,
-            "run": run_info,
-        }
-        (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
-        checksums = {name: digest for rank_sums in sums for name, digest in rank_sums.items()}
-        checksums.update({name: file_sha256(partial / name) for name in (TRAIN_STATE, ".metadata")})
-        (partial / CHECKSUMS).write_text(json.dumps(checksums, indent=1, sort_keys=True))
-        partial.rename(final)
-        for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+    return feed.state_dict(), {path.name: file_sha256(path) for path in own_files(partial, world.rank)}
+
+
+def _finish(
+    partial: Path, final: Path, step: int, world: Dist, rank_parts: list[tuple[dict, dict]], run_info: dict
+) -> None:
+    """Rank 0: `train_state.json` and `checksums.json`, then the rename that makes the checkpoint whole."""
+    state = {
+        "step": step,
+        "world_size": world.world_size,
+        "tp": world.tp_size,
+        "cp": world.cp_size,
+        "data": [position for position, _ in rank_parts],
+        "run": run_info,
+    }
+    (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+    checksums = {name: digest for _, rank_sums in rank_parts for name, digest in rank_sums.items()}
+    checksums.update({name: file_sha256(partial / name) for name in (TRAIN_STATE, ".metadata")})
+    (partial / CHECKSUMS).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+    partial.rename(final)
 
 
 def load_checkpoint(

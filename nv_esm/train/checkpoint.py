@@ -8,8 +8,12 @@ A checkpoint is OUT/checkpoints/step_NNNNNNN (written as `step_NNNNNNN.partial` 
   alpha, the starting point and the `resume_settings`, which a resume may not change);
 - `rng_rank{r}.safetensors`: rank r's Python, torch and CUDA RNG states;
 - `fp8_rank{r}.safetensors`: rank r's Transformer Engine FP8 scaling state, when there is one;
-- `checksums.json`: the SHA-256 of every other file, checked on resume and export (`damage`): a resume takes the
-  newest checkpoint that is whole, with a warning for each damaged one it passes over.
+- `checksums.json`: the SHA-256 of every other file, checked on resume and export (`damage`; without it a
+  checkpoint is damaged): a resume takes the newest checkpoint that is whole, with a warning for each damaged one it
+  passes over (`set_aside`).
+
+A save that fails on any rank (a full disk) fails on every rank with `CheckpointNotWritten`, leaving the earlier
+checkpoints as they were; a run holds its folder (`run_folder_lock`) so that no second run writes into it.
 
 A checkpoint is read as data, never as code, so a shared or downloaded one cannot run code when it is resumed or
 exported: JSON and safetensors are plain data; DCP's `.metadata` is a pickle, read by `CheckpointReader` with an
@@ -21,14 +25,17 @@ tensor, is not restored.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import json
 import os
 import pickle
 import random
 import shutil
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -43,7 +50,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from nv_esm.checkpoint_io import file_sha256, format_bytes
-from nv_esm.train.config import TrainConfig
+from nv_esm.folder_lock import folder_lock
+from nv_esm.train.config import PROG, TrainConfig
 from nv_esm.train.parallel import Dist, checkpoint_view
 
 if TYPE_CHECKING:
@@ -53,6 +61,9 @@ if TYPE_CHECKING:
 CHECKPOINT_PREFIX = "step_"
 TRAIN_STATE = "train_state.json"
 CHECKSUMS = "checksums.json"
+LOCK_NAME = ".nv-esm-train.lock"
+# What `load_checkpoint` reads from `TRAIN_STATE` (`damage` checks they are there).
+TRAIN_STATE_FIELDS = ("step", "world_size", "data", "run")
 TE_PICKLE_OPT_IN = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 RNG_FILE = "rng_rank{rank}.safetensors"
 FP8_FILE = "fp8_rank{rank}.safetensors"
@@ -62,12 +73,30 @@ FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 def checkpoint_dirs(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first (an interrupted save leaves only a `.partial` folder, and a
-    damaged one passed over by a resume is renamed `.damaged`)."""
+    damaged one passed over by a resume is renamed: `set_aside`)."""
     folder = out / "checkpoints"
     found = [
         p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
     ]
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
+@contextlib.contextmanager
+def run_folder_lock(out: Path, world: Dist) -> Iterator[None]:
+    """Hold the run folder `out` for this run (rank 0 holds `folder_lock`): a second run into it is refused, on every
+    rank, with a one-line FileExistsError naming the folder and the process that holds it."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if world.is_main:
+            try:
+                stack.enter_context(folder_lock(out, LOCK_NAME, PROG))
+            except FileExistsError as error:
+                problem = str(error)
+        everyone: list[str | None] = [None] * world.world_size
+        dist.all_gather_object(everyone, problem)
+        if everyone[0] is not None:
+            raise FileExistsError(everyone[0])
+        yield
 
 
 def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
@@ -90,7 +119,7 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
         if problem is None:
             if world.is_main:
                 for bad, reason in damaged:  # renamed: their steps will be saved again
-                    kept = bad.rename(bad.with_name(bad.name + ".damaged"))
+                    kept = set_aside(bad)
                     print(
                         f"warning: {bad.name} is damaged ({reason}), kept as {kept.name}; resuming from {folder.name}.",
                         file=sys.stderr,
@@ -102,6 +131,16 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
         listing = "; ".join(f"{folder.name}: {problem}" for folder, problem in damaged)
         raise ValueError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged ({listing}).")
     return None
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint `folder` to NAME.damaged, or NAME.damaged-2, -3, ...: the first name not taken (a
+    step saved again after a resume can be damaged again). Returns the new path."""
+    for count in itertools.count(1):
+        kept = folder.with_name(f"{folder.name}.damaged{f'-{count}' if count > 1 else ''}")
+        if not kept.exists():  # the run folder is locked (`run_folder_lock`): no other run renames into it
+            return folder.rename(kept)
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -116,14 +155,20 @@ def own_files(folder: Path, rank: int) -> list[Path]:
 
 
 def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
-    """What is wrong with checkpoint `folder`, or None: `train_state.json` and the DCP metadata must read, and the
-    files `CHECKSUMS` lists must be there with their SHA-256 (rank `rank` of `world_size` checks its share of them;
-    checkpoints of earlier releases have no checksums, and only the first two checks)."""
+    """What is wrong with checkpoint `folder`, or None: `train_state.json` (with its fields) and the DCP metadata must
+    read, and `CHECKSUMS` must list files that are there with their SHA-256 (rank `rank` of `world_size` checks its
+    share of them). A missing `CHECKSUMS` is damage, but in a checkpoint of an earlier release (`_written_unchecked`),
+    which has only the first two checks (a file that then does not read is named by `read_dcp`)."""
     try:
-        json.loads((folder / TRAIN_STATE).read_text())["run"]
+        state = json.loads((folder / TRAIN_STATE).read_text())
+        missing = [key for key in TRAIN_STATE_FIELDS if key not in state]
+        if missing:
+            return f"{TRAIN_STATE} has no {', '.join(missing)}"
         CheckpointReader(folder).read_metadata()
         sums_path = folder / CHECKSUMS
-        sums = json.loads(sums_path.read_text()) if sums_path.exists() else {}
+        if not sums_path.exists():
+            return None if _written_unchecked(folder) else f"{CHECKSUMS} is missing"
+        sums = json.loads(sums_path.read_text())
         for name in sorted(sums)[rank::world_size]:
             if not (folder / name).is_file():
                 return f"{name} is missing"
@@ -132,6 +177,13 @@ def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def _written_unchecked(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint of a release that wrote no checksums: those kept the RNG state in
+    `rng_rank{r}.pt`; the checkpoints of later ones have `rng_rank{r}.safetensors` and `CHECKSUMS` (both came within
+    an hour of each other), so a missing `CHECKSUMS` beside a safetensors RNG file was deleted."""
+    return (folder / "rng_rank0.pt").is_file() and not (folder / RNG_FILE.format(rank=0)).exists()
 
 
 def resume_settings(config: TrainConfig) -> dict[str, Any]:
@@ -213,7 +265,7 @@ def on_every_rank(world: Dist, write: Callable[[], Any]) -> list[Any]:
     try:
         result, problem = write(), None
     except _WRITE_ERRORS as error:
-        result, problem = None, _write_error(error)
+        result, problem = None, _one_line(error)
     everyone: list[Any] = [None] * world.world_size
     dist.all_gather_object(everyone, (result, problem))
     problems = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(everyone) if problem is not None]
@@ -222,8 +274,8 @@ def on_every_rank(world: Dist, write: Callable[[], Any]) -> list[Any]:
     return [result for result, _ in everyone]
 
 
-def _write_error(error: BaseException) -> str:
-    """What went wrong, in one line (the first failure DCP wrapped)."""
+def _one_line(error: BaseException) -> str:
+    """What went wrong in a read or write of checkpoint files, in one line (the first failure DCP wrapped)."""
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     text = " ".join(str(error).split())
@@ -285,7 +337,6 @@ def load_checkpoint(
     """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
     returns the step it was taken after. The weights load under any layout (DCP reshards them); the data
     positions need the same number of ranks and of data-parallel ranks (the same `--tp` and `--cp`)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = json.loads((folder / TRAIN_STATE).read_text())
@@ -314,11 +365,7 @@ def load_checkpoint(
     # 2.11's dcp.load would swallow the error as "metadata is None").
     model_state, optim_state = get_state_dict(model, optimizer)
     # Loaded in place: the views share the state dicts' tensors.
-    dcp.load(
-        {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
-        storage_reader=CheckpointReader(folder),
-        planner=CheckpointLoadPlanner(),
-    )
+    read_dcp(folder, {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)})
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     batches.load_state_dict(state["data"][world.rank])
     scaling = folder / FP8_FILE.format(rank=world.rank)
@@ -357,6 +404,27 @@ _METADATA_GLOBALS = {
     ("pathlib", "WindowsPath"),
     ("collections", "OrderedDict"),
 }
+
+
+def read_dcp(folder: Path, state: dict[str, Any], single_process: bool = False) -> None:
+    """Load `state`'s tensors in place from the DCP files of checkpoint `folder`, read as data (`CheckpointReader`,
+    `CheckpointLoadPlanner`); with `single_process`, in this process alone (no collectives). A file that does not
+    read (truncated or garbled in a checkpoint without checksums, or not plain data) raises ValueError naming the
+    checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():
+            # DCP warns that it loads "in a single process" even when told to (no_dist=True): what we asked for.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(
+                state,
+                storage_reader=CheckpointReader(folder),
+                planner=CheckpointLoadPlanner(),
+                no_dist=single_process,
+            )
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, CheckpointException) as error:
+        raise ValueError(f"{folder} is damaged: {_one_line(error)}.") from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):

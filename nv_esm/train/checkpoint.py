@@ -84,10 +84,13 @@ def checkpoint_dirs(out: Path) -> list[Path]:
 @contextlib.contextmanager
 def run_folder_lock(out: Path, world: Dist) -> Iterator[None]:
     """Hold the run folder `out` for this run (rank 0 holds `folder_lock`): a second run into it is refused, on every
-    rank, with a one-line FileExistsError naming the folder and the process that holds it."""
+    rank, with a one-line FileExistsError naming the folder and the process that holds it. A folder made here for a
+    run that wrote nothing (an error before training) is removed again."""
     with contextlib.ExitStack() as stack:
         problem = None
         if world.is_main:
+            if not out.exists():
+                stack.callback(lambda: out.rmdir() if not any(out.iterdir()) else None)  # after the lock's exit
             try:
                 stack.enter_context(folder_lock(out, LOCK_NAME, PROG))
             except FileExistsError as error:

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nv_esm.embed_plan import Record, embedded_residues
+from nv_esm.folder_lock import folder_lock
 
 FORMAT = "nv-esm-embed/1"
 MANIFEST_NAME = "manifest.json"
@@ -219,30 +220,7 @@ def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.T
             yield protein_id, outputs
 
 
-@contextlib.contextmanager
-def output_lock(folder: Path, kind: OutputFolder = EMBED_FOLDER) -> Iterator[None]:
-    """Hold `folder` while this run writes it: another run into it (one with --overwrite would replace this run's
-    shards under it) is refused until this one ends. An advisory lock (`flock`) on `kind.lock_name`, which the
-    system releases if the process dies; the file is removed at the end."""
-    import fcntl
-    import socket
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / kind.lock_name
-    with open(path, "a+", encoding="utf-8") as file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            raise FileExistsError(
-                f"{folder} is being written by another {kind.command} run ({holder}); wait for it to end, or choose "
-                "another folder."
-            ) from None
-        file.truncate(0)
-        file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        file.flush()
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
+def output_lock(folder: Path, kind: OutputFolder = EMBED_FOLDER) -> contextlib.AbstractContextManager[None]:
+    """Hold `folder` while this run writes it (`folder_lock` on `kind.lock_name`): another run into it (one with
+    --overwrite would replace this run's shards under it) is refused until this one ends."""
+    return folder_lock(folder, kind.lock_name, kind.command)

@@ -8,8 +8,12 @@ A checkpoint is OUT/checkpoints/step_NNNNNNN (written as `step_NNNNNNN.partial` 
   alpha, the starting point and the `resume_settings`, which a resume may not change);
 - `rng_rank{r}.safetensors`: rank r's Python, torch and CUDA RNG states;
 - `fp8_rank{r}.safetensors`: rank r's Transformer Engine FP8 scaling state, when there is one;
-- `checksums.json`: the SHA-256 of every other file, checked on resume and export (`damage`): a resume takes the
-  newest checkpoint that is whole, with a warning for each damaged one it passes over.
+- `checksums.json`: the SHA-256 of every other file, checked on resume and export (`damage`; without it a
+  checkpoint is damaged): a resume takes the newest checkpoint that is whole, with a warning for each damaged one it
+  passes over (`set_aside`).
+
+A save that fails on any rank (a full disk) fails on every rank with `CheckpointNotWritten`, leaving the earlier
+checkpoints as they were; a run holds its folder (`run_folder_lock`) so that no second run writes into it.
 
 A checkpoint is read as data, never as code, so a shared or downloaded one cannot run code when it is resumed or
 exported: JSON and safetensors are plain data; DCP's `.metadata` is a pickle, read by `CheckpointReader` with an
@@ -21,13 +25,17 @@ tensor, is not restored.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import json
 import os
 import pickle
 import random
 import shutil
 import sys
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -38,10 +46,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from nv_esm.checkpoint_io import file_sha256
-from nv_esm.train.config import TrainConfig
+from nv_esm.checkpoint_io import file_sha256, format_bytes
+from nv_esm.folder_lock import folder_lock
+from nv_esm.train.config import PROG, TrainConfig
 from nv_esm.train.parallel import Dist, checkpoint_view
 
 if TYPE_CHECKING:
@@ -51,6 +61,9 @@ if TYPE_CHECKING:
 CHECKPOINT_PREFIX = "step_"
 TRAIN_STATE = "train_state.json"
 CHECKSUMS = "checksums.json"
+LOCK_NAME = ".nv-esm-train.lock"
+# What `load_checkpoint` reads from `TRAIN_STATE` (`damage` checks they are there).
+TRAIN_STATE_FIELDS = ("step", "world_size", "data", "run")
 TE_PICKLE_OPT_IN = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 RNG_FILE = "rng_rank{rank}.safetensors"
 FP8_FILE = "fp8_rank{rank}.safetensors"
@@ -60,12 +73,33 @@ FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 def checkpoint_dirs(out: Path) -> list[Path]:
     """Complete checkpoints in `out`, oldest first (an interrupted save leaves only a `.partial` folder, and a
-    damaged one passed over by a resume is renamed `.damaged`)."""
+    damaged one passed over by a resume is renamed: `set_aside`)."""
     folder = out / "checkpoints"
     found = [
         p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
     ]
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
+@contextlib.contextmanager
+def run_folder_lock(out: Path, world: Dist) -> Iterator[None]:
+    """Hold the run folder `out` for this run (rank 0 holds `folder_lock`): a second run into it is refused, on every
+    rank, with a one-line FileExistsError naming the folder and the process that holds it. A folder made here for a
+    run that wrote nothing (an error before training) is removed again."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if world.is_main:
+            if not out.exists():
+                stack.callback(lambda: out.rmdir() if not any(out.iterdir()) else None)  # after the lock's exit
+            try:
+                stack.enter_context(folder_lock(out, LOCK_NAME, PROG))
+            except FileExistsError as error:
+                problem = str(error)
+        everyone: list[str | None] = [None] * world.world_size
+        dist.all_gather_object(everyone, problem)
+        if everyone[0] is not None:
+            raise FileExistsError(everyone[0])
+        yield
 
 
 def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
@@ -88,7 +122,7 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
         if problem is None:
             if world.is_main:
                 for bad, reason in damaged:  # renamed: their steps will be saved again
-                    kept = bad.rename(bad.with_name(bad.name + ".damaged"))
+                    kept = set_aside(bad)
                     print(
                         f"warning: {bad.name} is damaged ({reason}), kept as {kept.name}; resuming from {folder.name}.",
                         file=sys.stderr,
@@ -100,6 +134,16 @@ def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
         listing = "; ".join(f"{folder.name}: {problem}" for folder, problem in damaged)
         raise ValueError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged ({listing}).")
     return None
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint `folder` to NAME.damaged, or NAME.damaged-2, -3, ...: the first name not taken (a
+    step saved again after a resume can be damaged again). Returns the new path."""
+    for count in itertools.count(1):
+        kept = folder.with_name(f"{folder.name}.damaged{f'-{count}' if count > 1 else ''}")
+        if not kept.exists():  # the run folder is locked (`run_folder_lock`): no other run renames into it
+            return folder.rename(kept)
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -114,14 +158,20 @@ def own_files(folder: Path, rank: int) -> list[Path]:
 
 
 def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
-    """What is wrong with checkpoint `folder`, or None: `train_state.json` and the DCP metadata must read, and the
-    files `CHECKSUMS` lists must be there with their SHA-256 (rank `rank` of `world_size` checks its share of them;
-    checkpoints of earlier releases have no checksums, and only the first two checks)."""
+    """What is wrong with checkpoint `folder`, or None: `train_state.json` (with its fields) and the DCP metadata must
+    read, and `CHECKSUMS` must list files that are there with their SHA-256 (rank `rank` of `world_size` checks its
+    share of them). A missing `CHECKSUMS` is damage, but in a checkpoint of an earlier release (`_written_unchecked`),
+    which has only the first two checks (a file that then does not read is named by `read_dcp`)."""
     try:
-        json.loads((folder / TRAIN_STATE).read_text())["run"]
+        state = json.loads((folder / TRAIN_STATE).read_text())
+        missing = [key for key in TRAIN_STATE_FIELDS if key not in state]
+        if missing:
+            return f"{TRAIN_STATE} has no {', '.join(missing)}"
         CheckpointReader(folder).read_metadata()
         sums_path = folder / CHECKSUMS
-        sums = json.loads(sums_path.read_text()) if sums_path.exists() else {}
+        if not sums_path.exists():
+            return None if _written_unchecked(folder) else f"{CHECKSUMS} is missing"
+        sums = json.loads(sums_path.read_text())
         for name in sorted(sums)[rank::world_size]:
             if not (folder / name).is_file():
                 return f"{name} is missing"
@@ -130,6 +180,13 @@ def damage(folder: Path, rank: int = 0, world_size: int = 1) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def _written_unchecked(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint of a release that wrote no checksums: those kept the RNG state in
+    `rng_rank{r}.pt`; the checkpoints of later ones have `rng_rank{r}.safetensors` and `CHECKSUMS` (both came within
+    an hour of each other), so a missing `CHECKSUMS` beside a safetensors RNG file was deleted."""
+    return (folder / "rng_rank0.pt").is_file() and not (folder / RNG_FILE.format(rank=0)).exists()
 
 
 def resume_settings(config: TrainConfig) -> dict[str, Any]:
@@ -172,44 +229,109 @@ def save_checkpoint(
     """Sharded model + optimizer (DCP), every stream's position, every rank's RNG and FP8 scaling history; written
     to a `.partial` folder that is renamed when complete, so a kill mid-save never leaves a checkpoint that looks
     whole. Keeps the newest `keep` checkpoints (all if 0); returns the new one."""
+    final = out / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
+    partial = final.with_name(final.name + ".partial")
+    try:
+        on_every_rank(world, lambda: _make_partial(partial) if world.is_main else None)
+        rank_parts = on_every_rank(world, lambda: _write_rank_files(partial, model, optimizer, feed, world))
+        on_every_rank(
+            world, lambda: _finish(partial, final, step, world, rank_parts, run_info) if world.is_main else None
+        )
+    except CheckpointNotWritten as error:
+        if world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # gives back the space it took
+        earlier = [p.name for p in checkpoint_dirs(out) if p != final]
+        intact = f"the earlier checkpoints are intact (newest: {earlier[-1]})" if earlier else "no earlier checkpoint"
+        raise CheckpointNotWritten(
+            f"checkpoint {final.name} was not written ({error}; {_free_space(out)} free in {out}); {intact}."
+        ) from None
+    if world.is_main and keep > 0:
+        for old in checkpoint_dirs(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)  # what stays of one is not a checkpoint (no train_state.json)
+    dist.barrier()
+    return final
+
+
+class CheckpointNotWritten(OSError):
+    """A checkpoint save failed on some rank (a full disk, most often); every rank raises it."""
+
+
+# What writing a checkpoint's files raises when the disk is full or failing: OSError (ENOSPC, EIO), torch's zip
+# writer's RuntimeError ("enforce fail at inline_container.cc"), safetensors' error, and DCP's CheckpointException
+# (a BaseException) around them.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
+
+
+def on_every_rank(world: Dist, write: Callable[[], Any]) -> list[Any]:
+    """Run this rank's part of a save (`write`); returns every rank's result. If the part failed on any rank, every
+    rank raises `CheckpointNotWritten` (so none waits at a collective for a rank that gave up)."""
+    try:
+        result, problem = write(), None
+    except _WRITE_ERRORS as error:
+        result, problem = None, _one_line(error)
+    everyone: list[Any] = [None] * world.world_size
+    dist.all_gather_object(everyone, (result, problem))
+    problems = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(everyone) if problem is not None]
+    if problems:
+        raise CheckpointNotWritten(problems[0] if world.world_size > 1 else problems[0].removeprefix("rank 0: "))
+    return [result for result, _ in everyone]
+
+
+def _one_line(error: BaseException) -> str:
+    """What went wrong in a read or write of checkpoint files, in one line (the first failure DCP wrapped)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown space"
+
+
+def _make_partial(partial: Path) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+
+def _write_rank_files(
+    partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer, feed: DataFeed, world: Dist
+) -> tuple[dict, dict[str, str]]:
+    """This rank's DCP shards (DCP's collectives make every rank raise if one fails), RNG and FP8 state; returns its
+    data position and the SHA-256 of the files it wrote."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = out / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
-    partial = final.with_name(final.name + ".partial")
-    if world.is_main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save(
         {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
         checkpoint_id=partial,
     )
-    streams: list[Any] = [None] * world.world_size
-    dist.all_gather_object(streams, feed.state_dict())
     save_rng_state(partial / RNG_FILE.format(rank=world.rank))
     save_fp8_scaling(partial / FP8_FILE.format(rank=world.rank), model)
-    sums: list[Any] = [None] * world.world_size  # each rank hashes the files it wrote
-    dist.all_gather_object(sums, {path.name: file_sha256(path) for path in own_files(partial, world.rank)})
-    if world.is_main:
-        state = {
-            "step": step,
-            "world_size": world.world_size,
-            "tp": world.tp_size,
-            "cp": world.cp_size,
-            "data": streams,
-            "run": run_info,
-        }
-        (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
-        checksums = {name: digest for rank_sums in sums for name, digest in rank_sums.items()}
-        checksums.update({name: file_sha256(partial / name) for name in (TRAIN_STATE, ".metadata")})
-        (partial / CHECKSUMS).write_text(json.dumps(checksums, indent=1, sort_keys=True))
-        partial.rename(final)
-        for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+    return feed.state_dict(), {path.name: file_sha256(path) for path in own_files(partial, world.rank)}
+
+
+def _finish(
+    partial: Path, final: Path, step: int, world: Dist, rank_parts: list[tuple[dict, dict]], run_info: dict
+) -> None:
+    """Rank 0: `train_state.json` and `checksums.json`, then the rename that makes the checkpoint whole."""
+    state = {
+        "step": step,
+        "world_size": world.world_size,
+        "tp": world.tp_size,
+        "cp": world.cp_size,
+        "data": [position for position, _ in rank_parts],
+        "run": run_info,
+    }
+    (partial / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+    checksums = {name: digest for _, rank_sums in rank_parts for name, digest in rank_sums.items()}
+    checksums.update({name: file_sha256(partial / name) for name in (TRAIN_STATE, ".metadata")})
+    (partial / CHECKSUMS).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+    partial.rename(final)
 
 
 def load_checkpoint(
@@ -218,7 +340,6 @@ def load_checkpoint(
     """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
     returns the step it was taken after. The weights load under any layout (DCP reshards them); the data
     positions need the same number of ranks and of data-parallel ranks (the same `--tp` and `--cp`)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = json.loads((folder / TRAIN_STATE).read_text())
@@ -247,11 +368,7 @@ def load_checkpoint(
     # 2.11's dcp.load would swallow the error as "metadata is None").
     model_state, optim_state = get_state_dict(model, optimizer)
     # Loaded in place: the views share the state dicts' tensors.
-    dcp.load(
-        {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)},
-        storage_reader=CheckpointReader(folder),
-        planner=CheckpointLoadPlanner(),
-    )
+    read_dcp(folder, {"model": checkpoint_view(model_state, world), "optim": checkpoint_view(optim_state, world)})
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     batches.load_state_dict(state["data"][world.rank])
     scaling = folder / FP8_FILE.format(rank=world.rank)
@@ -290,6 +407,27 @@ _METADATA_GLOBALS = {
     ("pathlib", "WindowsPath"),
     ("collections", "OrderedDict"),
 }
+
+
+def read_dcp(folder: Path, state: dict[str, Any], single_process: bool = False) -> None:
+    """Load `state`'s tensors in place from the DCP files of checkpoint `folder`, read as data (`CheckpointReader`,
+    `CheckpointLoadPlanner`); with `single_process`, in this process alone (no collectives). A file that does not
+    read (truncated or garbled in a checkpoint without checksums, or not plain data) raises ValueError naming the
+    checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():
+            # DCP warns that it loads "in a single process" even when told to (no_dist=True): what we asked for.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(
+                state,
+                storage_reader=CheckpointReader(folder),
+                planner=CheckpointLoadPlanner(),
+                no_dist=single_process,
+            )
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, CheckpointException) as error:
+        raise ValueError(f"{folder} is damaged: {_one_line(error)}.") from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):

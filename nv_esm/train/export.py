@@ -29,7 +29,7 @@ from nv_esm.hub_folder import (
     write_license,
 )
 from nv_esm.model_card import training_card
-from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointLoadPlanner, CheckpointReader, damage
+from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointReader, damage, read_dcp
 from nv_esm.train.lora import lora_settings, merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
@@ -66,7 +66,6 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
 def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The whole (unsharded) model tensors of a DCP checkpoint, in one process and without the optimizer state; read
     as data (`CheckpointReader`, `CheckpointLoadPlanner`: no pickle runs)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = CheckpointReader(checkpoint).read_metadata()
@@ -75,12 +74,7 @@ def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
-    dcp.load(
-        {"model": model_state},
-        storage_reader=CheckpointReader(checkpoint),
-        planner=CheckpointLoadPlanner(),
-        no_dist=True,
-    )
+    read_dcp(checkpoint, {"model": model_state}, single_process=True)
     return model_state
 
 

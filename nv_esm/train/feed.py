@@ -4,7 +4,10 @@ training loop in a background process, with the exact data position of each for 
 
 from __future__ import annotations
 
+import atexit
+import signal
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,9 +82,14 @@ class DataFeed:
             self.items = _with_positions(batches)
         else:
             loader = torch.utils.data.DataLoader(
-                _PositionedBatches(batches), batch_size=None, num_workers=workers, prefetch_factor=4
+                _PositionedBatches(batches),
+                batch_size=None,
+                num_workers=workers,
+                prefetch_factor=4,
+                worker_init_fn=ignore_stop_signals,
             )
             self.items = iter(loader)
+            atexit.register(_end_workers, weakref.ref(self.items))
 
     def __next__(self) -> PackedBatch:
         batch, self.position = next(self.items)
@@ -90,6 +98,31 @@ class DataFeed:
     def state_dict(self) -> dict:
         """The `Batches.state_dict()` just after the last micro-batch returned."""
         return self.position
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """A data worker ignores Ctrl-C and SIGTERM: a terminal sends Ctrl-C to its whole process group, and a scheduler
+    SIGTERM (`kill -TERM -- -PGID`), which would end the worker while the training process finishes its step and
+    saves a checkpoint (`loop.StopSignals`), and then fails on the dead worker's next batch. The training process
+    ends its workers when it exits, and a worker whose training process died ends on its own (DataLoader's
+    watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _end_workers(items: weakref.ref) -> None:
+    """At exit (an atexit function registered after torch's and multiprocessing's, so it runs before them), end the
+    workers of a DataLoader iterator that is still alive, as after an error: DataLoader's shutdown asks them to stop,
+    and one still running is killed. Without this, multiprocessing's exit handler would SIGTERM a worker that
+    ignores it and wait for it forever (DataLoader's own shutdown does nothing once the interpreter exits)."""
+    iterator = items()
+    if iterator is None:  # collected: its shutdown ran then
+        return
+    iterator._shutdown_workers()
+    for worker in iterator._workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def _with_positions(batches: Batches) -> Iterator[tuple[PackedBatch, dict]]:

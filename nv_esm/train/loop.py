@@ -31,7 +31,14 @@ from configuration_nv_esm import NVEsmConfig
 from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
-from nv_esm.train.checkpoint import load_checkpoint, load_rng_state, prepare_out, resume_settings, save_checkpoint
+from nv_esm.train.checkpoint import (
+    load_checkpoint,
+    load_rng_state,
+    prepare_out,
+    resume_settings,
+    run_folder_lock,
+    save_checkpoint,
+)
 from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, parse_config
 from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
@@ -109,11 +116,13 @@ def train_step(
 
 
 def train(config: TrainConfig) -> None:
-    """Validate `config`, join the process group (torchrun's, or a world of one) and run the training."""
+    """Validate `config`, join the process group (torchrun's, or a world of one) and run the training, holding the
+    run folder."""
     config.validate()
     world = init_distributed(config.parallel)
     try:
-        run_training(config, world)
+        with run_folder_lock(config.out, world):
+            run_training(config, world)
     finally:
         dist.destroy_process_group()
 

@@ -194,6 +194,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
                 metrics.log_validation(step, evaluate(model, validation, config, world))
             if saving:
                 checkpoint = save_checkpoint(out, step, model, optimizer, feed, world, config.checkpoint.keep, run_info)
+                metrics.draw()
                 last_save = time.perf_counter()
             if interrupted:
                 raise Stopped(stop.signum or signal.SIGTERM, step, checkpoint if saving else None)

@@ -200,8 +200,7 @@ def _main_verify(args: argparse.Namespace, prog: str) -> int:
     print(check.text())
     if check.passed:
         return 0
-    verdict = "PASSED" if check.report.passed else "FAILED"
-    print_error(prog, f"verify failed: tensors {check.differences}; logit table {verdict}.")
+    print_error(prog, f"verify failed: {check.verdict()}.")
     return 3
 
 

@@ -5,19 +5,24 @@ Readers (`SafetensorsStore`, `StateDictStore`) index a checkpoint's tensors (`Te
 load one on request, so a caller that converts rule by rule needs memory for one rule's tensors, not the model.
 `write_shards` takes groups of tensors whose names, shapes and dtypes are known in advance and a function that
 produces each group's values; it splits them into shards of a size limit and writes each value as it comes.
+A finished output file that a command writes into a folder it does not own is written by `replaced_atomically`
+(`write_atomically` for text): under a fresh temporary name beside it, then renamed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
+import os
 import pickle
 import re
 import struct
+import tempfile
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, Protocol, TypeVar
@@ -42,6 +47,12 @@ SAFETENSORS_DTYPES = {
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+# What `replaced_atomically` adds to a file's name while it writes it (a regular expression, for the patterns of the
+# names a command may find in its folder): `.` + mkstemp's random characters + `.tmp`, or `.tmp` (older versions).
+TEMPORARY_SUFFIX = r"(\.[a-z0-9_]+)?\.tmp"
+# The process's umask, read once here (reading it sets it, which threads writing files must not race with).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -350,3 +361,34 @@ def write_shards(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Replacing a file atomically
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A new empty file beside `path` for the block to write, then synced, given the umask's permissions and renamed
+    to `path`; deleted if the block fails. Its name (`path`'s, `.`, random characters, `.tmp`: see
+    `TEMPORARY_SUFFIX`) is made exclusively (`tempfile.mkstemp`, O_EXCL): a file or link planted under any name
+    beside `path` is never written through. `path` itself, a link included, is replaced, never written into."""
+    handle, name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        yield temporary
+        temporary.chmod(0o666 & ~_UMASK)  # mkstemp makes it 0600; outputs are as readable as any file the user makes
+        with open(temporary, "rb") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` (UTF-8) under `path`, through `replaced_atomically`."""
+    with replaced_atomically(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")

@@ -260,9 +260,13 @@ class FolderCheck:
     def passed(self) -> bool:
         return not self.file_mismatches and not self.mismatches and self.report.passed
 
-    @property
-    def differences(self) -> str:
-        return _differences(len(self.file_mismatches) + len(self.mismatches))
+    def verdict(self) -> str:
+        """One line: the file check, the tensor check and the logit table, each under its own label."""
+        logits = "PASSED" if self.report.passed else "FAILED"
+        return (
+            f"files {_differences(len(self.file_mismatches))}, tensors {_differences(len(self.mismatches))}; "
+            f"logit table {logits}"
+        )
 
     def text(self) -> str:
         """What `verify` prints: the file check and the tensor check (a line per difference), then the logit table."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, replaced_atomically, write_atomically
 from nv_esm.embed_plan import Record, embedded_residues
 from nv_esm.folder_lock import folder_lock
 
@@ -30,14 +30,13 @@ FORMAT = "nv-esm-embed/1"
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.tsv"
 SHARD_PREFIX = "embeddings-"
-# The process's umask, read once here (reading it sets it, which shard-writing threads must not race with).
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 # Settings added to the manifest after runs were written without them: the value they had then.
 _SETTINGS_BEFORE = {"strip_stop": False}
 SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
 LOCK_NAME = ".nv-esm-embed.lock"
-OUR_NAMES = re.compile(r"(embeddings-\d{5,}\.safetensors|manifest\.json|index\.tsv)(\.tmp)?|\.nv-esm-embed\.lock")
+OUR_NAMES = re.compile(
+    rf"(embeddings-\d{{5,}}\.safetensors|manifest\.json|index\.tsv)({TEMPORARY_SUFFIX})?|\.nv-esm-embed\.lock"
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,9 @@ def check_output_folder(folder: Path, settings: Any, overwrite: bool, kind: Outp
     if not folder.exists():
         return False
     entries = list(folder.iterdir())
-    foreign = sorted(path.name for path in entries if not (path.is_file() and kind.names.fullmatch(path.name)))
+    foreign = sorted(
+        path.name for path in entries if path.is_symlink() or not (path.is_file() and kind.names.fullmatch(path.name))
+    )
     if foreign:
         raise FileExistsError(
             f"{folder} holds files {kind.command} did not write ({', '.join(foreign[:5])}); choose a new or empty "
@@ -129,24 +130,10 @@ def _jsonable(settings: Any) -> dict[str, Any]:
     return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(settings).items()}
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """`text` under `path`, written to a temporary name beside it, synced, then renamed."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-
-
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) -> None:
-    """`tensors` as safetensors under `path` (written to a temporary name, synced, then renamed), ids in metadata."""
-    temporary = path.with_name(path.name + ".tmp")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
-    temporary.chmod(0o666 & ~_UMASK)  # as index.tsv and manifest.json (safetensors writes 0600)
-    with open(temporary, "rb") as file:
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    """`tensors` as safetensors under `path` (`replaced_atomically`), ids in metadata."""
+    with replaced_atomically(path) as temporary:
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, {"ids": json.dumps(ids)})
 
 
 def shard_ids(path: Path) -> list[str] | None:

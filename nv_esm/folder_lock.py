@@ -13,12 +13,19 @@ from pathlib import Path
 def folder_lock(folder: Path, lock_name: str, command: str) -> Iterator[None]:
     """Hold `folder` (created if needed) while this run writes it: another run of `command` into it is refused with
     a one-line FileExistsError naming the folder and the process that holds it. An advisory lock (`flock`) on
-    `folder/lock_name`, which the system releases if the process dies; the file is removed at the end."""
+    `folder/lock_name`, which the system releases if the process dies; the file is removed at the end. A link planted
+    at `folder/lock_name` is refused (FileExistsError), never written through."""
     import fcntl
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / lock_name
-    with open(path, "a+", encoding="utf-8") as file:
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # never through a planted link
+    except OSError as error:
+        if not path.is_symlink():
+            raise
+        raise FileExistsError(f"{path} is a link, not {command}'s lock file ({error.strerror}); remove it.") from None
+    with open(descriptor, "r+", encoding="utf-8") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

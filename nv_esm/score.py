@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
-from nv_esm.checkpoint_io import file_sha256
+from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, file_sha256, write_atomically
 from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
@@ -57,7 +56,6 @@ from nv_esm.embed_output import (
     check_output_folder,
     output_lock,
     prepare_output,
-    write_atomically,
 )
 from nv_esm.embed_plan import (
     Record,
@@ -69,12 +67,20 @@ from nv_esm.embed_plan import (
     text_lines,
 )
 from nv_esm.hub_folder import remote_code_differences
-from nv_esm.scoring import METHODS, Scorer, SequenceLikelihood, Substitution, check_variant, resolve_window
+from nv_esm.scoring import (
+    METHODS,
+    Scorer,
+    SequenceLikelihood,
+    Substitution,
+    check_variant,
+    progress_bar,
+    resolve_window,
+)
 
 SCORE_FOLDER = OutputFolder(
     "nv-esm score",
     "nv-esm-score/1",
-    re.compile(r"(part-\d{5,}\.csv|manifest\.json)(\.tmp)?|\.nv-esm-score\.lock"),
+    re.compile(rf"(part-\d{{5,}}\.csv|manifest\.json)({TEMPORARY_SUFFIX})?|\.nv-esm-score\.lock"),
     ".nv-esm-score.lock",
     "parts",
 )
@@ -137,6 +143,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         args.shard_size = 2000 if args.mutants else 100
     if args.shard_size < 1 or args.tokens_per_batch < 1:
         parser.error("--shard-size and --tokens-per-batch must be positive")
+    if args.output.name in ("", "..") or args.output.is_dir():
+        parser.error(f"output {args.output} is a folder; name the CSV file to write, e.g. {args.output / 'scores.csv'}")
     return args
 
 
@@ -228,7 +236,7 @@ def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: Sco
         raise ValueError(f"{args.mutants} has no --score-column {args.score_column!r}.")
     statuses, variants = [], {}
     for number, (row, line) in enumerate(rows, 1):
-        name = f"{args.mutants}: row {number} (line {line})"
+        name = f"{args.mutants}: row {number} (line {line}), column {args.mutant_column!r}"
         try:
             variants[number - 1] = check_variant(
                 row[args.mutant_column], wild_type, args.methods, settings.window, name
@@ -364,9 +372,7 @@ def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, 
         barrier(world_size)  # every rank has its list before any writes a part: all share one list
         mine = missing[rank::world_size]
         todo = sum(len(job.parts[k]) for k in mine)
-        unit = "row" if job.rows is not None else "protein"
-        total = todo * max(len(job.settings.methods), 1)
-        progress = tqdm(total=total, unit=unit, desc="scoring", disable=args.no_progress or rank != 0)
+        progress = progress_bar(_tokens(scorer, job, mine), "scoring", args.no_progress or rank != 0)
         started = time.perf_counter()
         for part, values in _score_parts(args, scorer, job, mine, progress):
             lines = [",".join(["unit", *columns])]
@@ -389,6 +395,17 @@ def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, 
                     path.unlink()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _tokens(scorer: Scorer, job: ScoreJob, mine: list[int]) -> int:
+    """The tokens `_score_parts` runs through the model for these parts (the progress bar's total)."""
+    if job.records is not None:
+        return scorer.pll_tokens([job.records[unit].residues for part in mine for unit in job.parts[part]])
+    return sum(
+        scorer.variant_tokens(len(job.wild_type), [job.variants[row] for row in job.parts[part]], method)
+        for part in mine
+        for method in job.settings.methods
+    )
 
 
 def _score_parts(

@@ -41,8 +41,9 @@ before the results of batch k are read back.
 from __future__ import annotations
 
 import math
+import numbers
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,32 +104,46 @@ def parse_mutant(mutant: str, wild_type: str, name: str) -> tuple[Substitution, 
     if not isinstance(mutant, str) or not mutant.strip():
         raise ValueError(f"{name}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
     substitutions: dict[int, Substitution] = {}
+    shown = _quoted(mutant)
     for part in mutant.strip().split(":"):
         match = _SUBSTITUTION.fullmatch(part.strip())
         if match is None:
             raise ValueError(
-                f"{name}: {part.strip()!r} in mutant {mutant!r} is not a substitution such as 'A24G' (wild-type "
+                f"{name}: {_quoted(part.strip())} in mutant {shown} is not a substitution such as 'A24G' (wild-type "
                 "letter, 1-based position, mutant letter; ':' between substitutions)."
             )
-        wild_letter, position, mutant_letter = match[1].upper(), int(match[2]), match[3].upper()
+        wild_letter, digits, mutant_letter = match[1].upper(), match[2].lstrip("0") or "0", match[3].upper()
+        # A position longer than the wild type's length in digits is outside it (and may be too long for int()).
+        position = int(digits) if len(digits) <= len(str(len(wild_type))) else len(wild_type) + 1
         if not 1 <= position <= len(wild_type):
             raise ValueError(
-                f"{name}: position {position} of mutant {mutant!r} is outside the wild type (1 to {len(wild_type)})."
+                f"{name}: position {_shortened(digits)} of mutant {shown} is outside the wild type (1 to "
+                f"{len(wild_type)})."
             )
         if wild_type[position - 1] != wild_letter:
             raise ValueError(
-                f"{name}: mutant {mutant!r} says position {position} is {wild_letter!r}, but the wild type has "
+                f"{name}: mutant {shown} says position {position} is {wild_letter!r}, but the wild type has "
                 f"{wild_type[position - 1]!r} there."
             )
         if mutant_letter not in RESIDUE_LETTERS:
             raise ValueError(
-                f"{name}: mutant letter {mutant_letter!r} at position {position} of {mutant!r} is not a residue of "
+                f"{name}: mutant letter {mutant_letter!r} at position {position} of {shown} is not a residue of "
                 "ESM-2's alphabet."
             )
         if position in substitutions:
-            raise ValueError(f"{name}: mutant {mutant!r} changes position {position} twice.")
+            raise ValueError(f"{name}: mutant {shown} changes position {position} twice.")
         substitutions[position] = Substitution(position, wild_letter, mutant_letter)
     return tuple(substitutions[position] for position in sorted(substitutions))
+
+
+def _shortened(text: str, most: int = 40) -> str:
+    """`text`, or its first `most` characters and how long it is, for an error message."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def _quoted(text: str, most: int = 40) -> str:
+    """`repr(text)`, or that of its first `most` characters and how long it is, for an error message."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
 
 
 def window_bounds(length: int, first: int, last: int, window: int) -> tuple[int, int]:
@@ -155,13 +170,20 @@ def default_window(config: Any) -> int:
 
 
 def resolve_window(config: Any, window: int | None, name: str = "window") -> int:
-    """`window` (None: `default_window`), checked: 1 to `config.max_protein_length - 2` residues, else ValueError
-    naming it as `name` (the command's `--window`)."""
-    window = default_window(config) if window is None else window
+    """`window` (None: `default_window`), checked: a whole number, 1 to `config.max_protein_length - 2` residues,
+    else ValueError naming it as `name` (the command's `--window`)."""
+    window = default_window(config) if window is None else _whole_number(window, name, "residues")
     longest = config.max_protein_length - 2
     if not 1 <= window <= longest:
         raise ValueError(f"{name} must be 1 to {longest} residues (config.max_protein_length - 2), got {window}.")
     return window
+
+
+def _whole_number(value: Any, name: str, unit: str) -> int:
+    """`value` as an int; ValueError naming it as `name` for anything else (a float, NaN, a bool, None...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a whole number of {unit}, got {value!r}.")
+    return int(value)
 
 
 def check_method(method: str) -> None:
@@ -180,7 +202,9 @@ def check_variant(
         try:
             window_bounds(len(wild_type), substitutions[0].position - 1, substitutions[-1].position - 1, window)
         except ValueError as error:
-            raise ValueError(f"{name}: mutant {mutant!r}: {error} Marginal methods score it in one forward.") from None
+            raise ValueError(
+                f"{name}: mutant {_quoted(mutant)}: {error} Marginal methods score it in one forward."
+            ) from None
     return substitutions
 
 
@@ -209,6 +233,7 @@ class Scorer:
             raise ValueError("the model is in training mode; call model.eval() before scoring.")
         config = model.config
         window = resolve_window(config, window)
+        max_tokens_per_batch = _whole_number(max_tokens_per_batch, "max_tokens_per_batch", "tokens")
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}.")
         self.model, self.window, self.max_tokens = model, window, max_tokens_per_batch
@@ -221,13 +246,26 @@ class Scorer:
         """`[L]` int64 token ids of `residues` (upper-case letters of ESM-2's alphabet, as `protein_residues` gives)."""
         return torch.tensor([self.letter_ids[letter] for letter in residues], dtype=torch.int64)
 
-    def position_log_likelihoods(
-        self, sequences: Sequence[torch.Tensor], progress: Any = None, owners: Sequence[Sequence[int]] | None = None
-    ) -> list[torch.Tensor]:
+    def pll_tokens(self, lengths: Sequence[int]) -> int:
+        """Tokens that `position_log_likelihoods` runs through the model for proteins of `lengths` residues (its
+        progress bar's total): L masked copies of min(L, window) residues, `<cls>` and `<eos>` each."""
+        return sum(length * (min(length, self.window) + 2) for length in lengths)
+
+    def variant_tokens(self, length: int, variants: Sequence[Sequence[Substitution]], method: str) -> int:
+        """Tokens that `variant_scores` runs through the model for `variants` of a wild type of `length` residues by
+        `method` (its progress bar's total)."""
+        check_method(method)
+        if not variants:
+            return 0
+        if method == "pseudo_likelihood":  # the wild type's PLL and one per distinct mutant sequence
+            return self.pll_tokens([length] * len({(), *map(_changes, variants)}))
+        return copy_tokens(self._marginal_copies(length, variants, method)[0])
+
+    def position_log_likelihoods(self, sequences: Sequence[torch.Tensor], progress: Any = None) -> list[torch.Tensor]:
         """Per protein `[L]` float64: log p(x_i | x with residue i masked), from L masked copies packed densely.
 
-        `sequences`: `[L]` token ids each (`encode`). `progress`: a tqdm bar (or None) ticked per item once every
-        copy of the item has come back; the items of sequence s are `owners[s]` (default: the sequence itself)."""
+        `sequences`: `[L]` token ids each (`encode`). `progress`: a tqdm bar (or None) advanced by the tokens of each
+        packed batch once it has come back (`pll_tokens` in all)."""
         copies, positions = [], []
         for index, tokens in enumerate(sequences):
             length = len(tokens)
@@ -238,12 +276,9 @@ class Scorer:
         offsets = [0, *torch.tensor(positions, dtype=torch.int64).cumsum(0).tolist()]
         flat = torch.empty(offsets[-1], dtype=torch.float64)
         targets = torch.cat(list(sequences)) if sequences else torch.empty(0, dtype=torch.int64)
-        owners = [(index,) for index in range(len(sequences))] if owners is None else owners
-        completion = _Completion([owners[copy.sequence] for copy in copies], progress)
-        for batch, log_probs in self._log_probs(sequences, copies):
+        for batch, log_probs in self._log_probs(sequences, copies, progress):
             where = torch.tensor([offsets[copies[i].sequence] + copies[i].read[0] for i in batch])
             flat[where] = log_probs.gather(1, targets[where][:, None])[:, 0].double()
-            completion.done(batch)
         return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sequences))]
 
     def variant_scores(
@@ -254,37 +289,21 @@ class Scorer:
         progress: Any = None,
     ) -> torch.Tensor:
         """`[M]` float64 scores of `variants` (`check_variant`'s) of the wild type `[L]` (`encode`) by `method`
-        (see the module's docstring). `progress` is ticked once per variant scored."""
+        (see the module's docstring). `progress`: a tqdm bar (or None) advanced by the tokens of each packed batch
+        once it has come back (`variant_tokens` in all)."""
         check_method(method)
         if not variants:
             return torch.empty(0, dtype=torch.float64)
         if method == "pseudo_likelihood":
             return self._pseudo_likelihood_scores(wild_type, variants, progress)
-        length, keys, copies, owners = len(wild_type), {}, [], []
-        row_copies = []
-        for row, substitutions in enumerate(variants):
-            positions = tuple(s.position - 1 for s in substitutions)
-            start, stop = window_bounds(length, positions[0], positions[-1], self.window)
-            key = positions if method == "masked_marginal" else (start, stop)
-            if key not in keys:
-                keys[key] = len(copies)
-                copies.append([start, stop, set()])
-                owners.append([])
-            copy = keys[key]
-            copies[copy][2].update(positions)
-            owners[copy].append(row)
-            row_copies.append(copy)
-        masked = method == "masked_marginal"
-        plans = [MaskedCopy(0, a, b, tuple(sorted(p)) if masked else (), tuple(sorted(p))) for a, b, p in copies]
+        plans, row_copies = self._marginal_copies(len(wild_type), variants, method)
         rows_of_copy: dict[int, dict[int, torch.Tensor]] = {}
-        completion = _Completion(owners, progress)
-        for batch, log_probs in self._log_probs([wild_type], plans):
+        for batch, log_probs in self._log_probs([wild_type], plans, progress):
             offset = 0
             for index in batch:
                 read = plans[index].read
                 rows_of_copy[index] = dict(zip(read, log_probs[offset : offset + len(read)]))
                 offset += len(read)
-            completion.done(batch)
         scores = torch.empty(len(variants), dtype=torch.float64)
         for row, substitutions in enumerate(variants):
             rows = rows_of_copy[row_copies[row]]
@@ -295,6 +314,28 @@ class Scorer:
             )
         return scores
 
+    def _marginal_copies(
+        self, length: int, variants: Sequence[Sequence[Substitution]], method: str
+    ) -> tuple[list[MaskedCopy], list[int]]:
+        """The copies of the wild type (of `length` residues) that a marginal `method` runs, and per variant the
+        index of the copy it reads: masked_marginal one per set of mutated positions (masked), wildtype_marginal one
+        per window (unmasked)."""
+        masked = method == "masked_marginal"
+        keys: dict[tuple[int, ...], int] = {}
+        copies: list[tuple[int, int, set[int]]] = []
+        row_copies = []
+        for substitutions in variants:
+            positions = tuple(s.position - 1 for s in substitutions)
+            start, stop = window_bounds(length, positions[0], positions[-1], self.window)
+            key = positions if masked else (start, stop)
+            if key not in keys:
+                keys[key] = len(copies)
+                copies.append((start, stop, set()))
+            copies[keys[key]][2].update(positions)
+            row_copies.append(keys[key])
+        plans = [MaskedCopy(0, a, b, tuple(sorted(p)) if masked else (), tuple(sorted(p))) for a, b, p in copies]
+        return plans, row_copies
+
     def _pseudo_likelihood_scores(
         self, wild_type: torch.Tensor, variants: Sequence[Sequence[Substitution]], progress: Any
     ) -> torch.Tensor:
@@ -303,37 +344,43 @@ class Scorer:
         type's copies run in batches of their own, so its PLL is the same in every call (`nv-esm score` calls once
         per part): in bf16 or FP8 a copy's values depend on what shares its batch, and a wild type packed with each
         part's mutants would shift the scores of each part by a different rounding."""
-        wild_type_pll = self.position_log_likelihoods([wild_type])[0].sum().item()
+        wild_type_pll = self.position_log_likelihoods([wild_type], progress)[0].sum().item()
         distinct: dict[tuple[Substitution, ...], int] = {(): 0}
-        sequences, owners = [wild_type], [[]]
+        sequences = [wild_type]
         keys = [_changes(substitutions) for substitutions in variants]
-        for row, key in enumerate(keys):
+        for key in keys:
             if key not in distinct:
                 distinct[key] = len(sequences)
                 mutant = wild_type.clone()
                 for s in key:
                     mutant[s.position - 1] = self.letter_ids[s.mutant]
                 sequences.append(mutant)
-                owners.append([])
-            owners[distinct[key]].append(row)
-        mutants = self.position_log_likelihoods(sequences[1:], progress, owners[1:])
+        mutants = self.position_log_likelihoods(sequences[1:], progress)
         plls = [wild_type_pll, *(values.sum().item() for values in mutants)]
         return torch.tensor([plls[distinct[key]] - wild_type_pll for key in keys], dtype=torch.float64)
 
     def _log_probs(
-        self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy]
+        self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy], progress: Any = None
     ) -> Iterator[tuple[list[int], torch.Tensor]]:
         """Per packed batch: (indices of its copies, `[R, vocab_size]` float32 log-probabilities on the CPU, the
-        rows of each copy's `read` positions in order). Batch k + 1 is queued before batch k is read back."""
+        rows of each copy's `read` positions in order). Batch k + 1 is queued before batch k is read back; `progress`
+        (a tqdm bar or None) advances by a batch's tokens when it has come back."""
+
+        def collect(batch: list[int], log_probs: torch.Tensor, ready: Any) -> tuple[list[int], torch.Tensor]:
+            result = self._collect(batch, log_probs, ready)
+            if progress is not None:
+                progress.update(copy_tokens(copies[index] for index in batch))
+            return result
+
         lengths = [range(copy.stop - copy.start + 2) for copy in copies]  # length_sorted_batches reads len() only
         in_flight = None
         for batch in length_sorted_batches(lengths, self.max_tokens):
             launched = self._launch(sequences, copies, batch)
             if in_flight is not None:
-                yield self._collect(*in_flight)
+                yield collect(*in_flight)
             in_flight = launched
         if in_flight is not None:
-            yield self._collect(*in_flight)
+            yield collect(*in_flight)
 
     @torch.no_grad()
     def _launch(
@@ -380,27 +427,15 @@ class Scorer:
         return batch, log_probs
 
 
-class _Completion:
-    """Ticks a progress bar once per item (protein, mutant row) when every copy it needs has come back. `owners`:
-    per copy, the items it serves."""
+def progress_bar(total: int, desc: str, disable: bool) -> Any:
+    """A tqdm bar over the `total` tokens that scoring runs through the model (the masked copies' tokens, each
+    copy's `<cls>` and `<eos>` included): the work, whatever the number of proteins or mutant rows."""
+    return tqdm(total=total, unit="token", unit_scale=True, desc=desc, disable=disable)
 
-    def __init__(self, owners: Sequence[Sequence[int]], progress: Any) -> None:
-        self.owners, self.progress = owners, progress
-        self.left: dict[int, int] = {}
-        for items in owners:
-            for item in items:
-                self.left[item] = self.left.get(item, 0) + 1
 
-    def done(self, copies: list[int]) -> None:
-        if self.progress is None:
-            return
-        finished = 0
-        for copy in copies:
-            for item in self.owners[copy]:
-                self.left[item] -= 1
-                finished += self.left[item] == 0
-        if finished:
-            self.progress.update(finished)
+def copy_tokens(copies: Iterable[MaskedCopy]) -> int:
+    """Tokens the model runs for `copies`: each copy's residues, `<cls>` and `<eos>`."""
+    return sum(copy.stop - copy.start + 2 for copy in copies)
 
 
 def _changes(substitutions: Sequence[Substitution]) -> tuple[Substitution, ...]:
@@ -409,10 +444,18 @@ def _changes(substitutions: Sequence[Substitution]) -> tuple[Substitution, ...]:
 
 
 def _letter_ids(tokenizer: Any, vocab_size: int) -> dict[str, int]:
-    """Residue letter -> token id, from the tokenizer; ValueError if it lacks one of ESM-2's letters or specials."""
-    special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
+    """Residue letter -> token id, from the tokenizer; ValueError if it lacks one of ESM-2's letters or specials,
+    TypeError if it is not a tokenizer."""
+    if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        raise TypeError(
+            "tokenizer must be the checkpoint's ESM tokenizer (AutoTokenizer.from_pretrained(folder)), got "
+            f"{type(tokenizer).__name__}."
+        )
+    special = tuple(getattr(tokenizer, f"{name}_token_id", None) for name in ("cls", "eos", "mask"))
     ids = {letter: tokenizer.convert_tokens_to_ids(letter) for letter in RESIDUE_LETTERS}
-    known = [i for i in (*ids.values(), *special) if isinstance(i, int) and i != tokenizer.unk_token_id]
+    known = [
+        i for i in (*ids.values(), *special) if isinstance(i, int) and i != getattr(tokenizer, "unk_token_id", None)
+    ]
     if len(known) != len(RESIDUE_LETTERS) + 3 or max(known) >= vocab_size:
         raise ValueError(
             "the tokenizer is not ESM-2's (residue letters, <cls>, <eos> and <mask> within the model's vocabulary)."
@@ -439,7 +482,7 @@ def pseudo_log_likelihood(
         per_position: Also return each protein's `[L]` per-residue log-probabilities.
         window: Residues per forward (default `default_window(model.config)`).
         max_tokens_per_batch: Token budget of one packed batch of masked copies.
-        show_progress: A progress bar over proteins.
+        show_progress: A progress bar over the tokens of the masked copies (`Scorer.pll_tokens` in all).
 
     Returns:
         N `SequenceLikelihood`, in the input order.
@@ -448,7 +491,8 @@ def pseudo_log_likelihood(
         raise ValueError("pseudo_log_likelihood takes a list of proteins and got one string; pass [sequence].")
     scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)
     encoded = [scorer.encode(protein_residues(s, f"sequences[{i}]")) for i, s in enumerate(sequences)]
-    with tqdm(total=len(encoded), unit="protein", desc="PLL", disable=not show_progress) as progress:
+    total = scorer.pll_tokens([len(tokens) for tokens in encoded])
+    with progress_bar(total, "PLL", not show_progress) as progress:
         values = scorer.position_log_likelihoods(encoded, progress)
     return [SequenceLikelihood.of(per_residue, per_position) for per_residue in values]
 
@@ -476,7 +520,7 @@ def score_variants(
         method: The scoring method.
         window: Residues per forward for long wild types (default `default_window(model.config)`).
         max_tokens_per_batch: Token budget of one packed batch of masked copies.
-        show_progress: A progress bar over mutants.
+        show_progress: A progress bar over the tokens of the masked copies (`Scorer.variant_tokens` in all).
     """
     check_method(method)
     if isinstance(mutants, str):
@@ -484,5 +528,6 @@ def score_variants(
     scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)
     residues = protein_residues(wild_type, "wild_type")
     variants = [check_variant(m, residues, (method,), scorer.window, f"mutants[{i}]") for i, m in enumerate(mutants)]
-    with tqdm(total=len(variants), unit="mutant", desc=method, disable=not show_progress) as progress:
+    total = scorer.variant_tokens(len(residues), variants, method)
+    with progress_bar(total, method, not show_progress) as progress:
         return scorer.variant_scores(scorer.encode(residues), variants, method, progress)

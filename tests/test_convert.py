@@ -268,7 +268,7 @@ def test_verify_command_names_each_changed_tensor(tmp_path, capsys, tiny_source,
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     source = tiny_source if folder == "te" else conversions / "te"
     status, out_text, err = run(capsys, "verify", source, out, "--verify-device", "cpu")
-    assert status == 3 and "verify failed: tensors 1 difference;" in err
+    assert status == 3 and "verify failed: files all identical, tensors 1 difference;" in err
     assert [line.split()[1] for line in out_text.splitlines() if "DIFFERS" in line] == [name + ":"]
     if edit is nudge:
         assert "PASSED" in out_text  # the logit table alone would not see it

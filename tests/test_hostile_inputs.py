@@ -104,6 +104,13 @@ def test_verify_reports_every_tampered_file_and_runs_none_of_its_code(
     assert status == 3 and "verify failed" in err, text + err
     found = differences(text)
     assert len(found) == len(expected) and all(any(e in line for line in found) for e in expected), found
+    # The files, not the tensors, differ: the body and the last line say so under their own labels.
+    count = f"{len(expected)} difference{'s' * (len(expected) != 1)}"
+    assert f"verify failed: files {count}, tensors all identical; logit table PASSED." in err, err
+    assert (
+        "bit for bit: all identical" in text
+        and f"field by field; weights below; a model card not compared): {count}" in text
+    )
     assert "PASSED" in text  # the weights are untouched: the logits, from SRC's tokenizer, agree
     assert not marker.exists()
 

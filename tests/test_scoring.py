@@ -18,8 +18,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -229,6 +232,68 @@ def test_the_api_refuses_what_it_cannot_score(model, reference, tokenizer):
         model.eval()
 
 
+def one_line_error(kind: type[Exception], call: Callable[[], Any], *pattern: str) -> str:
+    """The message of the `kind` error that `call()` raises: one line, holding each of `pattern`."""
+    with pytest.raises(kind) as raised:
+        call()
+    message = str(raised.value)
+    assert "\n" not in message and all(text in message for text in pattern), message
+    return message
+
+
+def test_the_api_names_an_argument_of_the_wrong_kind(model, tokenizer):
+    """A float `window` (even a whole one), a NaN or float `max_tokens_per_batch`, a `tokenizer` that is none: a
+    one-line error naming the argument, from both functions, instead of a traceback from deep inside."""
+    generator = torch.Generator().manual_seed(48)
+    wild_type = random_sequence(int(torch.randint(5, 40, (1,), generator=generator)), generator)
+    window = int(torch.randint(1, WINDOW, (1,), generator=generator))
+    calls = [
+        partial(scoring.pseudo_log_likelihood, model, [wild_type]),
+        partial(scoring.score_variants, model, wild_type, [f"{wild_type[0]}1A"]),
+    ]
+    for call in calls:
+        for bad in (window + 0.5, float(window)):
+            expected = f"window must be a whole number of residues, got {bad!r}."
+            one_line_error(ValueError, partial(call, tokenizer=tokenizer, window=bad), expected)
+        for bad in (math.nan, 4096.0, None):
+            expected = f"max_tokens_per_batch must be a whole number of tokens, got {bad!r}."
+            one_line_error(ValueError, partial(call, tokenizer=tokenizer, max_tokens_per_batch=bad), expected)
+        for bad in (None, "esm2_t6_8M_UR50D"):
+            expected = "tokenizer must be the checkpoint's ESM tokenizer (AutoTokenizer.from_pretrained(folder)), got "
+            expected += f"{type(bad).__name__}."
+            one_line_error(TypeError, partial(call, tokenizer=bad), expected)
+        call(tokenizer=tokenizer, window=window, max_tokens_per_batch=window + 2)  # whole numbers: fine
+
+
+def long_number(digits: int, generator: torch.Generator) -> str:
+    """A random number of `digits` digits (no leading zero)."""
+    return "".join(
+        str(int(d))
+        for d in [
+            torch.randint(1, 10, (1,), generator=generator),
+            *torch.randint(0, 10, (digits - 1,), generator=generator),
+        ]
+    )
+
+
+def test_a_position_of_thousands_of_digits_is_outside_the_wild_type(model, tokenizer):
+    """Too long for int() (Python refuses 4,300 digits and more): named as outside the wild type, in a short line;
+    leading zeros are no part of the number."""
+    generator = torch.Generator().manual_seed(49)
+    wild_type = random_sequence(30, generator)
+    position = long_number(5000, generator)
+    mutant = f"{wild_type[0]}{position}A"
+    message = one_line_error(
+        ValueError,
+        lambda: scoring.score_variants(model, wild_type, [f"{wild_type[1]}2C", mutant], tokenizer),
+        f"mutants[1]: position {position[:40]}... (5000 characters) of mutant {mutant[:40]!r}... (5002 characters) "
+        "is outside the wild type (1 to 30).",
+    )
+    assert len(message) < 300
+    padded = scoring.score_variants(model, wild_type, [f"{wild_type[4]}{'0' * 5000}5A"], tokenizer)
+    assert torch.equal(padded, scoring.score_variants(model, wild_type, [f"{wild_type[4]}5A"], tokenizer))
+
+
 def count_forwards(model) -> tuple[list[int], object]:
     """`([n], handle)`: n counts the masked copies (packed proteins) that `model.esm` has run since."""
     copies = [0]
@@ -293,6 +358,110 @@ def test_the_wild_type_pll_runs_in_batches_of_its_own(model, tokenizer, monkeypa
     mutant = scoring.parse_mutant("M1A", wild_type, "row 0")
     scorer.variant_scores(scorer.encode(wild_type), [mutant], "pseudo_likelihood")
     assert batches == [{(1, 0)}, {(1, 0)}], batches  # the wild type alone, then the mutant alone
+
+
+class RecordingBar:
+    """Stands in for tqdm: records the total, the unit and every update (whether or not the bar is shown)."""
+
+    def __init__(self, bars: list, total: int | None = None, unit: str = "it", **kwargs) -> None:
+        self.total, self.unit, self.updates = total, unit, []
+        bars.append(self)
+
+    @property
+    def n(self) -> int:
+        return sum(self.updates)
+
+    def update(self, count: int) -> None:
+        assert count > 0 and self.n + count <= self.total, (self.updates, count, self.total)
+        self.updates.append(count)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RecordingBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list[RecordingBar]:
+    """The progress bars that scoring opens, recorded."""
+    recorded: list[RecordingBar] = []
+    monkeypatch.setattr(scoring, "tqdm", lambda **kwargs: RecordingBar(recorded, **kwargs))
+    return recorded
+
+
+def expected_tokens(wild_type: str, mutants: list[str], method: str, window: int = WINDOW) -> int:
+    """The tokens the documented rules run through the model for `mutants` of `wild_type` (each masked copy: its
+    window's residues, <cls> and <eos>): masked_marginal one copy per set of mutated positions, wildtype_marginal one
+    per window, pseudo_likelihood L copies of the wild type and of each distinct mutant sequence."""
+    length = len(wild_type)
+    per_copy = min(length, window) + 2
+    changes = [[(int(part[1:-1]) - 1, part[-1]) for part in mutant.split(":")] for mutant in mutants]
+    if method == "pseudo_likelihood":
+        sequences = {wild_type}
+        for change in changes:
+            mutated = list(wild_type)
+            for position, letter in change:
+                mutated[position] = letter
+            sequences.add("".join(mutated))
+        return len(sequences) * length * per_copy
+    if method == "masked_marginal":
+        return len({tuple(position for position, _ in change) for change in changes}) * per_copy
+    starts = set()
+    for change in changes:
+        first, last = change[0][0], change[-1][0]
+        centre = -(-(first + last) // 2)
+        starts.add(0 if length <= window else min(max(centre - window // 2, 0), length - window))
+    return len(starts) * per_copy
+
+
+def mutants_with_repeats(wild_type: str, generator: torch.Generator) -> list[str]:
+    """Random mutants, one of them twice, and a synonymous one (equal to the wild type: no PLL of its own)."""
+    mutants = random_mutants(wild_type, generator, 9)
+    return [*mutants, mutants[3], f"{wild_type[2]}3{wild_type[2]}"]
+
+
+@pytest.mark.parametrize("length", [17, 40], ids=["short", "windowed"])
+def test_the_api_progress_bar_counts_tokens_and_ends_at_its_total(model, tokenizer, bars, length):
+    generator = torch.Generator().manual_seed(46 + length)
+    wild_type = random_sequence(length, generator)
+    mutants = mutants_with_repeats(wild_type, generator)
+    for method in scoring.METHODS:
+        scoring.score_variants(model, wild_type, mutants, tokenizer, method, show_progress=True)
+        bar = bars.pop()
+        assert bar.unit == "token" and bar.n == bar.total == expected_tokens(wild_type, mutants, method), method
+    proteins = [random_sequence(int(n), generator) for n in torch.randint(1, 2 * WINDOW, (4,), generator=generator)]
+    scoring.pseudo_log_likelihood(model, proteins, tokenizer, show_progress=True, max_tokens_per_batch=97)
+    (bar,) = bars
+    assert bar.unit == "token" and bar.n == bar.total == sum(len(p) * (min(len(p), WINDOW) + 2) for p in proteins)
+
+
+def test_the_command_progress_bar_counts_tokens_and_ends_at_its_total(checkpoint, tmp_path, bars):
+    """`nv-esm score` with every method: one bar over the tokens of all the methods' masked copies (not rows), ending
+    at its total; in FASTA mode over the PLLs' tokens (not proteins), across parts."""
+    generator = torch.Generator().manual_seed(53)
+    wild_type = random_sequence(40, generator)
+    mutants = mutants_with_repeats(wild_type, generator)
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
+    table = tmp_path / "dms.csv"
+    table.write_text("mutant\n" + "\n".join(mutants) + "\n")
+    assert (
+        run_score(checkpoint, fasta, tmp_path / "out.csv", "--mutants", table, "--methods", *scoring.METHODS, *CPU) == 0
+    )
+    (bar,) = bars
+    expected = sum(expected_tokens(wild_type, mutants, method) for method in scoring.METHODS)
+    assert bar.unit == "token" and bar.n == bar.total == expected
+
+    lengths = [int(n) for n in torch.randint(1, 2 * WINDOW, (5,), generator=generator)]
+    fasta = write_fasta(
+        tmp_path / "in.fasta", [(f"p{i}", random_sequence(n, generator)) for i, n in enumerate(lengths)]
+    )
+    assert run_score(checkpoint, fasta, tmp_path / "pll.csv", *CPU, "--shard-size", 2) == 0
+    bar = bars[-1]
+    assert bar.unit == "token" and bar.n == bar.total == sum(n * (min(n, WINDOW) + 2) for n in lengths)
 
 
 def test_the_default_window():
@@ -385,12 +554,36 @@ def test_command_scores_a_mutant_table(checkpoint, model, tokenizer, tmp_path, c
     bad.write_text(f"mutant,DMS_score\n{wild_type[0]}1A,1\n{wrong}5A,2\nX,3\n")
     assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU) == 1
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and f"bad.csv: row 2 (line 3): mutant '{wrong}5A' says position 5 is" in error
+    assert (
+        error.count("\n") == 1
+        and f"bad.csv: row 2 (line 3), column 'mutant': mutant '{wrong}5A' says position 5 is" in error
+    )
     assert not (tmp_path / "bad_out.csv").exists()
     assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU, "--invalid", "skip") == 0
     statuses = [row["status"] for row in read_csv(tmp_path / "bad_out.csv")]
     assert statuses[0] == "scored" and statuses[1].startswith("skipped: mutant") and "'X'" in statuses[2]
     assert "(1 rows): masked_marginal nan" in capsys.readouterr().out
+
+
+def test_a_position_of_thousands_of_digits_names_its_file_row_and_column(checkpoint, tmp_path, capsys):
+    generator = torch.Generator().manual_seed(54)
+    wild_type = random_sequence(20, generator)
+    fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
+    position = long_number(5000, generator)
+    table = tmp_path / "dms.csv"
+    table.write_text(f"variant,DMS_score\n{wild_type[0]}1A,1\n{wild_type[2]}{position}C,2\n")
+    args = (checkpoint, fasta, tmp_path / "out.csv", "--mutants", table, "--mutant-column", "variant", *CPU)
+    assert run_score(*args) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and len(error) < 400, error
+    assert f"dms.csv: row 2 (line 3), column 'variant': position {position[:40]}... (5000 characters)" in error
+    assert run_score(*args, "--invalid", "skip") == 0
+    statuses = [row["status"] for row in read_csv(tmp_path / "out.csv")]
+    assert statuses == [
+        "scored",
+        f"skipped: position {position[:40]}... (5000 characters) of mutant "
+        f"'{wild_type[2]}{position[:39]}'... (5002 characters) is outside the wild type (1 to 20)",
+    ]
 
 
 def ranked_correlation(x: list[float], y: list[float]) -> float:
@@ -488,6 +681,16 @@ def test_the_command_refuses_a_window_the_model_cannot_run(checkpoint, tmp_path,
         assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--window", window, *CPU) == 1
         assert f"error: --window must be 1 to {longest} residues" in capsys.readouterr().err
     assert run_score(checkpoint, fasta, tmp_path / "out.csv", "--window", longest, *CPU) == 0
+
+
+def test_a_folder_as_output_is_a_usage_error(checkpoint, tmp_path, capsys):
+    fasta = write_fasta(tmp_path / "p.fasta", [("p", "MKVLA")])
+    for output in (".", "/", tmp_path, tmp_path / "absent" / ".."):
+        with pytest.raises(SystemExit) as exit_status:
+            run_score(checkpoint, fasta, output, *CPU)
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert exit_status.value.code == 2 and f"error: output {output} is a folder; name the CSV file" in error, error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["p.fasta"]
 
 
 def test_a_checkpoint_without_its_tokenizer_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys):
@@ -596,13 +799,16 @@ def test_every_file_the_command_reads_or_writes_names_its_encoding():
     """`nv-esm score`'s modules and the helpers they call open text files as UTF-8 whatever the locale: each
     `open`, `read_text` and `write_text` names its encoding, or opens the file in binary."""
     unnamed = []
-    for module in ("score", "scoring", "embed_output", "embed_plan"):
+    for module in ("score", "scoring", "embed_output", "embed_plan", "checkpoint_io"):
         path = Path(score.__file__).with_name(f"{module}.py")
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, ast.Call):
                 continue
             name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            if name not in ("open", "read_text", "write_text"):
+            if (
+                name not in ("open", "read_text", "write_text")
+                or getattr(getattr(node.func, "value", None), "id", None) == "os"
+            ):
                 continue
             keywords = {keyword.arg: keyword.value for keyword in node.keywords}
             positional = node.args[1:2] if isinstance(node.func, ast.Name) else node.args[:1]  # open(path, mode)

@@ -116,7 +116,7 @@ class StateDictStore:
 def read_json(path: Path) -> dict:
     """The JSON object in `path`; ValueError naming the file when it holds something else."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path} is not valid JSON: {error}") from error
     if not isinstance(data, dict):
@@ -359,7 +359,7 @@ def write_shards(
             weight_map.update({out_name: name for out_name, _ in entries})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return len(shards)
 
 

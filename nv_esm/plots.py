@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nv_esm.checkpoint_io import replaced_atomically
 
 PLOTS_HINT = 'pip install "nv-esm[plots]" (matplotlib) to get {what} as a PNG'
 
@@ -35,19 +35,13 @@ def pyplot() -> Any | None:
 
 
 def save_figure(figure: Any, png: Path) -> Path:
-    """Write `figure` to `png` through a fresh temporary file in the same folder (renamed into place), then close
+    """Write `figure` to `png` through a fresh temporary file in the same folder (`replaced_atomically`), then close
     it."""
-    plt = pyplot()
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
     try:
-        with os.fdopen(descriptor, "wb") as file:
-            figure.savefig(file, format="png", dpi=110, bbox_inches="tight")
-        os.replace(temporary, png)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        with replaced_atomically(png) as temporary:
+            figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
     finally:
-        plt.close(figure)
+        pyplot().close(figure)
     return png
 
 

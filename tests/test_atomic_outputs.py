@@ -92,3 +92,18 @@ def current_umask() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
+
+
+def test_a_picture_is_written_through_the_same_helper(tmp_path):
+    """`nv_esm.plots.save_figure` (every PNG the commands draw) replaces its target through `replaced_atomically`: a
+    link at the target is replaced, not written into; no temporary file is left."""
+    pytest.importorskip("matplotlib")
+    from nv_esm import plots
+
+    png = tmp_path / "scores.png"
+    content = plant_link(png, tmp_path / "victim.txt")
+    scores = torch.randn(20, generator=torch.Generator().manual_seed(3)).tolist()
+    assert plots.plot_scores(scores, scores[::-1], png, "masked marginal") == png
+    assert not png.is_symlink() and png.read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "victim.txt").read_bytes() == content
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["scores.png", "victim.txt"]

@@ -5,8 +5,8 @@ Readers (`SafetensorsStore`, `StateDictStore`) index a checkpoint's tensors (`Te
 load one on request, so a caller that converts rule by rule needs memory for one rule's tensors, not the model.
 `write_shards` takes groups of tensors whose names, shapes and dtypes are known in advance and a function that
 produces each group's values; it splits them into shards of a size limit and writes each value as it comes.
-A finished output file that a command writes into a folder it does not own is written by `replaced_atomically`
-(`write_atomically` for text): under a fresh temporary name beside it, then renamed.
+Every output file that a command replaces in place is written by `replaced_atomically` (`write_atomically` for
+text): under a fresh temporary name beside it (made exclusively: never through a planted link), then renamed.
 """
 
 from __future__ import annotations

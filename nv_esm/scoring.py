@@ -451,11 +451,9 @@ def _letter_ids(tokenizer: Any, vocab_size: int) -> dict[str, int]:
             "tokenizer must be the checkpoint's ESM tokenizer (AutoTokenizer.from_pretrained(folder)), got "
             f"{type(tokenizer).__name__}."
         )
-    special = tuple(getattr(tokenizer, f"{name}_token_id", None) for name in ("cls", "eos", "mask"))
+    special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
     ids = {letter: tokenizer.convert_tokens_to_ids(letter) for letter in RESIDUE_LETTERS}
-    known = [
-        i for i in (*ids.values(), *special) if isinstance(i, int) and i != getattr(tokenizer, "unk_token_id", None)
-    ]
+    known = [i for i in (*ids.values(), *special) if isinstance(i, int) and i != tokenizer.unk_token_id]
     if len(known) != len(RESIDUE_LETTERS) + 3 or max(known) >= vocab_size:
         raise ValueError(
             "the tokenizer is not ESM-2's (residue letters, <cls>, <eos> and <mask> within the model's vocabulary)."

@@ -799,7 +799,7 @@ def test_every_file_the_command_reads_or_writes_names_its_encoding():
     """`nv-esm score`'s modules and the helpers they call open text files as UTF-8 whatever the locale: each
     `open`, `read_text` and `write_text` names its encoding, or opens the file in binary."""
     unnamed = []
-    for module in ("score", "scoring", "embed_output", "embed_plan", "checkpoint_io"):
+    for module in ("score", "scoring", "embed_output", "embed_plan", "checkpoint_io", "folder_lock"):
         path = Path(score.__file__).with_name(f"{module}.py")
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, ast.Call):

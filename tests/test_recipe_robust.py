@@ -105,7 +105,7 @@ def test_a_second_run_into_a_run_folder_in_use_is_refused(tmp_path, tiny_config)
     step = records(out)[-1]["step"]
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{step:07d}"]
     assert [r["step"] for r in records(out)] == list(range(1, step + 1))  # the first run's steps only
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl"]  # the lock went with the run
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "metrics.png"]  # no lock left
 
 
 def test_a_checkpoint_without_its_checksums_is_damaged_and_a_step_can_be_set_aside_twice(tmp_path, tiny_config):

@@ -111,20 +111,25 @@ def plot_training(metrics: Path, png: Path) -> Path | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def plot_scores(scores: Sequence[float], measured: Sequence[float], png: Path, title: str) -> Path | None:
-    """A scatter of model scores (x) against measured values (y), one point per variant, rows with a missing (NaN)
-    value left out; `title` (e.g. the method and its Spearman) on top. None without matplotlib."""
+def plot_scores(
+    scores: dict[str, Sequence[float]], measured: Sequence[float], png: Path, measured_name: str = "measured"
+) -> Path | None:
+    """Scatters of model scores (x) against measured values (y), one panel per entry of `scores` (its key, e.g. the
+    method and its Spearman, on top; each value one score per measured row), one point per variant, rows with a
+    missing (NaN) value left out. None without matplotlib."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not scores:
         return None
-    x, y = np.asarray(scores, dtype=float), np.asarray(measured, dtype=float)
-    kept = np.isfinite(x) & np.isfinite(y)
-    figure, axis = plt.subplots(figsize=(5.5, 5))
-    axis.scatter(x[kept], y[kept], s=8, alpha=0.6, linewidths=0)
-    axis.set_xlabel("model score")
-    axis.set_ylabel("measured")
-    axis.set_title(title, fontsize=10)
-    axis.grid(alpha=0.3)
+    y = np.asarray(measured, dtype=float)
+    figure, axes = plt.subplots(1, len(scores), figsize=(4.5 * len(scores), 4.3), squeeze=False, sharey=True)
+    for axis, (title, values) in zip(axes[0], scores.items()):
+        x = np.asarray(values, dtype=float)
+        kept = np.isfinite(x) & np.isfinite(y)
+        axis.scatter(x[kept], y[kept], s=8, alpha=0.6, linewidths=0)
+        axis.set_xlabel("model score")
+        axis.set_title(title, fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel(measured_name)
     return save_figure(figure, png)
 
 

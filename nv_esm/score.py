@@ -67,6 +67,7 @@ from nv_esm.embed_plan import (
     text_lines,
 )
 from nv_esm.hub_folder import remote_code_differences
+from nv_esm.plots import PLOTS_HINT, plot_scores
 from nv_esm.scoring import (
     METHODS,
     Scorer,
@@ -501,11 +502,22 @@ def _report(
             continue
         if math.isfinite(target):
             pairs.append((target, [float(value) for value in values]))
-    rhos = []
+    rhos, panels = [], {}
     for m, method in enumerate(columns):
         rho, count = method_spearman([p[1][m] for p in pairs], [p[0] for p in pairs])
         rhos.append(f"{method} {rho:.4f}" + ("" if count == len(pairs) else f" ({count} rows with a finite score)"))
+        panels[f"{method}: Spearman {rho:.3f}"] = [p[1][m] for p in pairs]
     print(f"Spearman's rho with {measured} ({len(pairs)} rows): {', '.join(rhos)}")
+    png = scatter_path(args.output)
+    if plot_scores(panels, [p[0] for p in pairs], png, measured) is None:
+        print(PLOTS_HINT.format(what=f"the scores against {measured}"), file=sys.stderr)
+    else:
+        print(f"wrote {png} (each method's scores against {measured})")
+
+
+def scatter_path(output: Path) -> Path:
+    """The picture of the scores against the measured values, beside the output: `scores.csv` -> `scores.png`."""
+    return output.with_name(f"{output.stem if output.suffix else output.name}.png")
 
 
 def method_spearman(scores: list[float], measured: list[float]) -> tuple[float, int]:

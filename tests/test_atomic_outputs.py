@@ -103,7 +103,7 @@ def test_a_picture_is_written_through_the_same_helper(tmp_path):
     png = tmp_path / "scores.png"
     content = plant_link(png, tmp_path / "victim.txt")
     scores = torch.randn(20, generator=torch.Generator().manual_seed(3)).tolist()
-    assert plots.plot_scores(scores, scores[::-1], png, "masked marginal") == png
+    assert plots.plot_scores({"masked marginal": scores}, scores[::-1], png) == png
     assert not png.is_symlink() and png.read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "victim.txt").read_bytes() == content
     assert sorted(path.name for path in tmp_path.iterdir()) == ["scores.png", "victim.txt"]

@@ -56,26 +56,22 @@ def test_the_pictures_are_pngs_matplotlib_reads_back(tmp_path):
     random_metrics(tmp_path / "metrics.jsonl", 0)
     rng = np.random.default_rng(0)
     contacts = rng.random((30, 30))
+    methods = {"a": rng.normal(size=50), "b": rng.normal(size=50)}
     written = [
         plots.plot_training(tmp_path / "metrics.jsonl", tmp_path / "metrics.png"),
-        plots.plot_scores(rng.normal(size=50), rng.normal(size=50), tmp_path / "scores.png", "masked marginal"),
+        plots.plot_scores(methods, rng.normal(size=50), tmp_path / "a.png"),
         plots.plot_contact_maps([("p1", contacts), ("p2", contacts[:9, :9])], tmp_path / "contacts.png"),
     ]
     for png in written:
         image = matplotlib.image.imread(png)
         assert image.ndim == 3 and min(image.shape[:2]) > 100 and image.std() > 0, png
-    assert sorted(path.name for path in tmp_path.iterdir()) == [
-        "contacts.png",
-        "metrics.jsonl",
-        "metrics.png",
-        "scores.png",
-    ]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.png", "contacts.png", "metrics.jsonl", "metrics.png"]
 
 
 def test_without_matplotlib_nothing_is_written(tmp_path, monkeypatch):
     random_metrics(tmp_path / "metrics.jsonl", 0)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plots.plot_training(tmp_path / "metrics.jsonl", tmp_path / "metrics.png") is None
-    assert plots.plot_scores([1.0], [2.0], tmp_path / "scores.png", "x") is None
+    assert plots.plot_scores({"x": [1.0]}, [2.0], tmp_path / "scores.png") is None
     assert plots.plot_contact_maps([("p", np.zeros((3, 3)))], tmp_path / "contacts.png") is None
     assert [path.name for path in tmp_path.iterdir()] == ["metrics.jsonl"]

@@ -224,8 +224,8 @@ class NVEsmConfig(PretrainedConfig):
         self.cuda_graphs = cuda_graphs
         self.offload_activations = offload_activations
         self.tie_word_embeddings = tie_word_embeddings
+        self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
-        self._check()
 
     @property
     def head_dim(self) -> int:

@@ -15,6 +15,7 @@ Transformer Engine is imported lazily: importing this file never needs it.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -509,8 +510,15 @@ class NVEsmModel(NVEsmPreTrainedModel):
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         num_states = self.config.num_hidden_layers + 1
+        layer = _whole_number("layer", layer)
         if not -num_states <= layer < num_states:
             raise ValueError(f"layer must be in [{-num_states}, {num_states}), got {layer}")
+        if _whole_number("max_tokens_per_batch", max_tokens_per_batch) < 1:
+            raise ValueError(f"max_tokens_per_batch must be at least 1, got {max_tokens_per_batch}")
+        if not callable(tokenizer):
+            raise ValueError(
+                f"tokenizer must be this checkpoint's tokenizer (AutoTokenizer.from_pretrained(...)), got {tokenizer!r}"
+            )
         if isinstance(sequences, str):
             raise ValueError("embed takes a list of proteins and got one string; pass [sequence] to embed one.")
         proteins = [protein_residues(s, f"sequence {i}", strip_stop) for i, s in enumerate(sequences)]
@@ -777,6 +785,14 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
         if self.config.problem_type == "single_label_classification":
             return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def _whole_number(name: str, value: Any) -> int:
+    """`value` as an int (a Python or NumPy integer); ValueError naming argument `name` for anything else (a bool,
+    a float, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 __all__ = [

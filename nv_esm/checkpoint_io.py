@@ -165,6 +165,25 @@ def weight_files(folder: Path) -> list[Path]:
     return [single]
 
 
+def checked_weight_files(folder: Path) -> list[Path]:
+    """`weight_files(folder)`, each checked to be a readable safetensors file (its header, and a size that covers
+    every tensor): ValueError naming a file cut off or overwritten, which transformers and safetensors would report
+    with a traceback."""
+    from safetensors import SafetensorError
+
+    files = weight_files(folder)
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise ValueError(
+                f"{path} is not a readable safetensors file ({error}); the checkpoint is damaged: convert or "
+                "download it again."
+            ) from None
+    return files
+
+
 def load_torch_file(path: Path) -> dict:
     """`torch.load` with `weights_only=True` (tensors and plain containers; fair-esm's `argparse.Namespace` cfg is
     allowed, nothing else runs), memory-mapped when the file is in the zip format."""

@@ -155,16 +155,20 @@ def convert(
 def source_config(source: Source, direction: Direction, overrides: dict[str, Any]) -> NVEsmConfig:
     """The NVEsm config of the conversion (a classifier's labels included); refuses a source of the other
     direction."""
-    if direction.to_nv:
-        if source.kind == "nvesm":
-            raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
-        return nv_config_from_hf(source.config, source.head, **overrides)
-    if source.kind != "nvesm":
+    if direction.to_nv and source.kind == "nvesm":
+        raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
+    if not direction.to_nv and source.kind != "nvesm":
         raise ValueError(
             f"{source.spec} is not an NVEsm checkpoint ({source.kind}; model_type "
             f"{source.config.get('model_type')!r}); te-to-hf reads folders written by hf-to-te."
         )
-    return NVEsmConfig.from_dict({**source.config, **overrides})
+    try:
+        if direction.to_nv:
+            return nv_config_from_hf(source.config, source.head, **overrides)
+        return NVEsmConfig.from_dict({**source.config, **overrides})
+    except ValueError as error:  # a field of the wrong type or value (`NVEsmConfig`'s checks)
+        where = source.path / "config.json" if source.folder else source.path
+        raise ValueError(f"{where}: {error}") from None
 
 
 def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:

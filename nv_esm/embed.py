@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +44,17 @@ from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES
 from nv_esm.alphabet import iter_fasta
 from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
-from nv_esm.embed_output import INDEX_NAME, output_lock, prepare_output, shard_ids, shard_name, write_index, write_shard
+from nv_esm.embed_output import (
+    INDEX_NAME,
+    checksum_path,
+    output_lock,
+    prepare_output,
+    shard_damage,
+    shard_ids,
+    shard_name,
+    write_checked_shard,
+    write_index,
+)
 from nv_esm.embed_output import iter_embeddings as iter_embeddings  # the reader of the command's folders (README)
 from nv_esm.embed_plan import (
     INVALID_POLICIES,
@@ -55,6 +66,7 @@ from nv_esm.embed_plan import (
     plan_run,
     records_by_shard,
     text_lines,
+    token_budget_warning,
 )
 
 
@@ -127,7 +139,7 @@ def add_run_arguments(
         help="run the checkpoint's own model code where it differs from this package's (it runs as you: only for "
         "folders you trust; default: the installed code runs the checkpoint's weights)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading the weights included)")
 
 
 def command_device(name: str | None) -> torch.device:
@@ -154,8 +166,21 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     def embed_on(device: torch.device, rank: int, world_size: int) -> None:
         config = load_config(args.checkpoint)
         settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
+        warning = token_budget_warning(args.tokens_per_batch, records, settings.max_length, args.fasta)
+        if warning is not None and rank == 0:
+            print(f"warning: {warning}", file=sys.stderr)
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
-        model = load_model(args.checkpoint, config, settings.backend, args.fp8, graphs, device, args.trust_remote_code)
+        model = load_model(
+            args.checkpoint,
+            config,
+            settings.backend,
+            args.fp8,
+            graphs,
+            device,
+            args.trust_remote_code,
+            contacts="contacts" in settings.include,
+            progress=not args.no_progress,
+        )
         run(args, model, settings, records, rank, world_size)
 
     return run_on_ranks(args.device, embed_on, f"finished shards in {args.output} are kept, a rerun resumes", prog)
@@ -191,6 +216,34 @@ def run_on_ranks(
     finally:
         if world_size > 1:
             torch.distributed.destroy_process_group()
+
+
+def remove_damaged_shards(folder: Path, num_shards: int) -> None:
+    """Delete the finished shards of an earlier run that `shard_damage` finds wrong (a changed byte, no checksum),
+    saying so on stderr: this run embeds them again."""
+    for shard in range(num_shards):
+        path = folder / shard_name(shard)
+        problem = shard_damage(path) if path.exists() else None
+        if problem is not None:
+            print(f"note: {path} is damaged ({problem}); embedding its proteins again", file=sys.stderr)
+            path.unlink()
+            checksum_path(path).unlink(missing_ok=True)
+
+
+def finish_write(writing: Future, path: Path) -> None:
+    """Wait for the write of the shard at `path`; a failure (a full disk: safetensors' SafetensorError or an
+    OSError) raises a one-line OSError naming the shard."""
+    from safetensors import SafetensorError
+
+    try:
+        writing.result()
+    except (SafetensorError, OSError) as error:
+        text = str(error) if isinstance(error, SafetensorError) else error.strerror or str(error)
+        reason = re.search(r'message: "([^"]+)"', text)  # safetensors' wrapping of the system's error
+        raise OSError(
+            f"{path}: writing the shard failed ({reason[1] if reason else text}); the finished shards are kept, a "
+            "rerun resumes."
+        ) from None
 
 
 def barrier(world_size: int) -> None:
@@ -230,10 +283,11 @@ def _run(
     rank: int,
     world_size: int,
 ) -> RunStats:
+    num_shards = -(-len(records) // args.shard_size)
     if rank == 0:
         prepare_output(args.output, settings, args.overwrite)
+        remove_damaged_shards(args.output, num_shards)
     barrier(world_size)
-    num_shards = -(-len(records) // args.shard_size)
     missing = [shard for shard in range(num_shards) if shard_ids(args.output / shard_name(shard)) is None]
     barrier(world_size)  # every rank has its list before any writes a shard: all share one list
     mine = set(missing[rank::world_size])
@@ -247,7 +301,7 @@ def _run(
     started = time.perf_counter()
     # A shard is written on a thread while the next one is embedded; at most one write is under way.
     with open(args.fasta, "rb") as raw, ThreadPoolExecutor(max_workers=1) as writer:
-        writing: Future | None = None
+        writing: tuple[Future, Path] | None = None
         for shard, shard_records in records_by_shard(
             iter_fasta(text_lines(raw, args.fasta), args.fasta, empty_ok=True), records, args.shard_size
         ):
@@ -260,11 +314,12 @@ def _run(
             ]
             tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
             if writing is not None:
-                writing.result()  # raises what the last write raised
+                finish_write(*writing)
             ids = [record.id for record, _ in kept]
-            writing = writer.submit(write_shard, args.output / shard_name(shard), tensors, ids)
+            path = args.output / shard_name(shard)
+            writing = writer.submit(write_checked_shard, path, tensors, ids), path
         if writing is not None:
-            writing.result()
+            finish_write(*writing)
     progress.close()
     seconds = time.perf_counter() - started
     barrier(world_size)

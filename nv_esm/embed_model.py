@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,28 +16,45 @@ import torch
 import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
+from nv_esm.checkpoint_io import checked_weight_files, read_json
 from nv_esm.embed_plan import SAVE_DTYPES, EmbedSettings, Piece, embedded_residues, pieces_of
-from nv_esm.hub_folder import remote_code_differences
+from nv_esm.hub_folder import check_vocabulary, remote_code_differences
 
 
 def load_config(checkpoint: str) -> Any:
-    """The NVEsm config of `checkpoint`, read as data (config.json); a transformers ESM-2 checkpoint is refused with
-    the conversion command."""
+    """The NVEsm config of `checkpoint`, read as data (config.json), after checking that its vocab.txt is ESM-2's
+    (`check_vocabulary`). ValueError naming the file for a folder without config.json, a config.json of a wrong
+    field (a number written as a string) or another vocabulary; a transformers ESM-2 checkpoint is refused with the
+    conversion command."""
     from transformers import PretrainedConfig
 
     from configuration_nv_esm import NVEsmConfig
 
+    folder = Path(checkpoint).expanduser()
     looks_local = checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1
-    if looks_local and not Path(checkpoint).expanduser().is_dir():
+    if looks_local and not folder.is_dir():
         raise ValueError(f"{checkpoint}: no such folder (a checkpoint is a local folder or a Hub id, org/name).")
-    config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"{checkpoint} holds no config.json: not a checkpoint folder (nv-esm convert hf-to-te SOURCE OUT "
+                "writes one)."
+            )
+        config_dict = read_json(folder / "config.json")
+    else:
+        config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
     model_type = config_dict.get("model_type")
     if model_type != NVEsmConfig.model_type:
         raise ValueError(
             f"{checkpoint} is a {model_type!r} checkpoint, not NVEsm; convert it first: "
             f"nv-esm convert hf-to-te {checkpoint} OUT"
         )
-    return NVEsmConfig.from_pretrained(checkpoint)
+    try:
+        config = NVEsmConfig.from_pretrained(checkpoint)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{Path(checkpoint) / 'config.json'}: {error}".splitlines()[0]) from None
+    check_vocabulary(checkpoint, config.vocab_size)
+    return config
 
 
 def load_model(
@@ -50,6 +67,8 @@ def load_model(
     trust_remote_code: bool = False,
     masked_lm: bool = False,
     fp8_recipe: str | None = None,
+    contacts: bool = True,
+    progress: bool = True,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included; with `masked_lm`, `NVEsmForMaskedLM`) of `checkpoint` on
     `device` in eval mode: bf16 weights on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend`
@@ -57,10 +76,16 @@ def load_model(
     names; None: the config's default, delayed scaling). Without the data-dependent input checks, which wait for
     the device: the commands pack the inputs themselves from checked records. The installed package's model code
     runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it differs
-    (`remote_code_differences`). With `masked_lm`, a checkpoint without weights the model needs (a classifier's has
-    no LM head) is refused (ValueError) rather than run with random ones."""
+    (`remote_code_differences`). A weight file that is not safetensors (cut off, garbage) is refused, naming it, and
+    so is a checkpoint without weights the model needs (`check_loaded_weights`: a classifier's has no LM head), which
+    would otherwise run with random ones; `contacts`: whether the command uses the contact head (else it may be
+    missing). `progress`: transformers' loading progress bar."""
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForMaskedLM
 
+    folder = Path(checkpoint).expanduser()
+    if folder.is_dir():
+        checked_weight_files(folder)  # a damaged file named, not a traceback
     options = {
         "layer_precision": fp8_layer_precision(fp8, config.num_hidden_layers),
         "cuda_graphs": cuda_graphs,
@@ -78,33 +103,76 @@ def load_model(
         else (AutoModel, modeling_nv_esm.NVEsmModel)
     )
     differing = remote_code_differences(checkpoint)
-    if runs_checkpoint_code(differing, trust_remote_code):
-        print(f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)", file=sys.stderr)
-        model, loading = auto_class.from_pretrained(
-            checkpoint, trust_remote_code=True, output_loading_info=True, **options
-        )
-    else:
-        if differing:
-            print(
-                f"note: {checkpoint}'s {', '.join(differing)} differ from this nv-esm's; its weights run in the "
-                "installed model code (--trust-remote-code runs its own, for folders you trust)",
-                file=sys.stderr,
-            )
-        model, loading = installed_class.from_pretrained(
-            checkpoint, use_safetensors=True, output_loading_info=True, **options
-        )
-    # Parameters the checkpoint does not hold: transformers starts them at random values and only logs it. (Buffers
-    # and TE's `_extra_state` are not weights; the base model of nv-esm embed keeps its own rules.)
-    parameters = {name for name, _ in model.named_parameters()}
-    missing = sorted(set(loading["missing_keys"]) & parameters) if masked_lm else []
-    if missing:
-        kinds = ", ".join(getattr(config, "architectures", None) or ["no architectures named"])
-        raise ValueError(
-            f"{checkpoint} has no weights for {len(missing)} tensors the {type(model).__name__} needs "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would run with random values; "
-            f"its config names {kinds}" + ": scoring needs a masked-LM checkpoint (NVEsmForMaskedLM)."
-        )
+    with transformers_progress(progress):
+        try:
+            if runs_checkpoint_code(differing, trust_remote_code):
+                print(
+                    f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)",
+                    file=sys.stderr,
+                )
+                model, loading = auto_class.from_pretrained(
+                    checkpoint, trust_remote_code=True, output_loading_info=True, **options
+                )
+            else:
+                if differing:
+                    print(
+                        f"note: {checkpoint}'s {', '.join(differing)} differ from this nv-esm's; its weights run in "
+                        "the installed model code (--trust-remote-code runs its own, for folders you trust)",
+                        file=sys.stderr,
+                    )
+                model, loading = installed_class.from_pretrained(
+                    checkpoint, use_safetensors=True, output_loading_info=True, **options
+                )
+        except SafetensorError as error:  # a Hub download's weights (a folder's are checked before)
+            raise ValueError(f"{checkpoint}: a weight file is not readable safetensors ({error}).") from None
+    check_loaded_weights(model, loading["missing_keys"], checkpoint, config, masked_lm, contacts)
     return model.to(device).eval()
+
+
+def check_loaded_weights(
+    model: torch.nn.Module, missing_keys: Any, checkpoint: str, config: Any, masked_lm: bool, contacts: bool
+) -> None:
+    """Refuse a model whose parameters the checkpoint did not all hold (`missing_keys`: transformers' loading
+    info): transformers starts them at random values and only logs it. Buffers and TE's `_extra_state` are not
+    weights; the contact head may be missing where the command does not use it (not `contacts`)."""
+    parameters = {name for name, _ in model.named_parameters()}
+    missing = sorted(
+        name for name in set(missing_keys) & parameters if contacts or "contact_head" not in name.split(".")
+    )
+    if not missing:
+        return
+    listed = f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
+    problem = (
+        f"{checkpoint} has no weights for {len(missing)} tensors the {type(model).__name__} needs ({listed}), which "
+        "would run with random values"
+    )
+    kinds = getattr(config, "architectures", None) or ["no architectures named"]
+    if masked_lm and "NVEsmForMaskedLM" not in kinds:
+        raise ValueError(
+            f"{problem}; its config names {', '.join(kinds)}: scoring needs a masked-LM checkpoint (NVEsmForMaskedLM)."
+        )
+    raise ValueError(f"{problem}: the checkpoint is incomplete; convert it again.")
+
+
+@contextlib.contextmanager
+def transformers_progress(enabled: bool) -> Iterator[None]:
+    """transformers' and huggingface_hub's progress bars (loading weights, downloads) on or off within the block."""
+    import huggingface_hub.utils
+    from transformers.utils import logging
+
+    if enabled:
+        yield
+        return
+    was_on, hub_was_on = logging.is_progress_bar_enabled(), not huggingface_hub.utils.are_progress_bars_disabled()
+    logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+        if hub_was_on:
+            huggingface_hub.utils.enable_progress_bars()
 
 
 def runs_checkpoint_code(differing: list[str], trust_remote_code: bool) -> bool:

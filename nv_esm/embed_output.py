@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, replaced_atomically, write_atomically
+from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, file_sha256, replaced_atomically, write_atomically
 from nv_esm.embed_plan import Record, embedded_residues
 from nv_esm.folder_lock import folder_lock
 
@@ -34,8 +34,10 @@ SHARD_PREFIX = "embeddings-"
 _SETTINGS_BEFORE = {"strip_stop": False}
 SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
 LOCK_NAME = ".nv-esm-embed.lock"
+CHECKSUM_SUFFIX = ".sha256"  # a finished shard's SHA-256 beside it: embeddings-00000.safetensors.sha256
 OUR_NAMES = re.compile(
-    rf"(embeddings-\d{{5,}}\.safetensors|manifest\.json|index\.tsv)({TEMPORARY_SUFFIX})?|\.nv-esm-embed\.lock"
+    rf"(embeddings-\d{{5,}}\.safetensors(\.sha256)?|manifest\.json|index\.tsv)({TEMPORARY_SUFFIX})?"
+    r"|\.nv-esm-embed\.lock"
 )
 
 
@@ -145,6 +147,29 @@ def shard_ids(path: Path) -> list[str] | None:
         return None
 
 
+def checksum_path(shard: Path) -> Path:
+    """Where the SHA-256 of the shard at `shard` is kept: beside it, `CHECKSUM_SUFFIX` added."""
+    return shard.with_name(shard.name + CHECKSUM_SUFFIX)
+
+
+def write_checked_shard(path: Path, tensors: dict[str, torch.Tensor], ids: list[str]) -> None:
+    """`write_shard`, then the shard's SHA-256 beside it (`checksum_path`) in `sha256sum`'s format (`sha256sum -c`
+    checks it): a shard without one was cut off before it was complete."""
+    write_shard(path, tensors, ids)
+    write_atomically(checksum_path(path), f"{file_sha256(path)}  {path.name}\n")
+
+
+def shard_damage(path: Path) -> str | None:
+    """What is wrong with the finished shard at `path`, or None: no checksum beside it (the run was cut off before
+    it wrote it, or an earlier nv-esm wrote the shard), or a SHA-256 other than the one recorded."""
+    checksum = checksum_path(path)
+    if not checksum.is_file():
+        return f"no {checksum.name} beside it: its writing was cut off, or an earlier nv-esm wrote it"
+    if checksum.read_text(encoding="utf-8", errors="replace").split()[:1] != [file_sha256(path)]:
+        return f"its SHA-256 is not the one {checksum.name} records"
+    return None
+
+
 def index_rows(records: list[Record], shard_size: int, max_length: int) -> list[tuple[Record, int, str, int, int]]:
     """(record, shard, shard file, row, residues embedded) per record; skipped: ("", -1, 0)."""
     rows, row, current = [], 0, -1
@@ -182,12 +207,16 @@ def write_index(folder: Path, records: list[Record], shard_size: int, max_length
 def iter_embeddings(folder: str | Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """(id, outputs) of every embedded protein of a finished `nv-esm embed` folder, in FASTA order. Outputs are
     keyed as in the shards: `mean.layer_L`/`cls.layer_L` `[hidden]`, `per_residue.layer_L` `[residues, hidden]`,
-    `contacts` `[residues, residues]`. Raises if the run has not finished (no index.tsv)."""
+    `contacts` `[residues, residues]`. Raises if the run has not finished (no index.tsv), and for a shard whose SHA-256
+    is not the one recorded beside it (`shard_damage`)."""
     folder = Path(folder)
     if not (folder / INDEX_NAME).exists():
         raise FileNotFoundError(f"{folder} has no {INDEX_NAME}: the run has not finished (a rerun completes it).")
     names = [path.name for path in folder.iterdir() if SHARD_PATTERN.fullmatch(path.name)]
     for name in sorted(names, key=lambda name: int(SHARD_PATTERN.fullmatch(name).group(1))):
+        problem = shard_damage(folder / name) if checksum_path(folder / name).exists() else None  # earlier releases
+        if problem is not None:  # wrote none
+            raise ValueError(f"{folder / name} is damaged ({problem}); rerun nv-esm embed with the same arguments.")
         with safe_open(folder / name, "pt") as shard:
             ids = json.loads(shard.metadata()["ids"])
             tensors = {key: shard.get_tensor(key) for key in shard.keys()}

@@ -73,11 +73,14 @@ class Piece:
 def scan_fasta(
     path: Path, max_length: int, too_long: str, invalid: str, strip_stop: bool = False
 ) -> tuple[list[Record], str]:
-    """First pass: every record's id, length and status, and the file's SHA-256. Raises `ValueError` naming the
-    record for a duplicate or missing id, an empty record or an invalid letter (`modeling_nv_esm.protein_residues`,
-    with `invalid="error"`; with "skip" the record is skipped and the index says why) or a protein longer than
+    """First pass: every record's id, length and status, and the file's SHA-256. Raises one `ValueError` listing
+    every bad record of the file (`bad_records_error`: the first `LISTED_PROBLEMS`, and how many more), each named:
+    a duplicate or missing id, an empty record or an invalid letter (`modeling_nv_esm.protein_residues`, with
+    `invalid="error"`; with "skip" the record is skipped and the index says why) or a protein longer than
     `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing '*' is removed, not refused."""
     records: list[Record] = []
+    problems: list[str] = []
+    hints: dict[str, None] = {}  # the options that would take the refused records, in the order first needed
     first_seen: dict[str, int] = {}
     digest = hashlib.sha256()
     with open(path, "rb") as raw:
@@ -85,12 +88,14 @@ def scan_fasta(
         for number, (header, sequence) in enumerate(iter_fasta(lines, path, empty_ok=True), 1):
             record_id = header.split()[0] if header.split() else ""
             if not record_id:
-                raise ValueError(f"{path}: record {number} has no id (an empty '>' header line).")
+                problems.append(f"{path}: record {number} has no id (an empty '>' header line).")
+                continue
             if record_id in first_seen:
-                raise ValueError(
+                problems.append(
                     f"{path}: id {record_id!r} appears twice (records {first_seen[record_id]} and {number}); "
                     "ids name the outputs, so they must be unique."
                 )
+                continue
             first_seen[record_id] = number
             stop_removed = strip_stop and sequence.endswith(STOP_MARK)
             residues = len(sequence) - stop_removed
@@ -101,21 +106,44 @@ def scan_fasta(
                 problem = str(error)
             if problem is not None:
                 if invalid == "error":
-                    raise ValueError(f"{problem.removesuffix('.')} (--invalid skip skips it).")
+                    problems.append(problem)
+                    hints["--invalid skip skips {them}"] = None
                 status = "skipped: empty" if residues == 0 else "skipped: invalid letter"
             elif residues <= max_length:
                 status = "embedded"
             elif too_long == "error":
-                raise ValueError(
+                problems.append(
                     f"{path}: record {record_id!r} (record {number}) has {residues} residues, more than "
-                    f"--max-length {max_length}; choose --too-long skip, crop or window, or raise --max-length."
+                    f"--max-length {max_length}."
                 )
+                hints["choose --too-long skip, crop or window, or raise --max-length"] = None
+                status = "skipped: too long"
             else:
                 status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
             records.append(Record(record_id, number, residues, status, stop_removed))
+    if problems:
+        raise bad_records_error(path, problems, list(hints))
     if not records:
         raise ValueError(f"{path}: no FASTA records.")
     return records, digest.hexdigest()
+
+
+# How many bad records one error lists (the rest are counted).
+LISTED_PROBLEMS = 20
+
+
+def bad_records_error(path: Path, problems: list[str], hints: list[str]) -> ValueError:
+    """The error of a file with bad records, each `problems` line naming one (in file order): one line for one
+    record, else a line per record under a summary (the first `LISTED_PROBLEMS`, then how many more); `hints`: the
+    options that would take them ("{them}": the records)."""
+    them = "it" if len(problems) == 1 else "them"
+    advice = f" ({'; '.join(hint.format(them=them) for hint in hints)})" if hints else ""
+    if len(problems) == 1:
+        return ValueError(f"{problems[0].removesuffix('.')}{advice}.")
+    listed = [f"  {problem.removeprefix(f'{path}: ')}" for problem in problems[:LISTED_PROBLEMS]]
+    if len(problems) > LISTED_PROBLEMS:
+        listed.append(f"  ... and {len(problems) - LISTED_PROBLEMS} more")
+    return ValueError("\n".join([f"{path}: {len(problems)} bad records{advice}:", *listed]))
 
 
 def text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]:
@@ -158,14 +186,16 @@ def embedded_residues(residues: int, status: str, max_length: int) -> int:
 
 
 def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
-    """What identifies the weights, however the path is spelled: for a folder, SHA-256 over config.json and every
-    byte of each weight file (a file edited in place, even to the same size, changes it; reading them costs seconds
-    next to an embedding run); for a Hub id, the id and its commit."""
+    """What identifies the weights and the ids they read, however the path is spelled: for a folder, SHA-256 over
+    config.json, vocab.txt and every byte of each weight file (a file edited in place, even to the same size,
+    changes it; reading them costs seconds next to an embedding run); for a Hub id, the id and its commit."""
     folder = Path(checkpoint)
     if not folder.is_dir():
         return f"{checkpoint}@{getattr(config, '_commit_hash', None) or 'unknown revision'}"
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(folder.iterdir()):
+        if path.name == "vocab.txt":
+            digest.update(b"vocab.txt:" + path.read_bytes())
         if path.suffix not in (".safetensors", ".bin"):
             continue
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
@@ -218,6 +248,25 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         save_dtype=args.save_dtype,
     )
     return settings, records
+
+
+def token_budget_warning(tokens_per_batch: int, records: list[Record], max_length: int, path: Path) -> str | None:
+    """What to tell the user when model inputs of the embedded `records` (their residues, or `max_length` of a crop
+    or window, plus `<cls>` and `<eos>`) are longer than `--tokens-per-batch`: each runs alone, in a batch over the
+    budget. None when every input fits."""
+    over = [
+        (min(record.residues, max_length) + 2, record)
+        for record in records
+        if not record.status.startswith("skipped") and min(record.residues, max_length) + 2 > tokens_per_batch
+    ]
+    if not over:
+        return None
+    tokens, longest = max(over, key=lambda pair: pair[0])
+    return (
+        f"{len(over)} of {path}'s proteins have more tokens than --tokens-per-batch {tokens_per_batch} (the longest, "
+        f"record {longest.id!r}, {tokens}): each runs alone, in a batch over the budget; --tokens-per-batch {tokens} "
+        "keeps every batch within it."
+    )
 
 
 def records_by_shard(

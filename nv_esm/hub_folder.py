@@ -129,7 +129,11 @@ def read_vocab(path: Path, vocab_size: int) -> list[str]:
     """The tokens of a vocab.txt, one a line, as `EsmTokenizer` reads them; ValueError unless they are distinct
     words without spaces whose ids fit the model's `vocab_size` and the first of them are ESM-2's alphabet in its
     order (`ESM_VOCAB`: the ids the weights were trained with; tokens added after it are kept)."""
-    tokens = [line.strip() for line in path.read_text().splitlines()]
+    try:
+        tokens = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as error:
+        reason = f"{error.reason} at byte {error.start}"
+        raise ValueError(f"{path} is not a vocabulary: not UTF-8 text ({reason}).") from None
     bad = [token for token in tokens if not token or len(token.split()) != 1]
     if bad or len(set(tokens)) != len(tokens) or not 0 < len(tokens) <= vocab_size:
         raise ValueError(
@@ -187,21 +191,31 @@ def copy_remote_code(out: Path) -> None:
 def remote_code_differences(checkpoint: str | Path) -> list[str]:
     """The remote-code files (`REMOTE_CODE_FILES`) of a checkpoint folder or Hub id that differ from the installed
     package's own; a file the checkpoint lacks counts as the same (the installed one runs either way). Only reads."""
-    folder = Path(checkpoint).expanduser()
     differing = []
     for name in REMOTE_CODE_FILES:
-        if folder.is_dir():
-            path = folder / name
-            if not path.is_file():
-                continue
-        else:
-            try:
-                path = Path(huggingface_hub.hf_hub_download(str(checkpoint), name))
-            except EntryNotFoundError:
-                continue
-        if path.read_bytes() != (REMOTE_CODE_FOLDER / name).read_bytes():
+        path = checkpoint_file(checkpoint, name)
+        if path is not None and path.read_bytes() != (REMOTE_CODE_FOLDER / name).read_bytes():
             differing.append(name)
     return differing
+
+
+def checkpoint_file(checkpoint: str | Path, name: str) -> Path | None:
+    """File `name` of a checkpoint folder, or of a Hub id (downloaded to the cache), or None where it has none."""
+    folder = Path(checkpoint).expanduser()
+    if folder.is_dir():
+        return folder / name if (folder / name).is_file() else None
+    try:
+        return Path(huggingface_hub.hf_hub_download(str(checkpoint), name))
+    except EntryNotFoundError:
+        return None
+
+
+def check_vocabulary(checkpoint: str | Path, vocab_size: int) -> None:
+    """Refuse a checkpoint whose vocab.txt is not ESM-2's vocabulary (`read_vocab`): the commands tokenize with
+    ESM-2's ids, which its weights would then not match. A checkpoint without vocab.txt claims no other ids."""
+    path = checkpoint_file(checkpoint, "vocab.txt")
+    if path is not None:
+        read_vocab(path, vocab_size)
 
 
 def write_license(out: Path, with_code: bool) -> None:

@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
             args.trust_remote_code,
             masked_lm=True,
             fp8_recipe=FP8_RECIPE,
+            contacts=False,
+            progress=not args.no_progress,
         )
         scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
         run(args, scorer, job, rank, world_size)

@@ -108,7 +108,8 @@ def test_every_output_matches_transformers_per_protein(checkpoint, reference, tm
                      "--shard-size", 4, "--tokens-per-batch", 256) == 0  # fmt: skip
     last = reference.config.num_hidden_layers
     layers = [0, last - 1, last]
-    assert sorted(p.name for p in out.glob("embeddings-*")) == [f"embeddings-0000{i}.safetensors" for i in range(3)]
+    shards = sorted(p.name for p in out.glob("embeddings-*.safetensors"))
+    assert shards == [f"embeddings-0000{i}.safetensors" for i in range(3)]
     produced = dict(embed.iter_embeddings(out))
     assert list(produced) == [record_id for record_id, _ in records]
     for record_id, sequence in records:
@@ -240,9 +241,8 @@ def test_a_rerun_resumes_and_other_settings_are_refused(checkpoint, tmp_path, ca
     assert run_embed(*args) == 0
     assert "this run: 3 proteins" in capsys.readouterr().out
     assert not list(out.glob("*.tmp"))
-    assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("embeddings-*")) if p.name != shards[1].name} == {
-        name: stamp for name, stamp in stamps.items() if name != shards[1].name
-    }
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("embeddings-*.safetensors") if p.name != shards[1].name}
+    assert kept == {name: stamp for name, stamp in stamps.items() if name != shards[1].name}
     again = dict(embed.iter_embeddings(out))
     assert list(again) == list(first) and all(
         torch.equal(again[k]["mean.layer_2"], first[k]["mean.layer_2"]) for k in first
@@ -250,7 +250,7 @@ def test_a_rerun_resumes_and_other_settings_are_refused(checkpoint, tmp_path, ca
 
     assert run_embed(*args, "--layers", "0") == 1
     assert "layers: [2] -> [0]" in capsys.readouterr().err
-    assert sorted(p.name for p in out.glob("embeddings-*")) == [p.name for p in shards]  # nothing deleted
+    assert sorted(p.name for p in out.glob("embeddings-*.safetensors")) == [p.name for p in shards]  # nothing deleted
     assert run_embed(*args, "--layers", "0", "--overwrite") == 0
     assert set(next(embed.iter_embeddings(out))[1]) == {"mean.layer_0"}
 

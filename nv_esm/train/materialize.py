@@ -25,7 +25,8 @@ from modeling_nv_esm import (
     resolve_backend,
 )
 from modeling_nv_esm_parallel import tensor_parallel_split_dim
-from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from nv_esm.checkpoint_io import checked_weight_files
+from nv_esm.hub_folder import check_vocabulary
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
 from nv_esm.train.parallel import Dist, parallelize, sharded
@@ -74,25 +75,22 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
     model.to_empty(device=world.device)
     if not sharded(world):  # `to_empty` gave the tied decoder its own tensor (FSDP2 keeps it shared)
         model.tie_weights()
-    source = CheckpointReader(Path(config.model.init_from)) if config.model.init_from else None
+    source = CheckpointReader(Path(config.model.init_from), nv_config.vocab_size) if config.model.init_from else None
     materialise(model, nv_config, source, config.seed, world)
     return model
 
 
 class CheckpointReader:
-    """Row ranges of the tensors of an NVEsm checkpoint folder (single or sharded safetensors), read lazily."""
+    """Row ranges of the tensors of an NVEsm checkpoint folder (single or sharded safetensors), read lazily. A
+    folder whose weight files are damaged (`checked_weight_files`) or whose vocab.txt is not ESM-2's for a model of
+    `vocab_size` tokens (`check_vocabulary`: the recipe tokenizes with ESM-2's ids) is refused (ValueError)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, vocab_size: int) -> None:
         from safetensors import safe_open
 
-        index = folder / WEIGHTS_INDEX_NAME
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / WEIGHTS_NAME).exists():
-            files = [WEIGHTS_NAME]
-        else:
-            raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}; is it an NVEsm folder?")
-        self.handles = [safe_open(folder / name, framework="pt") for name in files]
+        check_vocabulary(folder, vocab_size)
+        self.folder = folder
+        self.handles = [safe_open(path, framework="pt") for path in checked_weight_files(folder)]
         self.where = {key: handle for handle in self.handles for key in handle.keys()}
 
     def rows(self, name: str, start: int, stop: int | None, columns: slice | None = None) -> torch.Tensor | None:
@@ -147,8 +145,23 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
             if isinstance(module, NVEsmRotaryEmbedding):
                 stored = source.rows("esm.rotary_embeddings.inv_freq", 0, None) if source is not None else None
                 module.inv_freq = (stored if stored is not None else module.default_inv_freq(config)).to(world.device)
+    if source is not None:
+        check_fresh_weights(fresh, source.folder)
     if world.is_main:
         print(f"weights: {loaded} tensors from the checkpoint, {len(fresh)} initialised fresh {fresh[:6]}", flush=True)
+
+
+def check_fresh_weights(fresh: list[str], folder: Path) -> None:
+    """Refuse a `--model` checkpoint that lacks weights of the base model (`fresh`: the parameters it did not hold):
+    they would start from random values (the contact head, which training leaves as it is, would be exported so).
+    New heads (a classifier, an LM head) and LoRA adapters start fresh by design."""
+    encoder = [name for name in map(canonical_name, fresh) if name.startswith("esm.") and "lora_" not in name]
+    if encoder:
+        listed = f"{', '.join(encoder[:3])}{', ...' if len(encoder) > 3 else ''}"
+        raise ValueError(
+            f"{folder} has no weights for {len(encoder)} tensors of the base model ({listed}), which would start from "
+            "random values: the checkpoint is incomplete; convert it again."
+        )
 
 
 def fresh_tensor(

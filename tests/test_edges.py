@@ -192,4 +192,5 @@ def test_a_second_run_into_a_folder_being_written_is_refused(nv_tiny, tmp_path, 
         assert embed_into(nv_tiny, fasta, out, "--overwrite") == 1
         assert "is being written by another nv-esm embed run (process" in capsys.readouterr().err
     assert embed_into(nv_tiny, fasta, out) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["embeddings-00000.safetensors", "index.tsv", "manifest.json"]
+    names = ["embeddings-00000.safetensors", "embeddings-00000.safetensors.sha256", "index.tsv", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == names

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -67,9 +68,17 @@ def train(*args: object) -> subprocess.CompletedProcess:
 
 
 def one_line(err: str) -> str:
+    """The message of the one line `err` holds, without the command's error prefix (`error_message`)."""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    return lines[0]
+    return error_message(lines[0])
+
+
+def error_message(line: str) -> str:
+    """`line`'s message after its `error: ` prefix (`nv-esm COMMAND: error: ` or `error: `)."""
+    prefix, found, message = line.partition("error: ")
+    assert found and (not prefix or re.fullmatch(r"nv-esm \w+: ", prefix)), line
+    return message
 
 
 def copy_of(checkpoint: Path, folder: Path) -> Path:
@@ -142,7 +151,8 @@ def test_every_bad_record_is_listed_in_one_error_before_the_model_loads(checkpoi
     fasta = write_fasta(tmp_path / "many.fasta", records)
     assert run_embed(checkpoint, fasta, tmp_path / "out", *CPU, "--max-length", 40) == 1
     header, *listed = capsys.readouterr().err.strip().splitlines()
-    assert header.startswith(f"error: {fasta}: {len(expected)} bad records (") and "--invalid skip" in header, header
+    assert error_message(header).startswith(f"{fasta}: {len(expected)} bad records ("), header
+    assert "--invalid skip" in header and "--too-long" in header, header
     assert len(listed) == 21 and listed[-1] == f"  ... and {len(expected) - 20} more", listed
     for line, message in zip(listed[:20], expected):
         assert line.startswith(f"  {message}"), (line, message)
@@ -153,7 +163,7 @@ def test_every_bad_record_is_listed_in_one_error_before_the_model_loads(checkpoi
     for run, output in ((run_embed, tmp_path / "embedded"), (run_score, tmp_path / "scores.csv")):
         assert run(checkpoint, fasta, output, *CPU) == 1
         lines = capsys.readouterr().err.strip().splitlines()
-        assert lines[0] == f"error: {fasta}: 3 bad records (--invalid skip skips them):", lines
+        assert error_message(lines[0]) == f"{fasta}: 3 bad records (--invalid skip skips them):", lines
         assert [line.split(":")[0] for line in lines[1:]] == [
             "  record 'a' (record 1)",
             "  record 'b' (record 2) has no residues.",
@@ -174,8 +184,7 @@ def test_a_folder_without_config_json_says_so(checkpoint, tmp_path, capsys):
     for run, output in ((run_embed, tmp_path / "out"), (run_score, tmp_path / "out.csv")):
         assert run(folder, fasta, output, *CPU) == 1
         assert one_line(capsys.readouterr().err) == (
-            f"error: {folder} holds no config.json: not a checkpoint folder (nv-esm convert hf-to-te SOURCE OUT "
-            "writes one)."
+            f"{folder} holds no config.json: not a checkpoint folder (nv-esm convert hf-to-te SOURCE OUT writes one)."
         )
 
 
@@ -201,11 +210,11 @@ def test_a_number_written_as_a_string_in_config_json_is_one_line_naming_the_file
     for name, run in runs.items():
         folder, field, value = stringified(checkpoint, name)
         assert run(folder) == 1, name
-        expected = f"error: {folder / 'config.json'}: {field} must be a positive integer, got {value!r}"
+        expected = f"{folder / 'config.json'}: {field} must be a positive integer, got {value!r}"
         assert one_line(capsys.readouterr().err) == expected, name
     folder, field, value = stringified(tiny_source, "transformers")
     assert convert_checkpoint.main(["hf-to-te", str(folder), str(tmp_path / "nv")]) == 1
-    expected = f"error: {folder / 'config.json'}: {field} must be a positive integer, got {value!r}"
+    expected = f"{folder / 'config.json'}: {field} must be a positive integer, got {value!r}"
     assert one_line(capsys.readouterr().err) == expected
     assert not (tmp_path / "nv").exists() and not (tmp_path / "hf").exists()
 
@@ -216,7 +225,7 @@ def test_a_vocabulary_other_than_esm2s_is_refused_before_loading(checkpoint, tmp
     first, second = swap_vocabulary_lines(folder, generator)
     fasta = write_fasta(tmp_path / "in.fasta", [(f"p{i}", random_sequence(20, generator)) for i in range(3)])
     expected = (
-        f"error: {folder / 'vocab.txt'} is not ESM-2's vocabulary: line {first} holds {ESM_VOCAB[second - 1]!r} where "
+        f"{folder / 'vocab.txt'} is not ESM-2's vocabulary: line {first} holds {ESM_VOCAB[second - 1]!r} where "
         f"ESM-2 has {ESM_VOCAB[first - 1]!r} (2 of its 33 tokens out of place); its ids would not match the weights."
     )
     for run, output in ((run_embed, tmp_path / "out"), (run_score, tmp_path / "out.csv")):
@@ -281,7 +290,7 @@ def check_runs(folder: Path, fasta: Path, out: Path, refusals: dict[str, str], c
         err = capsys.readouterr().err
         if name in refusals:
             line = err.strip().splitlines()[-1]
-            assert status == 1 and line.startswith(f"error: {folder} has no weights for 1 tensors"), (name, err)
+            assert status == 1 and error_message(line).startswith(f"{folder} has no weights for 1 tensors"), err
             assert f"({refusals[name]}), which would run with random values" in line, (name, line)
         else:
             assert status == 0, (name, err)
@@ -301,7 +310,7 @@ def test_a_damaged_weight_file_is_one_line_naming_it(checkpoint, tmp_path, capsy
     for run, output in ((run_embed, tmp_path / "out"), (run_score, tmp_path / "out.csv")):
         assert run(folder, fasta, output, *CPU) == 1
         line = one_line(capsys.readouterr().err)
-        assert line.startswith(f"error: {weights} is not a readable safetensors file ("), line
+        assert line.startswith(f"{weights} is not a readable safetensors file ("), line
         assert line.endswith("the checkpoint is damaged: convert or download it again."), line
 
 
@@ -401,7 +410,7 @@ def test_a_full_disk_during_a_shard_write_is_one_line_and_a_rerun_completes_the_
     capsys.readouterr()
     assert run_embed(checkpoint, fasta, out, *CPU, "--shard-size", 3) == 1
     assert one_line(capsys.readouterr().err) == (
-        f"error: {out / embed_output.shard_name(full)}: writing the shard failed (No space left on device); the "
+        f"{out / embed_output.shard_name(full)}: writing the shard failed (No space left on device); the "
         "finished shards are kept, a rerun resumes."
     )
     kept = shard_files(out)

@@ -22,7 +22,8 @@ CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(nv_tiny: Path):
-    return NVEsmModel.from_pretrained(nv_tiny, backend="torch").eval(), AutoTokenizer.from_pretrained(nv_tiny)
+    model = NVEsmModel.from_pretrained(nv_tiny, backend="torch").eval()
+    return model, AutoTokenizer.from_pretrained(nv_tiny, trust_remote_code=True)
 
 
 @pytest.mark.parametrize(

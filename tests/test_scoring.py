@@ -593,7 +593,7 @@ def ranked_correlation(x: list[float], y: list[float]) -> float:
     return (rx @ ry / (rx.norm() * ry.norm())).item()
 
 
-def test_spearman_ranks_ties_and_drops_non_finite_scores(capsys):
+def test_spearman_ranks_ties_and_drops_non_finite_scores(capsys, tmp_path):
     """Ties get their average rank; a method's NaN or infinite scores are dropped from its rho (not ranked), per
     method, and the printed line says how many rows it kept."""
     assert score.spearman([1.0, 1.0, 2.0, 3.0], [0.5, 0.7, 0.2, 0.9]) == pytest.approx(1.5 / math.sqrt(22.5))
@@ -609,7 +609,7 @@ def test_spearman_ranks_ties_and_drops_non_finite_scores(capsys):
     )
     values = {"masked_marginal": [1, "nan", 1, 2, "inf", 3], "wildtype_marginal": [1, 1.5, 1, 2, 2.5, 3]}
     scores = {i: [str(values["masked_marginal"][i]), str(values["wildtype_marginal"][i])] for i in range(6)}
-    args = SimpleNamespace(output=Path("out.csv"), score_column=None)
+    args = SimpleNamespace(output=tmp_path / "out.csv", score_column=None)
     score._report(args, job, list(values), scores, 0, 6, 1.0)
     rho_all = score.spearman([float(v) for v in values["wildtype_marginal"]], measured)
     line = f"(6 rows): masked_marginal {1.5 / math.sqrt(22.5):.4f} (4 rows with a finite score), "

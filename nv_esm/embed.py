@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from nv_esm.alphabet import iter_fasta
 from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import (
+    CONTACTS_PICTURE,
     INDEX_NAME,
     checksum_path,
     output_lock,
@@ -68,6 +70,7 @@ from nv_esm.embed_plan import (
     text_lines,
     token_budget_warning,
 )
+from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -332,7 +335,24 @@ def _run(
         reused = f"{num_shards - len(missing)} of {num_shards} shards were already done"
         rate = f"this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
         print(f"{len(records)} records ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
+        if "contacts" in settings.include:
+            draw_contacts(args.output)
     return RunStats(todo, seconds)
+
+
+CONTACT_MAP_PROTEINS = 4
+
+
+def draw_contacts(folder: Path) -> None:
+    """FOLDER/contacts.png: the contact maps of the finished run's first `CONTACT_MAP_PROTEINS` proteins (FASTA
+    order), or a one-line hint without matplotlib."""
+    first = islice(iter_embeddings(folder), CONTACT_MAP_PROTEINS)
+    maps = [(name, outputs["contacts"].float().numpy()) for name, outputs in first]
+    png = plot_contact_maps(maps, folder / CONTACTS_PICTURE)
+    if png is None and pyplot() is None:
+        print(PLOTS_HINT.format(what=f"the first {CONTACT_MAP_PROTEINS} contact maps"), file=sys.stderr)
+    elif png is not None:
+        print(f"wrote {png} (the contact maps of the first {len(maps)} proteins)")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ SHARD_PREFIX = "embeddings-"
 _SETTINGS_BEFORE = {"strip_stop": False}
 SHARD_PATTERN = re.compile(r"embeddings-(\d{5,})\.safetensors")
 LOCK_NAME = ".nv-esm-embed.lock"
+CONTACTS_PICTURE = "contacts.png"  # --include contacts: the first proteins' contact maps (nv_esm.plots)
 CHECKSUM_SUFFIX = ".sha256"  # a finished shard's SHA-256 beside it: embeddings-00000.safetensors.sha256
 OUR_NAMES = re.compile(
-    rf"(embeddings-\d{{5,}}\.safetensors(\.sha256)?|manifest\.json|index\.tsv)({TEMPORARY_SUFFIX})?"
+    rf"(embeddings-\d{{5,}}\.safetensors(\.sha256)?|manifest\.json|index\.tsv|{CONTACTS_PICTURE})({TEMPORARY_SUFFIX})?"
     r"|\.nv-esm-embed\.lock"
 )
 

@@ -126,6 +126,9 @@ def test_every_output_matches_transformers_per_protein(checkpoint, reference, tm
         ("embeddings-00001.safetensors", "0"),
         ("embeddings-00001.safetensors", "1"),
     ]
+    import matplotlib.image  # the first 4 proteins' contact maps, side by side
+
+    assert matplotlib.image.imread(out / "contacts.png").std() > 0
 
 
 def test_per_protein_output_equals_model_embed(checkpoint, tmp_path):

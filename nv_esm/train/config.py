@@ -21,6 +21,7 @@ from typing import Any, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
 from nv_esm.cli import BACKEND_HELP, HelpFormatter
+from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
 
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
@@ -120,6 +121,18 @@ class DataConfig:
     )
     mask_prob: float = option(0.15, "MLM: fraction of residues to predict (80%% <mask>, 10%% random, 10%% kept)")
     workers: int = option(1, "1: a process prepares batches ahead; 0: none", flag="--data-workers", choices=(0, 1))
+    invalid: str = option(
+        "error",
+        "records (and CSV rows) with letters outside ESM-2's alphabet, or none: stop before the model loads, or "
+        "leave them out of training and validation (a warning counts them)",
+        choices=INVALID_POLICIES,
+    )
+    strip_stop: bool = option(False, STRIP_STOP_HELP)
+
+    @property
+    def rules(self) -> RecordRules:
+        """How the data's records are read (`--invalid`, `--strip-stop`)."""
+        return RecordRules(self.invalid, self.strip_stop)
 
 
 @dataclass

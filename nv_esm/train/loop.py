@@ -135,6 +135,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     settings_record = resume_settings(config)
     if resume_from:  # before the data and the model load
         check_resume(resume_from, config, settings_record, world)
+    check_token_budget(config, model_config(config.model, {}, world.device, config.data.max_length), world)
     if world.is_main:
         print(world.describe(), flush=True)
     random.seed(config.seed + world.rank)
@@ -142,7 +143,6 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     batches, labels = make_batches(config, world)
     validation = validation_stream(config, world, batches)
     nv_config = model_config(config.model, labels, world.device, config.data.max_length)
-    check_token_budget(config, nv_config, world)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():
         if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state

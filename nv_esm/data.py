@@ -28,7 +28,6 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
 
@@ -88,7 +87,7 @@ def _read_text_file(path: Path, suffix: str, empty_ok: bool) -> Iterator[str]:
             raise ValueError(f"{path}: not a whole gzip file ({error}).") from None
 
 
-def _read_text(lines: IO[str]) -> Iterator[str]:
+def _read_text(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         sequence = "".join(line.split()).upper()
         if sequence:

@@ -205,7 +205,7 @@ def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_r
     sums = json.loads((step / "checksums.json").read_text())  # written so: the checksums hold
     sums["train_state.json"] = hashlib.sha256((step / "train_state.json").read_bytes()).hexdigest()
     (step / "checksums.json").write_text(json.dumps(sums))
-    one_line_error(train("--resume", out=out), "train_state.json: no world_size")
+    one_line_error(train("--resume", out=out), "train_state.json has no world_size")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -96,7 +96,8 @@ def resume_settings(config: TrainConfig) -> dict[str, Any]:
 
 
 def read_train_state(folder: Path) -> dict[str, Any]:
-    """Checkpoint `folder`'s `train_state.json`, its fields checked (ValueError naming the file and field)."""
+    """Checkpoint `folder`'s `train_state.json`, the types of its fields checked (ValueError naming the file and
+    field; `checkpoint.damage` found them there)."""
     path = folder / TRAIN_STATE
     try:
         state = json.loads(path.read_text())

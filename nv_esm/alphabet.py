@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO, Any
 
 ESM_VOCAB = "<cls> <pad> <eos> <unk> L A G V S E R T I D P K Q N F Y M H W C X B U Z O . - <null_1> <mask>".split()
 CLS, PAD, EOS, UNK, MASK = (ESM_VOCAB.index(t) for t in ("<cls>", "<pad>", "<eos>", "<unk>", "<mask>"))
@@ -52,3 +53,14 @@ def _fasta_sequence(header: str, parts: list[str], path: Path, empty_ok: bool) -
     if not parts and not empty_ok:
         raise ValueError(f"{path}: FASTA record '>{header}' has an empty sequence.")
     return "".join(parts)
+
+
+def text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]:
+    """UTF-8 lines of a binary file (a byte-order mark skipped), each fed to `digest` first."""
+    for number, line in enumerate(raw, 1):
+        if digest is not None:
+            digest.update(line)
+        try:
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}).") from None

@@ -23,17 +23,17 @@ from __future__ import annotations
 import csv
 import gzip
 import random
+import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
 
 from modeling_nv_esm import protein_residues
-from modeling_nv_esm_batch import RESIDUE_LETTERS
-from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta
+from modeling_nv_esm_batch import RESIDUE_LETTERS, STOP_MARK
+from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, iter_fasta, text_lines
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
 IGNORE_INDEX = -100
@@ -47,6 +47,9 @@ _ID_OF_BYTE = bytes(
     for byte in range(256)
 )
 _RNG_STRIDE = 1_000_003
+# What `nv-esm embed`, `score` and `train` do with a record outside ESM-2's alphabet, or without residues (`--invalid`).
+INVALID_POLICIES = ("error", "skip")
+STRIP_STOP_HELP = "remove a trailing '*' (a stop codon's mark, as in UniProt files) instead of refusing it"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -54,11 +57,12 @@ _RNG_STRIDE = 1_000_003
 # --------------------------------------------------------------------------------------------------------------
 
 
-def read_sequences(path: str | Path, column: str = "sequence") -> Iterator[str]:
+def read_sequences(path: str | Path, column: str = "sequence", empty_ok: bool = False) -> Iterator[str]:
     """Stream the sequences of a FASTA (.fasta/.fa/.faa), text (.txt, one per line) or parquet file, uppercased.
 
-    FASTA and text files may be gzipped (`.gz`). FASTA records may span lines; `;` lines are comments. Parquet is
-    read batch by batch from `column`. An empty FASTA record or parquet value raises `ValueError`.
+    FASTA and text files may be gzipped (`.gz`) and must be UTF-8. FASTA records may span lines; `;` lines are
+    comments. Parquet is read batch by batch from `column`. An empty FASTA record or parquet value (null included)
+    raises `ValueError`, or is read as "" with `empty_ok`; so does a file that is not what its name says, naming it.
     """
     path = Path(path)
     name = path.name.lower()
@@ -66,41 +70,54 @@ def read_sequences(path: str | Path, column: str = "sequence") -> Iterator[str]:
     if suffix is None:
         raise ValueError(f"{path}: unknown sequence file type; expected one of {', '.join(SEQUENCE_SUFFIXES)}.")
     if suffix == ".parquet":
-        return _read_parquet(path, column)
-    return _read_text_file(path, suffix)
+        return _read_parquet(path, column, empty_ok)
+    return _read_text_file(path, suffix, empty_ok)
 
 
-def _read_text_file(path: Path, suffix: str) -> Iterator[str]:
+def _read_text_file(path: Path, suffix: str, empty_ok: bool) -> Iterator[str]:
     opener = gzip.open if suffix.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as lines:
-        yield from (_read_fasta(lines, path) if suffix.removesuffix(".gz") in FASTA_SUFFIXES else _read_text(lines))
+    with opener(path, "rb") as raw:
+        lines = text_lines(raw, path)
+        try:
+            if suffix.removesuffix(".gz") in FASTA_SUFFIXES:
+                yield from _read_fasta(lines, path, empty_ok)
+            else:
+                yield from _read_text(lines)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+            raise ValueError(f"{path}: not a whole gzip file ({error}).") from None
 
 
-def _read_text(lines: IO[str]) -> Iterator[str]:
+def _read_text(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         sequence = "".join(line.split()).upper()
         if sequence:
             yield sequence
 
 
-def _read_fasta(lines: IO[str], path: Path) -> Iterator[str]:
-    for _, sequence in iter_fasta(lines, path):
+def _read_fasta(lines: Iterator[str], path: Path, empty_ok: bool) -> Iterator[str]:
+    for _, sequence in iter_fasta(lines, path, empty_ok):
         yield sequence.upper()
 
 
-def _read_parquet(path: Path, column: str) -> Iterator[str]:
+def _read_parquet(path: Path, column: str, empty_ok: bool) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    file = pq.ParquetFile(path)
-    if column not in file.schema_arrow.names:
-        raise ValueError(f"{path}: no column {column!r}; columns: {', '.join(file.schema_arrow.names)}.")
-    row = 0
-    for batch in file.iter_batches(columns=[column], batch_size=8192):
-        for value in batch.column(0).to_pylist():
-            if not value or not value.strip():
-                raise ValueError(f"{path}: row {row} of column {column!r} is empty or null.")
-            yield "".join(value.split()).upper()
-            row += 1
+    try:
+        file = pq.ParquetFile(path)
+        if column not in file.schema_arrow.names:
+            raise ValueError(f"{path}: no column {column!r}; columns: {', '.join(file.schema_arrow.names)}.")
+        row = 0
+        for batch in file.iter_batches(columns=[column], batch_size=8192):
+            for value in batch.column(0).to_pylist():
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(f"{path}: row {row} of column {column!r} is a {type(value).__name__}, not text.")
+                if not empty_ok and (not value or not value.strip()):
+                    raise ValueError(f"{path}: row {row} of column {column!r} is empty or null.")
+                yield "".join((value or "").split()).upper()
+                row += 1
+    except pa.ArrowException as error:
+        raise ValueError(f"{path}: not a readable parquet file ({error}).") from None
 
 
 def tokenize(sequence: str) -> list[int]:
@@ -117,6 +134,34 @@ def residue_ids(sequence: str) -> bytes:
     if _NOT_A_RESIDUE in ids:
         protein_residues(sequence, "the sequence")  # raises, naming the character and its 1-based position
     return ids
+
+
+@dataclass(frozen=True)
+class RecordRules:
+    """What a reader does with its records (`nv-esm train`'s `--invalid` and `--strip-stop`, as `nv-esm embed` and
+    `nv-esm score` do): `strip_stop` removes one trailing '*'; a record that then has a character outside ESM-2's
+    alphabet, or no residues, stops the run (`invalid="error"`) or is left out (`"skip"`). The letters' rule is
+    `modeling_nv_esm.protein_residues`, the one of every reader of proteins."""
+
+    invalid: str = "error"
+    strip_stop: bool = False
+
+    def __post_init__(self) -> None:
+        if self.invalid not in INVALID_POLICIES:
+            raise ValueError(f"invalid must be one of {INVALID_POLICIES}, got {self.invalid!r}.")
+
+    def residue_ids(self, sequence: str, source: str | Path, record: str, skipped: list[str]) -> bytes | None:
+        """`residue_ids` of a record (`record` of `source`, named in errors), or None for one `invalid="skip"` leaves
+        out: its problem is appended to `skipped`."""
+        if self.strip_stop and sequence.endswith(STOP_MARK):
+            sequence = sequence[: -len(STOP_MARK)]
+        try:
+            return _check_record(sequence, source, record)
+        except ValueError as error:
+            if self.invalid == "error":
+                raise ValueError(f"{str(error).removesuffix('.')} (--invalid skip leaves it out).") from None
+            skipped.append(str(error))
+            return None
 
 
 def _check_record(sequence: str, source: str | Path, record: str) -> bytes:
@@ -330,12 +375,12 @@ class _PackedStream:
         self._offsets = array("q", [0])
         self._epoch = self._position = 0
         self._order_epoch, self._order = -1, []
+        self.skipped: list[str] = []  # the records `RecordRules` left out (of the whole data set: all are read)
 
     # Loading ----------------------------------------------------------------------------------------------------
 
-    def _add(self, sequence: str, source: str | Path, record: str) -> None:
-        """Keep one of this stream's sequences as residue ids; errors name `source` and `record`."""
-        ids = _check_record(sequence, source, record)
+    def _add(self, ids: bytes) -> None:
+        """Keep one of this stream's sequences, as its residue ids (`RecordRules.residue_ids`)."""
         self._parts.append(ids)
         self._offsets.append(self._offsets[-1] + len(ids))
 
@@ -451,6 +496,7 @@ class MLMStream(_PackedStream):
 
     Proteins are tokenized, cropped to a random window of `max_length` tokens, masked (`mask_tokens` with
     `mask_prob`) and packed into micro-batches of at most `token_budget` tokens; labels are `[1, T]`. Infinite.
+    Records are read by `rules` (`RecordRules`): one left out has no global index.
     """
 
     def __init__(
@@ -465,23 +511,27 @@ class MLMStream(_PackedStream):
         shuffle: bool = True,
         holdout: Holdout | None = None,
         allow_empty: bool = False,
+        rules: RecordRules = RecordRules(),
     ) -> None:
         super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle, allow_empty)
         if isinstance(files, (str, Path)):
             files = [files]
         self.files, self.mask_prob = [Path(f) for f in files], mask_prob
-        self.file_counts: list[int] = []  # sequences per file (all streams, both sides of a holdout)
+        self.file_counts: list[int] = []  # sequences per file (all streams, both sides of a holdout; none skipped)
         global_index = kept = 0
         for path in self.files:
             count = 0
-            for count, sequence in enumerate(read_sequences(path), 1):
+            for number, sequence in enumerate(read_sequences(path, empty_ok=True), 1):
+                # every stream checks every record, so that every rank meets a bad one alike
+                ids = rules.residue_ids(sequence, path, f"record {number}", self.skipped)
+                if ids is None:  # left out: not a record of the data set (no index, no stream)
+                    continue
                 if holdout is None or holdout.keeps(global_index):
                     if kept % num_streams == stream_index:
-                        self._add(sequence, path, f"record {count}")
-                    else:  # every stream checks every record, so that every rank meets a bad one alike
-                        _check_record(sequence, path, f"record {count}")
+                        self._add(ids)
                     kept += 1
                 global_index += 1
+                count += 1
             self.file_counts.append(count)
         self._finish_loading(", ".join(map(str, self.files)))
 
@@ -496,32 +546,36 @@ class MLMStream(_PackedStream):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def read_labelled_csv(path: str | Path, task: str) -> tuple[list[str], list, list[str] | None]:
-    """`(sequences, labels, label alphabet)` of a CSV with a header.
+def read_labelled_csv(
+    path: str | Path, task: str, rules: RecordRules = RecordRules(), skipped: list[str] | None = None
+) -> tuple[list[str], list, list[str] | None]:
+    """`(sequences, labels, label alphabet)` of a UTF-8 CSV with a header; the sequences upper-case residue letters.
 
     task "sequence": columns `sequence,label`, numeric labels (all integers: class ids; any float: regression);
     alphabet None. task "token": columns `sequence,labels`, one label character per residue; labels are lists of
-    characters and the alphabet is their sorted set.
+    characters and the alphabet is their sorted set. Each sequence is read by `rules` (`RecordRules`); the problems
+    of the rows it leaves out are appended to `skipped`.
     """
     if task not in ("sequence", "token"):
         raise ValueError(f"task must be 'sequence' or 'token', got {task!r}.")
     label_column = "label" if task == "sequence" else "labels"
     sequences, raw_labels = [], []
-    with open(path, newline="") as file:
-        reader = csv.DictReader(file)
+    skipped = [] if skipped is None else skipped
+    with open(path, "rb") as file:
+        reader = csv.DictReader(text_lines(file, Path(path)))
         missing = {"sequence", label_column} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: the header needs columns sequence,{label_column}; missing {sorted(missing)}.")
         for row_number, row in enumerate(reader, 1):
-            where = f"{path}, row {row_number} (line {reader.line_num})"
-            sequence = "".join((row["sequence"] or "").split()).upper()
+            sequence = "".join((row["sequence"] or "").split())
             label = "".join((row[label_column] or "").split())
-            if not sequence or not label:
-                raise ValueError(f"{where}: empty sequence or {label_column}.")
-            try:
-                tokenize(sequence)
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from None
+            if not label:
+                raise ValueError(f"{path}, row {row_number} (line {reader.line_num}): empty {label_column}.")
+            ids = rules.residue_ids(sequence, path, f"row {row_number} (line {reader.line_num})", skipped)
+            if ids is None:
+                continue
+            where = f"{path}, row {row_number} (line {reader.line_num})"
+            sequence = sequence[: len(ids)].upper()  # one id per residue: a stripped stop mark was the last character
             if task == "token" and len(label) != len(sequence):
                 raise ValueError(f"{where}: {len(label)} labels for {len(sequence)} residues.")
             sequences.append(sequence)
@@ -551,7 +605,7 @@ class ClassificationStream(_PackedStream):
     sequence task a window of residues between their own <cls> and <eos>, which the classification head reads).
     `num_labels` is the number of classes (1 for regression); `label_names` the token alphabet or the class ids
     as strings (None for regression). Pass the training set's `label_names` when reading a validation set;
-    `holdout` reads one side of a validation split of the CSV's rows.
+    `holdout` reads one side of a validation split of the CSV's rows (those `rules` keeps).
     """
 
     def __init__(
@@ -567,9 +621,10 @@ class ClassificationStream(_PackedStream):
         label_names: list[str] | None = None,
         holdout: Holdout | None = None,
         allow_empty: bool = False,
+        rules: RecordRules = RecordRules(),
     ) -> None:
         super().__init__(stream_index, num_streams, token_budget, max_length, seed, shuffle, allow_empty)
-        sequences, labels, alphabet = read_labelled_csv(csv_path, task)
+        sequences, labels, alphabet = read_labelled_csv(csv_path, task, rules, self.skipped)
         self.task, self.regression = task, task == "sequence" and isinstance(labels[0], float)
         if self.regression:
             if label_names is not None:
@@ -592,7 +647,7 @@ class ClassificationStream(_PackedStream):
         self._labels: list = []
         rows = [row for row in range(len(sequences)) if holdout is None or holdout.keeps(row)]
         for row in rows[stream_index::num_streams]:
-            self._add(sequences[row], csv_path, f"row {row + 1}")
+            self._add(residue_ids(sequences[row]))  # `read_labelled_csv` checked them
             self._labels.append(bytes(label_ids[c] for c in labels[row]) if task == "token" else labels[row])
         self._finish_loading(str(csv_path))
 

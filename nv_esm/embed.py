@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES
 from nv_esm.alphabet import iter_fasta
 from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
+from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import (
     CONTACTS_PICTURE,
@@ -59,7 +60,6 @@ from nv_esm.embed_output import (
 )
 from nv_esm.embed_output import iter_embeddings as iter_embeddings  # the reader of the command's folders (README)
 from nv_esm.embed_plan import (
-    INVALID_POLICIES,
     OUTPUTS,
     SAVE_DTYPES,
     TOO_LONG_POLICIES,
@@ -106,8 +106,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument(
         "--strip-stop",
         action="store_true",
-        help="remove a trailing '*' (a stop codon's mark, as in UniProt files) instead of refusing it; index.tsv's "
-        "stop_removed column says where",
+        help=f"{STRIP_STOP_HELP}; index.tsv's stop_removed column says where",
     )
     parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
     parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32", help="dtype of the saved arrays")

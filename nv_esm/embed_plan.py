@@ -15,19 +15,18 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 import modeling_nv_esm
 from modeling_nv_esm_batch import STOP_MARK, protein_residues
-from nv_esm.alphabet import CLS, EOS, iter_fasta
+from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import update_digest
 from nv_esm.data import residue_ids
 
 OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
-INVALID_POLICIES = ("error", "skip")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -144,17 +143,6 @@ def bad_records_error(path: Path, problems: list[str], hints: list[str]) -> Valu
     if len(problems) > LISTED_PROBLEMS:
         listed.append(f"  ... and {len(problems) - LISTED_PROBLEMS} more")
     return ValueError("\n".join([f"{path}: {len(problems)} bad records{advice}:", *listed]))
-
-
-def text_lines(raw: IO[bytes], path: Path, digest: Any = None) -> Iterator[str]:
-    """UTF-8 lines of a binary file (a byte-order mark skipped), each fed to `digest` first."""
-    for number, line in enumerate(raw, 1):
-        if digest is not None:
-            digest.update(line)
-        try:
-            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}).") from None
 
 
 def tokenize(sequence: str) -> torch.Tensor:

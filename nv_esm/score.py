@@ -48,6 +48,7 @@ from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, file_sha256, write_atomically
 from nv_esm.cli import HelpFormatter
+from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import (
@@ -121,12 +122,12 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     )
     parser.add_argument(
         "--invalid",
-        choices=("error", "skip"),
+        choices=INVALID_POLICIES,
         default="error",
         help="FASTA records outside ESM-2's alphabet, or bad mutant rows: stop, or leave them unscored (the status "
         "column says why)",
     )
-    parser.add_argument("--strip-stop", action="store_true", help="remove a trailing '*' of a FASTA record")
+    parser.add_argument("--strip-stop", action="store_true", help=STRIP_STOP_HELP)
     parser.add_argument(
         "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
     )

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from nv_esm.checkpoint_io import file_sha256, format_bytes
 from nv_esm.folder_lock import folder_lock
-from nv_esm.train.config import PROG, TrainConfig
+from nv_esm.train.config import PROG
 from nv_esm.train.parallel import Dist, checkpoint_view
 
 if TYPE_CHECKING:
@@ -189,33 +189,6 @@ def _written_unchecked(folder: Path) -> bool:
     return (folder / "rng_rank0.pt").is_file() and not (folder / RNG_FILE.format(rank=0)).exists()
 
 
-def resume_settings(config: TrainConfig) -> dict[str, Any]:
-    """The options that decide which data a step sees and its learning rate, keyed by option name (`data`: the
-    files as given): a resume must not change them, but for `CHANGEABLE_ON_RESUME`."""
-    return {
-        "data": [str(p) for p in config.data.files],
-        "task": config.model.task,
-        "seed": config.seed,
-        "token_budget": config.data.token_budget,
-        "max_length": config.data.max_length,
-        "mask_prob": config.data.mask_prob,
-        "grad_accum": config.optimizer.grad_accum,
-        "steps": config.optimizer.steps,
-        "warmup_steps": config.optimizer.warmup_steps,
-        "lr": config.optimizer.lr,
-        "min_lr_ratio": config.optimizer.min_lr_ratio,
-        "decay": config.optimizer.decay,
-        "val_fraction": config.validation.fraction,
-    }
-
-
-# Of `resume_settings`, what a resume may change: --steps (a finished run is extended, or a run shortened; the schedule
-# is then that of the new step count from the checkpoint's step on).
-CHANGEABLE_ON_RESUME = ("steps",)
-# Settings added to `resume_settings` after checkpoints were written without them: the value they had then.
-_SETTINGS_BEFORE = {"val_fraction": 0.0}
-
-
 def save_checkpoint(
     out: Path,
     step: int,
@@ -339,31 +312,11 @@ def load_checkpoint(
 ) -> int:
     """Restore the model, optimizer and data position that `save_checkpoint` wrote (the caller restores the RNG);
     returns the step it was taken after. The weights load under any layout (DCP reshards them); the data
-    positions need the same number of ranks and of data-parallel ranks (the same `--tp` and `--cp`)."""
+    positions need the same number of ranks and of data-parallel ranks (the same `--tp` and `--cp`), and the run
+    the same settings: `nv_esm.train.resume.check_resume` checked them before the model loaded."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    state = json.loads((folder / TRAIN_STATE).read_text())
-    if state["world_size"] != world.world_size:
-        raise ValueError(
-            f"{folder} was written by {state['world_size']} ranks; resume it with the same number of ranks "
-            f"(got {world.world_size})."
-        )
-    for option, size in (("tp", world.tp_size), ("cp", world.cp_size)):
-        written = state.get(option, 1)
-        if written != size:
-            raise ValueError(
-                f"{folder} was written with --{option} {written}: its data positions belong to its data-parallel "
-                f"ranks. Resume it with --{option} {written} (got --{option} {size})."
-            )
-    saved = {**_SETTINGS_BEFORE, **state["run"]["settings"]}
-    changed = {
-        k: (saved.get(k), v)
-        for k, v in run_info["settings"].items()
-        if saved.get(k) != v and k not in CHANGEABLE_ON_RESUME
-    }
-    if changed:
-        listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        raise ValueError(f"--resume from {folder} with changed options ({listing}); resume with the same ones.")
+    state = json.loads((folder / TRAIN_STATE).read_text())  # checked by `resume.check_resume`
     # `folder` comes from `prepare_out`, whose `damage` check has read its metadata: a bad one was named there (torch
     # 2.11's dcp.load would swallow the error as "metadata is None").
     model_state, optim_state = get_state_dict(model, optimizer)

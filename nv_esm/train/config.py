@@ -17,10 +17,11 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, NoReturn, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
 from nv_esm.cli import BACKEND_HELP, HelpFormatter
+from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
 
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
@@ -56,6 +57,9 @@ sharded model and optimizer, the step, every data stream's position, every rank'
 (delayed scaling); `--resume` continues exactly where the latest one stopped. `nv-esm train export
 CHECKPOINT OUT` (also run at the end of training) writes a consolidated Hub folder in the converter's layout.
 """
+
+# Packed micro-batches index their tokens with int32 offsets (`cu_seq_lens`).
+MAX_TOKEN_BUDGET = 2**31 - 1
 
 # The argument groups of `--help`, in order; each option's group is its own `group`, else its section's, and each
 # group lists its options in the order of the fields (`TrainConfig`'s sections expanded in place).
@@ -110,7 +114,12 @@ class DataConfig:
     """The data (`files`, as given: they are compared on resume) and how it is cut into micro-batches."""
 
     files: list[str] = option(help="FASTA/.txt/.parquet (mlm) or a labelled CSV", flag="--data", nargs="+")
-    token_budget: int = option(16384, "tokens per micro-batch and rank")
+    token_budget: int = option(
+        16384,
+        "tokens per micro-batch and rank: at most 2**31 - 1 (packed offsets are int32), and refused before the model "
+        "loads when the activations its backward keeps (at least tokens x (layers x (7 x hidden + 2 x intermediate) "
+        "+ 3 x vocabulary) values) exceed the device's memory",
+    )
     max_length: int = option(  # crop length in tokens: --max-length residues + <cls> and <eos>
         1024,
         "longest protein in residues, as in nv-esm embed: longer ones are cropped to a window of this many "
@@ -120,6 +129,18 @@ class DataConfig:
     )
     mask_prob: float = option(0.15, "MLM: fraction of residues to predict (80%% <mask>, 10%% random, 10%% kept)")
     workers: int = option(1, "1: a process prepares batches ahead; 0: none", flag="--data-workers", choices=(0, 1))
+    invalid: str = option(
+        "error",
+        "records (and CSV rows) with letters outside ESM-2's alphabet, or none: stop before the model loads, or "
+        "leave them out of training and validation (a warning counts them)",
+        choices=INVALID_POLICIES,
+    )
+    strip_stop: bool = option(False, STRIP_STOP_HELP)
+
+    @property
+    def rules(self) -> RecordRules:
+        """How the data's records are read (`--invalid`, `--strip-stop`)."""
+        return RecordRules(self.invalid, self.strip_stop)
 
 
 @dataclass
@@ -217,8 +238,17 @@ class CheckpointConfig:
         "steps; 0: off)",
     )
     keep: int = option(2, "checkpoints kept")
-    resume: bool = option(False, "continue from the latest checkpoint in --out")
-    stop_at_step: int | None = option(None, "stop (with a checkpoint) after this step, e.g. for job limits", type=int)
+    resume: bool = option(
+        False,
+        "continue from the latest checkpoint in --out, with the options recorded in it: give only those to change "
+        "(--steps, and those that do not change what a step computes; others are refused)",
+    )
+    stop_at_step: int | None = option(
+        None,
+        "stop (with a checkpoint) after this step, e.g. for job limits: at least 1, and past the step a --resume "
+        "starts from (not taken from the run record)",
+        type=int,
+    )
     export: bool = option(True, "skip the consolidated Hub folder at the end", flag="--no-export")
     enabled: bool = option(True, "write no checkpoint, hence no export (throughput tests)", flag="--no-checkpoint")
 
@@ -290,7 +320,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(metadata={"group": "optimisation"})
     out: Path = option(help="run folder: checkpoints, metrics.jsonl, final export", type=Path, group="run")
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"group": "model"})
-    seed: int = option(0, "seed of the data order, masking, a fresh initialisation and dropout", group="optimisation")
+    seed: int = option(
+        0, "seed of the data order, masking, a fresh initialisation and dropout: 0 to 2**32 - 1", group="optimisation"
+    )
     validation: ValidationConfig = field(default_factory=ValidationConfig, metadata={"group": "validation"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"group": "run"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"group": "run"})
@@ -324,6 +356,16 @@ class TrainConfig:
         for name, value in at_least_zero.items():
             if not value >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {value}.")
+        if self.data.token_budget > MAX_TOKEN_BUDGET:
+            raise ValueError(
+                f"--token-budget must be at most 2**31 - 1 = {MAX_TOKEN_BUDGET} (packed offsets are int32), "
+                f"got {self.data.token_budget}."
+            )
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}.")
+        stop_at_step = self.checkpoint.stop_at_step
+        if stop_at_step is not None and stop_at_step < 1:
+            raise ValueError(f"--stop-at-step must be at least 1 (the step to stop after), got {stop_at_step}.")
         if self.data.max_length < 3:
             raise ValueError(f"--max-length must be at least 1 residue, got {self.data.max_length - 2}.")
         if self.model.task == "mlm" and not 0 < self.data.mask_prob < 1:
@@ -398,7 +440,7 @@ def _argument(item: Field) -> dict[str, Any]:
 
 def _value(item: Field, args: argparse.Namespace) -> Any:
     """The field value of what argparse parsed for the option of `item`."""
-    value = getattr(args, _flag(item)[2:].replace("-", "_"))  # argparse's dest
+    value = getattr(args, _dest(item))
     default = _default(item)
     if isinstance(default, bool) and _flag(item).startswith("--no-"):
         return not value
@@ -407,10 +449,17 @@ def _value(item: Field, args: argparse.Namespace) -> Any:
     return value + item.metadata["offset"] if "offset" in item.metadata else value
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (`prog: error: MESSAGE (see prog --help)`, exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The training command line (usage names `prog`), one argument per `option` field in the groups of `GROUPS`;
     `config_from_args` turns what it parses into a `TrainConfig`."""
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     one_of = None  # the required mutually exclusive group of the `one_of` options (--model, --config)
     for name, item in sorted(_options(TrainConfig), key=lambda pair: GROUPS.index(pair[0])):
@@ -436,6 +485,60 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return _section(TrainConfig, args)
 
 
-def parse_config(argv: list[str] | None = None, prog: str = PROG) -> TrainConfig:
-    """The `TrainConfig` of a training command line (`sys.argv[1:]` when None); exits with usage on bad options."""
-    return config_from_args(build_parser(prog).parse_args(argv))
+def _dest(item: Field) -> str:
+    return _flag(item)[2:].replace("-", "_")
+
+
+def _field_values(section: Any) -> Iterator[tuple[Field, Any]]:
+    """The option fields of `section` (a `TrainConfig` or a section of it) and of its sections, with their values."""
+    for item in fields(section):
+        value = getattr(section, item.name)
+        if "help" in item.metadata:
+            yield item, value
+        else:
+            yield from _field_values(value)
+
+
+def option_values(config: TrainConfig) -> dict[str, Any]:
+    """Every option of `config` as what argparse would parse for it, by argparse's dest, in JSON types: the run
+    record a `--resume` takes its options from (`parse_config(..., recorded=...)` gives `config` back)."""
+    values = {}
+    for item, value in _field_values(config):
+        if isinstance(_default(item), bool) and _flag(item).startswith("--no-"):
+            value = not value
+        elif "offset" in item.metadata:
+            value -= item.metadata["offset"]
+        if isinstance(value, (tuple, Path)):
+            value = list(value) if isinstance(value, tuple) else str(value)
+        values[_dest(item)] = value
+    return values
+
+
+def given_options(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
+    """The options `argv` gives (by argparse's dest), as argparse parses them; a usage error exits as in
+    `parse_config`."""
+    parser = build_parser(prog)
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    for group in parser._mutually_exclusive_groups:
+        group.required = False
+    return vars(parser.parse_args(argv))
+
+
+def parse_config(
+    argv: list[str] | None = None, prog: str = PROG, recorded: dict[str, Any] | None = None
+) -> TrainConfig:
+    """The `TrainConfig` of a training command line (`sys.argv[1:]` when None); exits with usage on bad options.
+    `recorded` (`option_values` of a run, by dest) are the defaults of the options `argv` does not give (--model or
+    --config given replaces the recorded one), so none is required."""
+    parser = build_parser(prog)
+    if recorded:
+        one_of = {_dest(item) for _, item in _options(TrainConfig) if item.metadata.get("one_of")}
+        if one_of & given_options(argv, prog).keys():
+            recorded = {dest: value for dest, value in recorded.items() if dest not in one_of}
+        parser.set_defaults(**recorded)
+        for action in parser._actions:
+            action.required = action.required and action.dest not in recorded
+        for group in parser._mutually_exclusive_groups:
+            group.required = not one_of & recorded.keys()
+    return config_from_args(parser.parse_args(argv))

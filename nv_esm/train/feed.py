@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from nv_esm.data import Batches, ClassificationStream, Holdout, PackedBatch, rank_stream_indices, rank_streams
+from nv_esm.data import (
+    Batches,
+    ClassificationStream,
+    Holdout,
+    MLMStream,
+    PackedBatch,
+    rank_stream_indices,
+    rank_streams,
+)
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist
 
@@ -30,10 +38,12 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
         max_length=data.max_length,
         seed=config.seed,
         holdout=Holdout(fraction, "train") if fraction else None,
+        rules=data.rules,
     )
     if task == "mlm":
         batches = rank_streams(data.files, world.dp_rank, world.dp_size, grad_accum, mask_prob=data.mask_prob, **common)
         _warn_if_repeated(batches, data.token_budget, world)
+        warn_if_skipped(batches.streams[0], world)
         return batches, {}
     if len(data.files) != 1:
         raise ValueError(f"--task {task} reads one labelled CSV, got {len(data.files)} files.")
@@ -41,7 +51,21 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
     streams = [ClassificationStream(data.files[0], task, index, num_streams, **common) for index in indices]
     batches = Batches(streams)
     _warn_if_repeated(batches, data.token_budget, world)
+    warn_if_skipped(streams[0], world)
     return batches, label_fields(streams[0])
+
+
+def warn_if_skipped(stream: MLMStream | ClassificationStream, world: Dist, source: str = "--data") -> None:
+    """Say (rank 0) how many records `--invalid skip` left out of `source`, and the first few (every stream read
+    every record: any stream's list is the whole data set's)."""
+    if stream.skipped and world.is_main:
+        shown = [problem.removesuffix(".") for problem in stream.skipped[:SKIPPED_SHOWN]]
+        more = "; ..." if len(stream.skipped) > SKIPPED_SHOWN else ""
+        message = f"warning: --invalid skip left {len(stream.skipped)} records of {source} out: {'; '.join(shown)}"
+        print(f"{message}{more}.", file=sys.stderr)
+
+
+SKIPPED_SHOWN = 3  # records a warning names
 
 
 def _warn_if_repeated(batches: Batches, token_budget: int, world: Dist) -> None:

@@ -35,15 +35,14 @@ from nv_esm.train.checkpoint import (
     load_checkpoint,
     load_rng_state,
     prepare_out,
-    resume_settings,
     run_folder_lock,
     save_checkpoint,
 )
-from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, parse_config
+from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, option_values
 from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.lora import lora_fields
-from nv_esm.train.materialize import build_model, model_config
+from nv_esm.train.materialize import build_model, check_token_budget, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import (
     Dist,
@@ -52,6 +51,7 @@ from nv_esm.train.parallel import (
     forward_context,
     init_distributed,
 )
+from nv_esm.train.resume import check_resume, parse_command_line, resume_settings
 from nv_esm.train.validation import evaluate, validation_stream
 
 
@@ -132,6 +132,10 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     checkpoint, log and profile as `config` asks, and export OUT/final when the schedule is complete."""
     out, settings = config.out, config.optimizer
     resume_from = prepare_out(out, config.checkpoint.resume, world)
+    settings_record = resume_settings(config)
+    if resume_from:  # before the data and the model load
+        check_resume(resume_from, config, settings_record, world)
+    check_token_budget(config, model_config(config.model, {}, world.device, config.data.max_length), world)
     if world.is_main:
         print(world.describe(), flush=True)
     random.seed(config.seed + world.rank)
@@ -155,11 +159,10 @@ def run_training(config: TrainConfig, world: Dist) -> None:
         config=nv_config.to_dict(),
         lora=lora_fields(config.model),
         start=config.model.init_from or "scratch",
-        settings=resume_settings(config),
+        settings=settings_record,
+        options=option_values(config),
     )
     step = load_checkpoint(resume_from, model, optimizer, batches, world, run_info) if resume_from else 0
-    if step > settings.steps:
-        raise ValueError(f"{resume_from} is at step {step}, past --steps {settings.steps}: pass a larger --steps.")
     feed = DataFeed(batches, config.data.workers)  # before restoring the RNG: the DataLoader draws from it
     if resume_from:
         load_rng_state(resume_from, world)
@@ -259,10 +262,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     if argv[:1] == ["export"]:
         export_main(argv[1:], prog=f"{prog} export")
         return 0
-    config = parse_config(argv, prog=prog)
     report = int(os.environ.get("RANK", 0)) == 0  # every rank meets the same error (the data too: each checks all)
     try:
-        train(config)
+        train(parse_command_line(argv, prog))
     except Stopped as stop:
         if report:
             saved = f"{stop.checkpoint} saved; --resume continues" if stop.checkpoint else "no checkpoint written"

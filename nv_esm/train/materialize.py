@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,11 @@ from modeling_nv_esm import (
     resolve_backend,
 )
 from modeling_nv_esm_parallel import tensor_parallel_split_dim
-from nv_esm.checkpoint_io import checked_weight_files
+from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.hub_folder import check_vocabulary
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, parallelize, sharded
+from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -45,15 +46,23 @@ def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.de
     recipe was told to crop to N residues is never refused by the model's guard."""
     source = settings.source
     path = source / "config.json" if source.is_dir() else source
-    fields = json.loads(path.read_text())
+    try:
+        fields = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not JSON ({error}).") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} holds a JSON {type(fields).__name__}, not a config's fields.")
     if fields.get("model_type", "nv_esm") != "nv_esm":
         raise ValueError(
             f"{source} is a {fields['model_type']!r} checkpoint; convert it first: nv-esm convert hf-to-te {source} OUT"
         )
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)
+    try:  # the architecture's own checks first: e.g. "hidden_size": "64" is refused, naming the file
+        num_layers = NVEsmConfig(**fields).num_hidden_layers
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}".removesuffix(".") + ".") from None
     backend = resolve_backend(settings.backend, device).name
-    num_layers = fields.get("num_hidden_layers", NVEsmConfig().num_hidden_layers)
     fields.update(
         backend=backend, attn_input_format="thd", layer_precision=fp8_layer_precision(settings.fp8, num_layers)
     )
@@ -62,6 +71,44 @@ def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.de
     fields.update(labels)
     fields.update(max_protein_length=max(NVEsmConfig().max_protein_length, max_length))
     return NVEsmConfig(**fields)
+
+
+def activation_bytes_per_token(config: TrainConfig, nv_config: NVEsmConfig, device: torch.device) -> int:
+    """A lower bound of the bytes that a token of a micro-batch on `device` keeps for the backward: in each layer
+    its two layer norms' inputs and outputs, q, k, v and the attention output (7 x hidden values) and the MLP's
+    two hidden activations (2 x intermediate), in the compute dtype (1 byte with --fp8), over the `--tp` x `--cp`
+    ranks that share a token (each layer's input only, and one layer's whole set, with --activation-checkpointing
+    or --offload-activations); and for MLM the fp32 logits, their log-softmax and its gradient (3 x vocabulary)."""
+    hidden, layers = nv_config.hidden_size, nv_config.num_hidden_layers
+    one_layer = 7 * hidden + 2 * nv_config.intermediate_size
+    parallel = config.parallel
+    kept = hidden * layers + one_layer if parallel.activation_checkpointing or parallel.offload_activations else None
+    values = kept if kept is not None else one_layer * layers
+    itemsize = 1 if config.model.fp8 != "off" else compute_dtype(parallel, device).itemsize
+    logits = 3 * nv_config.vocab_size * 4 if config.model.task == "mlm" else 0
+    return (values * itemsize + logits) // (parallel.tp * parallel.cp)
+
+
+def device_memory(device: torch.device) -> int:
+    """The bytes of `device`: a GPU's memory, or the host's physical memory shared by the ranks on the host."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
+
+
+def check_token_budget(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> None:
+    """ValueError, before the model is built, when `--token-budget` tokens keep more activations for the backward
+    than the device has memory (`activation_bytes_per_token`: a lower bound, so a budget it lets through may still
+    not fit)."""
+    budget, per_token = config.data.token_budget, activation_bytes_per_token(config, nv_config, world.device)
+    memory = device_memory(world.device)
+    if budget * per_token > memory:
+        raise ValueError(
+            f"--token-budget {budget}: a micro-batch keeps at least {format_bytes(budget * per_token)} of activations "
+            f"for its backward ({format_bytes(per_token)} a token), more than the {format_bytes(memory)} of "
+            f"{world.device}; lower --token-budget (below {memory // per_token}), or use --activation-checkpointing."
+        )
 
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:

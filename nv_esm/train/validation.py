@@ -27,6 +27,7 @@ from nv_esm.alphabet import CLS, EOS
 from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, pack_batch
 from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 from nv_esm.train.config import TrainConfig
+from nv_esm.train.feed import warn_if_skipped
 from nv_esm.train.parallel import Dist, forward_context
 
 VALIDATION_SEED = 0  # masks and crops of the validation proteins, whatever --seed says
@@ -51,6 +52,7 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
         shuffle=False,
         holdout=Holdout(settings.fraction, "validation") if settings.fraction else None,
         allow_empty=True,
+        rules=data.rules,
     )
     source = "the --val-fraction records" if settings.fraction else "--val-data"
     try:
@@ -61,6 +63,8 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
             stream = ClassificationStream(files[0], task, label_names=reference.label_names, **common)
     except ValueError as error:
         raise ValueError(f"validation set ({source}): {error}") from None
+    if settings.files:  # --val-fraction records were counted with --data's
+        warn_if_skipped(stream, world, "--val-data")
     total = torch.tensor([len(stream)], device=world.device)
     dist.all_reduce(total)
     if not total.item():

@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES
 from nv_esm.alphabet import iter_fasta
 from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
-from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import (
     CONTACTS_PICTURE,
@@ -71,6 +70,7 @@ from nv_esm.embed_plan import (
     token_budget_warning,
 )
 from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
+from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:

@@ -23,7 +23,7 @@ import modeling_nv_esm
 from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import update_digest
-from nv_esm.data import residue_ids
+from nv_esm.records import residue_ids
 
 OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")

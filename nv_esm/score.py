@@ -48,7 +48,6 @@ from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, file_sha256, write_atomically
 from nv_esm.cli import HelpFormatter
-from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import (
@@ -69,6 +68,7 @@ from nv_esm.embed_plan import (
 )
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_scores
+from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.scoring import (
     METHODS,
     Scorer,

@@ -448,8 +448,8 @@ def _letter_ids(tokenizer: Any, vocab_size: int) -> dict[str, int]:
     TypeError if it is not a tokenizer."""
     if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
         raise TypeError(
-            "tokenizer must be the checkpoint's ESM tokenizer (AutoTokenizer.from_pretrained(folder)), got "
-            f"{type(tokenizer).__name__}."
+            "tokenizer must be the checkpoint's ESM tokenizer "
+            f"(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)), got {type(tokenizer).__name__}."
         )
     special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
     ids = {letter: tokenizer.convert_tokens_to_ids(letter) for letter in RESIDUE_LETTERS}

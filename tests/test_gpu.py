@@ -460,7 +460,9 @@ def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8)
     if fp8 == "off":
         model = AutoModel.from_pretrained(tmp_path / "nv", trust_remote_code=True, dtype=torch.bfloat16).to(CUDA).eval()
         assert model.backend == "te"
-        via_model = model.embed(sequences, AutoTokenizer.from_pretrained(tmp_path / "nv"), show_progress=False)
+        via_model = model.embed(
+            sequences, AutoTokenizer.from_pretrained(tmp_path / "nv", trust_remote_code=True), show_progress=False
+        )
         # Both are bf16 runs of the same means, packed differently (the command's token budget and graph buckets vs
         # embed()'s batches), so they differ by bf16 rounding: held to the bound each meets against fp32 above. A
         # different pooling (special tokens or padding in the mean) moves a short protein's mean far more.

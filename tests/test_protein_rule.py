@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from conftest import ATOL_FP32, max_abs_diff
 from modeling_nv_esm import NVEsmModel, protein_residues
 from nv_esm import embed
-from nv_esm.data import tokenize
+from nv_esm.records import tokenize
 
 CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
 

@@ -26,9 +26,8 @@ from nv_esm.data import (
     mask_tokens,
     rank_streams,
     read_labelled_csv,
-    read_sequences,
-    tokenize,
 )
+from nv_esm.records import read_sequences, tokenize
 
 DEMO = ROOT / "recipes" / "demo_data"
 CLS, PAD, EOS, MASK = 0, 1, 2, 32

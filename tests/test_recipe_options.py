@@ -19,7 +19,8 @@ from test_recipe_data import assert_same_batches, random_sequences, write_fasta
 from test_recipe_edges import one_line_error, records, train
 from test_recipe_train import DEMO_FASTA, mlm_args
 
-from nv_esm.data import ClassificationStream, MLMStream, RecordRules, read_labelled_csv
+from nv_esm.data import ClassificationStream, MLMStream, read_labelled_csv
+from nv_esm.records import RecordRules
 from nv_esm.train.config import build_parser, option_values, parse_config
 from nv_esm.train.materialize import activation_bytes_per_token, model_config
 

@@ -259,8 +259,8 @@ def test_the_api_names_an_argument_of_the_wrong_kind(model, tokenizer):
             expected = f"max_tokens_per_batch must be a whole number of tokens, got {bad!r}."
             one_line_error(ValueError, partial(call, tokenizer=tokenizer, max_tokens_per_batch=bad), expected)
         for bad in (None, "esm2_t6_8M_UR50D"):
-            expected = "tokenizer must be the checkpoint's ESM tokenizer (AutoTokenizer.from_pretrained(folder)), got "
-            expected += f"{type(bad).__name__}."
+            expected = "tokenizer must be the checkpoint's ESM tokenizer "
+            expected += f"(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)), got {type(bad).__name__}."
             one_line_error(TypeError, partial(call, tokenizer=bad), expected)
         call(tokenizer=tokenizer, window=window, max_tokens_per_batch=window + 2)  # whole numbers: fine
 

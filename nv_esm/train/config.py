@@ -21,7 +21,7 @@ from typing import Any, NoReturn, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
 from nv_esm.cli import BACKEND_HELP, HelpFormatter
-from nv_esm.data import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
+from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
 
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -96,11 +95,11 @@ def init_distributed(settings: ParallelConfig) -> Dist:
     """NCCL on GPUs, gloo on CPU; a plain `python -m nv_esm.train` (no torchrun) runs as a world of one. Raises
     ValueError (before joining the process group) when `--tp` x `--cp` does not divide the world size, or
     `--dp-replicate` the world size / (`--tp` x `--cp`)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A world of one meets in an in-process store: no port to pick (a probed free port can be taken by another
+    # process before the group binds it: EADDRINUSE when runs start side by side).
+    alone = "MASTER_ADDR" not in os.environ  # torchrun (and every launcher of several ranks) sets it
+    if alone:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     world_size, replicas, tp, cp = int(os.environ["WORLD_SIZE"]), settings.dp_replicate, settings.tp, settings.cp
     for option, size in (("--tp", tp), ("--cp", cp), ("--tp x --cp", tp * cp)):
         if world_size % size:
@@ -117,7 +116,11 @@ def init_distributed(settings: ParallelConfig) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if alone:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     names, shape = ["dp_shard"], [world_size // (replicas * tp * cp)]

@@ -97,10 +97,11 @@ def init_distributed(settings: ParallelConfig) -> Dist:
     `--dp-replicate` the world size / (`--tp` x `--cp`)."""
     # A world of one meets in an in-process store: no port to pick (a probed free port can be taken by another
     # process before the group binds it: EADDRINUSE when runs start side by side).
-    alone = "MASTER_ADDR" not in os.environ  # torchrun (and every launcher of several ranks) sets it
-    if alone:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    world_size, replicas, tp, cp = int(os.environ["WORLD_SIZE"]), settings.dp_replicate, settings.tp, settings.cp
+    # The environment is left as it was: a later process group in the same process (transformers' Trainer, a second
+    # run) must not take it for a launcher's.
+    alone = "RANK" not in os.environ or "MASTER_ADDR" not in os.environ  # torchrun sets both
+    world_size = 1 if alone else int(os.environ["WORLD_SIZE"])
+    replicas, tp, cp = settings.dp_replicate, settings.tp, settings.cp
     for option, size in (("--tp", tp), ("--cp", cp), ("--tp x --cp", tp * cp)):
         if world_size % size:
             raise ValueError(f"{option} {size} must divide the number of ranks ({world_size}).")

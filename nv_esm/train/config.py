@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn, get_type_hints
 
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
+from modeling_nv_esm_lora import FUSED_MODULE_TARGETS, fused_module_refusal
 from nv_esm.cli import BACKEND_HELP, HelpFormatter
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
@@ -344,6 +345,9 @@ class TrainConfig:
         for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+        fused = [target for target in self.model.lora_targets if target in FUSED_MODULE_TARGETS]
+        if self.model.lora_rank and fused:
+            raise ValueError(f"--lora-targets: {fused_module_refusal(fused[0])}")
         at_least_zero = {
             "save_every": self.checkpoint.save_every,
             "save_minutes": self.checkpoint.save_minutes,

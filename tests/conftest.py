@@ -79,6 +79,17 @@ def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def checkpoint(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_source` converted to NVEsm by `nv-esm convert hf-to-te` (the commands' input; a test module may
+    define its own)."""
+    import convert_checkpoint
+
+    folder = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
+    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(folder)]) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """config.json of the repo's model in the tiny shape (for runs of the recipe from scratch)."""
     fields = json.loads((ROOT / "config.json").read_text())

@@ -10,19 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert_checkpoint
 from nv_esm import embed, score
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.checkpoint_io import replaced_atomically, write_atomically
 
 CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_source, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
-    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(folder)]) == 0
-    return folder
 
 
 def random_fasta(path: Path, seed: int) -> Path:

@@ -28,13 +28,6 @@ ATOL_CONTACTS = 1e-4
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_source, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("nv") / "esm2_tiny_nv"
-    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(folder)]) == 0
-    return folder
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_source) -> EsmForMaskedLM:
     return EsmForMaskedLM.from_pretrained(tiny_source, attn_implementation="eager").eval()
 

@@ -37,13 +37,6 @@ DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 INTEGER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_source, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("nv") / "te"
-    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(folder)]) == 0
-    return folder
-
-
 def random_sequence(length: int, generator: random.Random) -> str:
     return "".join(generator.choice(STANDARD_AMINO_ACIDS) for _ in range(length))
 

@@ -189,10 +189,12 @@ def copy_remote_code(out: Path) -> None:
 
 
 def remote_code_differences(checkpoint: str | Path) -> list[str]:
-    """The remote-code files (`REMOTE_CODE_FILES`) of a checkpoint folder or Hub id that differ from the installed
-    package's own; a file the checkpoint lacks counts as the same (the installed one runs either way). Only reads."""
+    """The model-code files (`MODEL_CODE_FILES`) of a checkpoint folder or Hub id that differ from the installed
+    package's own; a file the checkpoint lacks counts as the same (the installed one runs either way). The tokenizer's
+    file is not among them: the commands read a checkpoint's vocabulary with the installed `NVEsmTokenizer` and never
+    run its tokenizer code. Only reads."""
     differing = []
-    for name in REMOTE_CODE_FILES:
+    for name in MODEL_CODE_FILES:
         path = checkpoint_file(checkpoint, name)
         if path is not None and path.read_bytes() != (REMOTE_CODE_FOLDER / name).read_bytes():
             differing.append(name)

@@ -132,3 +132,19 @@ def test_pipelines_read_lower_case_proteins(nv_tiny):
     )
     masked = protein[:10] + "<mask>" + protein[11:]
     assert fill(masked) == fill(masked.upper().replace("<MASK>", "<mask>"))
+
+
+def test_a_changed_tokenizer_file_is_not_model_code_the_commands_would_run(nv_tiny, tmp_path):
+    """`remote_code_differences` (whether `--trust-remote-code` runs a folder's own model code) looks at the model's
+    files only: the commands read the vocabulary with the installed `NVEsmTokenizer`, never the folder's."""
+    import shutil
+
+    from nv_esm.hub_folder import remote_code_differences
+
+    folder = shutil.copytree(nv_tiny, tmp_path / "copy")
+    with open(folder / "tokenization_nv_esm.py", "a") as file:
+        file.write("\n# changed\n")
+    assert remote_code_differences(folder) == []
+    with open(folder / "modeling_nv_esm.py", "a") as file:
+        file.write("\n# changed\n")
+    assert remote_code_differences(folder) == ["modeling_nv_esm.py"]

@@ -89,7 +89,10 @@ def test_the_first_run_says_how_to_reach_nv_esm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VIRTUAL_ENV", str(venv))  # run from the activated venv: nothing to activate
     assert "source" not in demo.next_steps()
     if shutil.which("make"):  # `make test` ends with the same line (-n: prints the commands, runs none)
-        dry_run = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True)
+        # --no-print-directory: under CI this test runs inside `make test`, where a nested make adds "Leaving directory"
+        dry_run = subprocess.run(
+            ["make", "-n", "--no-print-directory", "test"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         assert "source .venv/bin/activate" in dry_run.stdout.strip().splitlines()[-1]
 
 

@@ -9,6 +9,7 @@
     python bench/recipe_checks.py offload --shape 3B --gpus 1 --out $OUT/recipe   # activation offloading vs not
     python bench/recipe_checks.py layouts --shape 650M --out $OUT/recipe   # 2 GPUs: HSDP, TP, CP, offloading
     python bench/recipe_checks.py long --shape 650M --out $OUT/recipe      # 2 GPUs: CP on 8k- and 32k-token proteins
+    python bench/recipe_checks.py scale --shape 650M --out $OUT/recipe     # weak scaling: replicate and shard vs 1 GPU
 
 Each check launches `torchrun` runs of the recipe from scratch (random init, identical for any world size), reads
 their metrics.jsonl and writes CHECK.json next to the runs. Timing skips the first `WARMUP_STEPS` steps.
@@ -344,6 +345,27 @@ def check_layouts(out: Path, shape: str, steps: int, budget: int) -> dict:
     return dict(shape=shape, steps=steps, token_budget=budget, **compared)
 
 
+def check_scale(out: Path, shape: str, steps: int, budgets: list[int], gpus: int, layouts: list[str]) -> dict:
+    """Weak scaling of the data-parallel layouts: per budget (tokens per micro-batch and GPU), the 1-GPU default
+    (CUDA graphs) and each of `layouts` (`--data-parallel` values) on `gpus` GPUs, one micro-batch per GPU and
+    step, `steps` steps (the first `WARMUP_STEPS` untimed). Per run: tokens/s per GPU, its ratio to the 1-GPU run,
+    MFU, peak memory per rank and, where the data agree (a 2-GPU step sees 2 micro-batches), losses as they are."""
+    results = {}
+    for budget in budgets:
+        common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "5", "--lr", "2e-4"]
+        common += ["--log-every", "5", "--no-checkpoint"]
+        runs = {"one_gpu": (1, [], None)}
+        runs.update({layout: (gpus, ["--data-parallel", layout], None) for layout in layouts})
+        compared = compare_runs(out, f"scale_{shape}_{budget}", write_config(out, shape), runs, common)
+        one = compared.get("one_gpu")
+        for layout in layouts:
+            if one and layout in compared:
+                entry = compared[layout]
+                entry["per_gpu_vs_one_gpu"] = entry["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+        results[str(budget)] = compared
+    return dict(shape=shape, steps=steps, gpus=gpus, budgets=results)
+
+
 def check_long(out: Path, shape: str, steps: int, lengths: list[int]) -> dict:
     """Context parallelism on long proteins: per length, one protein per step of `length` tokens on 1 GPU and
     with `--cp 2` on 2 GPUs (the same protein each step: losses must agree), and the 2-GPU run with activation
@@ -366,8 +388,11 @@ def check_long(out: Path, shape: str, steps: int, lengths: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "check", choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload", "layouts", "long")
+        "check",
+        choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload", "layouts", "long", "scale"),
     )
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768], help="scale: tokens per GPU")
+    parser.add_argument("--layouts", nargs="+", default=["replicate", "shard"], help="scale: --data-parallel values")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="long: protein lengths")
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
@@ -400,6 +425,8 @@ def main() -> None:
         result = check_profile(args.out, args.shape or "650M", args.budget)
     elif args.check == "layouts":
         result = check_layouts(args.out, args.shape or "650M", args.steps or 24, args.budget)
+    elif args.check == "scale":
+        result = check_scale(args.out, args.shape or "650M", args.steps or 50, args.budgets, args.gpus, args.layouts)
     elif args.check == "long":
         result = check_long(args.out, args.shape or "650M", args.steps or 20, args.lengths)
     else:
@@ -409,6 +436,8 @@ def main() -> None:
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":
         name = f"fit_{result['shape']}_{args.budget}"
+    if args.check == "scale":
+        name = f"scale_{result['shape']}_{args.gpus}gpu"
     if args.check in ("layouts", "long"):
         name = f"{args.check}_{result['shape']}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))

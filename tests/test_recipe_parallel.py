@@ -32,21 +32,25 @@ def grad_norms(out: Path) -> dict[int, float]:
 def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     tiny_config: Path, tmp_path: Path
 ) -> None:
-    """4 ranks: flat FSDP2, HSDP 2x2 and pure replication (4x1) give the flat run's losses; a flat run stopped at
-    step 3 and resumed as HSDP goes on with the flat run's losses (DCP reshards the model and optimizer state)."""
+    """4 ranks: flat FSDP2, HSDP 2x2, FSDP2's pure replication (4x1) and whole models with all-reduced gradients
+    (`--data-parallel replicate`, what `auto` picks for a model this small) give the flat run's losses; a run of
+    whole models stopped at step 3 and resumed as HSDP goes on with the flat run's losses (DCP reshards the model
+    and optimizer state)."""
     steps = 6
     run = {
         name: (tmp_path / name, mlm_args(tiny_config, steps, "--no-export", *extra))
         for name, extra in {
-            "flat": (),
+            "flat": ("--data-parallel", "shard"),
             "hybrid": ("--dp-replicate", "2"),
             "replicated": ("--dp-replicate", "4"),
+            "whole": (),
         }.items()
     }
     meshes = {
         "flat": "dp_shard=4",
         "hybrid": "dp_replicate=2 x dp_shard=2",
         "replicated": "dp_replicate=4 x dp_shard=1",
+        "whole": "whole model on each (gradients all-reduced)",
     }
     for name, (out, args) in run.items():
         assert f"4 ranks: {meshes[name]}\n" in run_recipe(out, *args, ranks=RANKS).stdout, name
@@ -59,7 +63,7 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
 
     flat = losses(run["flat"][0])
     assert sorted(flat) == list(range(1, steps + 1))
-    for name in ("hybrid", "replicated"):
+    for name in ("hybrid", "replicated", "whole"):
         other = losses(run[name][0])
         assert sorted(other) == sorted(flat)
         for step in flat:
@@ -147,6 +151,44 @@ def test_what_tensor_and_context_parallelism_do_not_support_is_refused(tiny_conf
     argv = [*mlm_args(tiny_config, 2, "--cp", "2", "--tp", "2"), "--out", str(tmp_path / "x")]
     with pytest.raises(ValueError, match="--cp 2 with --tp is not supported"):
         parse_config(argv).validate()
+
+
+@pytest.mark.parametrize("option", ["--tp 2", "--cp 2", "--dp-replicate 2", "--keep-gathered"])
+def test_whole_models_refuse_the_options_of_sharded_ones(tiny_config: Path, tmp_path: Path, option: str) -> None:
+    argv = [*mlm_args(tiny_config, 2, "--data-parallel", "replicate", *option.split()), "--out", str(tmp_path / "x")]
+    with pytest.raises(
+        ValueError, match=f"--data-parallel replicate holds a whole model on each rank; {option.split()[0]} "
+    ):
+        parse_config(argv).validate()
+
+
+def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--data-parallel auto` holds whole models when the training state (16 bytes a parameter) and a micro-batch's
+    activations fit in 80% of a device; an option that shards (here --dp-replicate 2's mesh) keeps FSDP2."""
+    from configuration_nv_esm import NVEsmConfig
+    from nv_esm.train import materialize
+    from nv_esm.train.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+    from nv_esm.train.parallel import Dist
+
+    class Mesh:
+        def __init__(self, names: tuple[str, ...]) -> None:
+            self.mesh_dim_names = names
+
+    nv_config = NVEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    parameters = 2 * (4 * 64 * 64 + 2 * 64 * 128) + nv_config.padded_vocab_size * 64 + 64 * 64
+    config = TrainConfig(
+        ModelConfig(), DataConfig(files=[], token_budget=1000), OptimizerConfig(steps=10), out=Path("x")
+    )
+    activations = 1000 * materialize.activation_bytes_per_token(config, nv_config, torch.device("cpu"))
+    needed = 16 * parameters + activations
+    for memory, replicated in ((needed / 0.8, True), (needed / 0.8 - 1, False)):
+        monkeypatch.setattr(materialize, "device_memory", lambda device, memory=memory: int(memory))
+        world = Dist(0, 2, torch.device("cpu"), Mesh(("dp_shard",)))
+        assert materialize.data_parallel_layout(config, nv_config, world).replicated is replicated
+        hybrid = Dist(0, 2, torch.device("cpu"), Mesh(("dp_replicate", "dp_shard")))
+        assert not materialize.data_parallel_layout(config, nv_config, hybrid).replicated
+        alone = Dist(0, 1, torch.device("cpu"), Mesh(("dp_shard",)))
+        assert not materialize.data_parallel_layout(config, nv_config, alone).replicated
 
 
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: Path, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from nv_esm.cli import BACKEND_HELP, HelpFormatter
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
 
+DATA_PARALLEL_CHOICES = ("auto", "replicate", "shard")
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
 TASKS = tuple(TASK_HEADS)
 DESCRIPTION = """\
@@ -207,6 +208,14 @@ class ParallelConfig:
         False,
         "keep layers gathered between forward and backward (FSDP2 "
         "reshard_after_forward=False): one all-gather less per layer and step, more memory",
+    )
+    data_parallel: str = option(
+        "auto",
+        "how the data-parallel ranks hold the model: replicate (each rank a whole copy in fp32, CUDA graphs on, "
+        "gradients all-reduced once per step), shard (FSDP2), or auto: replicate when the weights, gradients, AdamW "
+        "state and a micro-batch's activations fit in 80%% of a device, else shard (--tp, --cp and --dp-replicate "
+        "above 1 shard)",
+        choices=DATA_PARALLEL_CHOICES,
     )
     dp_replicate: int = option(
         1,
@@ -401,6 +410,16 @@ class TrainConfig:
         if validation.every and not validation.enabled:
             raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
         refuse_option_combinations(self.parallel, self.model.lora_rank)
+        parallel = self.parallel
+        if parallel.data_parallel == "replicate":
+            sharding = {"--tp": parallel.tp > 1, "--cp": parallel.cp > 1, "--dp-replicate": parallel.dp_replicate > 1}
+            sharding["--keep-gathered"] = parallel.keep_gathered
+            asked = [option for option, given in sharding.items() if given]
+            if asked:
+                raise ValueError(
+                    f"--data-parallel replicate holds a whole model on each rank; {asked[0]} is for sharded models "
+                    "(--data-parallel shard or auto)."
+                )
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 

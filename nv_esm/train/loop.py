@@ -42,7 +42,7 @@ from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, option_value
 from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.lora import lora_fields
-from nv_esm.train.materialize import build_model, check_token_budget, model_config
+from nv_esm.train.materialize import build_model, check_token_budget, data_parallel_layout, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import (
     Dist,
@@ -135,7 +135,9 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     settings_record = resume_settings(config)
     if resume_from:  # before the data and the model load
         check_resume(resume_from, config, settings_record, world)
-    check_token_budget(config, model_config(config.model, {}, world.device, config.data.max_length), world)
+    architecture = model_config(config.model, {}, world.device, config.data.max_length)  # before the data loads
+    check_token_budget(config, architecture, world)
+    world = data_parallel_layout(config, architecture, world)
     if world.is_main:
         print(world.describe(), flush=True)
     random.seed(config.seed + world.rank)

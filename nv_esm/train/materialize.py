@@ -30,7 +30,7 @@ from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.hub_folder import check_vocabulary
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
+from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded, with_data_parallel
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -109,6 +109,31 @@ def check_token_budget(config: TrainConfig, nv_config: NVEsmConfig, world: Dist)
             f"for its backward ({format_bytes(per_token)} a token), more than the {format_bytes(memory)} of "
             f"{world.device}; lower --token-budget (below {memory // per_token}), or use --activation-checkpointing."
         )
+
+
+# `--data-parallel auto` replicates the model when its training state and a micro-batch's activations (lower bounds)
+# take at most this fraction of a device: the rest is for what the bounds leave out (workspaces, CUDA graphs' pools).
+REPLICATE_MEMORY_FRACTION = 0.8
+# Bytes a trained parameter holds on a rank with a whole model: fp32 weight and gradient, AdamW's two moments.
+STATE_BYTES_PER_PARAMETER = 16
+
+
+def training_state_bytes(nv_config: NVEsmConfig) -> int:
+    """About what a whole model's training state takes (`STATE_BYTES_PER_PARAMETER` per parameter): the layers'
+    attention and MLP weights and the (padded) embedding, whose decoder is tied to it, plus the LM head's dense."""
+    hidden, layers = nv_config.hidden_size, nv_config.num_hidden_layers
+    parameters = layers * (4 * hidden * hidden + 2 * hidden * nv_config.intermediate_size)
+    parameters += nv_config.padded_vocab_size * hidden + hidden * hidden
+    return STATE_BYTES_PER_PARAMETER * parameters
+
+
+def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> Dist:
+    """`world` with the run's data-parallel layout (`--data-parallel`; `with_data_parallel`): `auto` replicates
+    when the training state and a micro-batch's activations fit in `REPLICATE_MEMORY_FRACTION` of a device."""
+    activations = config.data.token_budget * activation_bytes_per_token(config, nv_config, world.device)
+    needed = training_state_bytes(nv_config) + activations
+    fits = needed <= REPLICATE_MEMORY_FRACTION * device_memory(world.device)
+    return with_data_parallel(world, config.parallel.data_parallel, fits)
 
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:

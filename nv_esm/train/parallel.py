@@ -11,6 +11,7 @@ compute under `torch.autocast`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import warnings
@@ -41,6 +42,7 @@ class Dist:
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     fsdp_mesh: Any = None
     checkpoint_mesh: Any = None
+    replicated: bool = False  # the data-parallel ranks hold whole models (`with_data_parallel`), not FSDP2 shards
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +81,9 @@ class Dist:
         return self.rank // self.ranks_per_batch
 
     def describe(self) -> str:
-        """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2"."""
+        """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2", or "2 ranks: whole model on each"."""
+        if self.replicated:
+            return f"{self.world_size} ranks: whole model on each (gradients all-reduced)"
         dimensions = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
         return f"{self.world_size} ranks: {dimensions}"
 
@@ -185,8 +189,17 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
 
 
 def sharded(world: Dist) -> bool:
-    """Whether `parallelize` shards the model (FSDP2): on several ranks only."""
-    return world.world_size > 1
+    """Whether `parallelize` shards the model (FSDP2): on several ranks that do not hold whole models."""
+    return world.world_size > 1 and not world.replicated
+
+
+def with_data_parallel(world: Dist, mode: str, fits: bool) -> Dist:
+    """`world` with the data-parallel layout decided: whole models on every rank (`Dist.replicated`) for
+    `--data-parallel replicate`, or for `auto` when the run `fits` one device and no option shards (--tp, --cp,
+    --dp-replicate above 1, which `init_distributed` put in the mesh); else FSDP2 shards. One rank is neither."""
+    unsharded_mesh = world.mesh.mesh_dim_names == ("dp_shard",)
+    replicated = world.world_size > 1 and (mode == "replicate" or (mode == "auto" and fits and unsharded_mesh))
+    return dataclasses.replace(world, replicated=replicated)
 
 
 def forward_context(settings: ParallelConfig, world: Dist) -> contextlib.AbstractContextManager:
@@ -244,7 +257,11 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
     """Complete, after the step's backwards, the layer gradients that each rank computed from its own tokens only
     (`NVEsmEncoder.partial_gradients`). With `--cp`, FSDP2 averaged them over the "cp" ranks, where their sum is
     the gradient: they are multiplied by C. With `--tp` ("tp" is not in FSDP2's mesh), they are summed over the
-    group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already."""
+    group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already. Ranks holding
+    whole models average their gradients (`all_reduce_gradients`)."""
+    if world.replicated:
+        all_reduce_gradients([p for p in model.parameters() if p.grad is not None], world.world_size)
+        return
     if world.ranks_per_batch == 1:
         return
     for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):
@@ -254,6 +271,43 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
                 torch._foreach_mul_(grads, float(world.cp_size))
         else:
             encoder.reduce_partial_gradients()
+
+
+# Bytes of gradients in one all-reduce of `all_reduce_gradients` (two in flight: one copied while one is reduced).
+GRADIENT_BUCKET_BYTES = 256 << 20
+
+
+def all_reduce_gradients(parameters: list[nn.Parameter], world_size: int) -> None:
+    """Average the `.grad` of `parameters` (whole tensors, same order on every rank) over the ranks, as FSDP2's
+    reduction does: in buckets of about `GRADIENT_BUCKET_BYTES` per dtype, each flattened, all-reduced (summed) and
+    divided by `world_size`, then copied back. A bucket is copied while the previous one is in flight."""
+    grads = [p.grad for p in parameters]
+    buckets: list[list[torch.Tensor]] = []
+    size: dict[torch.dtype, int] = {}
+    open_bucket: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        bucket = open_bucket.get(grad.dtype)
+        if bucket is None or size[grad.dtype] + grad.nbytes > GRADIENT_BUCKET_BYTES:
+            bucket = open_bucket[grad.dtype] = []
+            buckets.append(bucket)
+            size[grad.dtype] = 0
+        bucket.append(grad)
+        size[grad.dtype] += grad.nbytes
+    in_flight: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+    for bucket in buckets:
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        in_flight.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+        if len(in_flight) == 2:
+            _copy_back(*in_flight.pop(0), world_size)
+    for item in in_flight:
+        _copy_back(*item, world_size)
+
+
+def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor, work: Any, world_size: int) -> None:
+    work.wait()
+    flat.div_(world_size)
+    pieces = flat.split([grad.numel() for grad in bucket])
+    torch._foreach_copy_(bucket, [piece.view_as(grad) for piece, grad in zip(pieces, bucket)])
 
 
 def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tensor:

@@ -37,10 +37,11 @@ Train NVEsm (ESM-2 on Transformer Engine) on one or many GPUs with FSDP2: MLM pr
 
 (`recipes/train.py` is the same command as a script: `torchrun --nproc-per-node 2 recipes/train.py ...`.)
 
-On several ranks each transformer layer and then the whole model are wrapped with
-`torch.distributed.fsdp.fully_shard` (bf16 compute, fp32 master weights and gradient reduction); a world of one
-is not sharded (fp32 weights, bf16 autocast) and replays the Transformer Engine layers as CUDA graphs
-(`--no-cuda-graphs`: eagerly). The model is built on the meta device and each rank
+One GPU holds the whole model (fp32 weights, bf16 autocast) and replays the Transformer Engine layers as CUDA
+graphs (`--no-cuda-graphs`: eagerly). On several ranks, each holds the whole model the same way and the gradients
+are all-reduced once per step when it fits a device (`--data-parallel auto`, or `replicate`); otherwise each
+transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16 compute,
+fp32 master weights and gradient reduction; `--data-parallel shard`). The model is built on the meta device and each rank
 materialises only its own shard: read from a converted checkpoint's safetensors row slices (`--model`) or drawn
 from scratch (`--config`) with one seeded generator per tensor, so every world size starts from the same weights.
 

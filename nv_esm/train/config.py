@@ -41,8 +41,8 @@ One GPU holds the whole model (fp32 weights, bf16 autocast) and replays the Tran
 graphs (`--no-cuda-graphs`: eagerly). On several ranks, each holds the whole model the same way and the gradients
 are all-reduced once per step when it fits a device (`--data-parallel auto`, or `replicate`); otherwise each
 transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16 compute,
-fp32 master weights and gradient reduction; `--data-parallel shard`). The model is built on the meta device and each rank
-materialises only its own shard: read from a converted checkpoint's safetensors row slices (`--model`) or drawn
+fp32 master weights and gradient reduction; `--data-parallel shard`). The model is built on the meta device
+and each rank materialises only its own shard: read from a converted checkpoint's safetensors row slices (`--model`) or drawn
 from scratch (`--config`) with one seeded generator per tensor, so every world size starts from the same weights.
 
 Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` tokens. With W ranks and

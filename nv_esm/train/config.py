@@ -43,7 +43,8 @@ are all-reduced once per step when it fits a device (`--data-parallel auto`, or 
 transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16 compute,
 fp32 master weights and gradient reduction; `--data-parallel shard`). The model is built on the meta device
 and each rank materialises only its own shard: read from a converted checkpoint's safetensors row slices
-(`--model`) or drawn from scratch (`--config`) with one seeded generator per tensor, so every world size starts from the same weights.
+(`--model`) or drawn from scratch (`--config`) with one seeded generator per tensor, so every world size starts
+from the same weights.
 
 Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` tokens. With W ranks and
 `--grad-accum` A, the data is split into W*A streams and rank r owns streams r*A .. r*A+A-1, so a step sees the

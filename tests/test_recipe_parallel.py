@@ -80,16 +80,18 @@ def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_si
 ) -> None:
     """`--tp 2` / `--cp 2`: the two ranks of a pair train on the same micro-batches, so a run equals the run with
     as many data-parallel ranks: 1 rank vs 2 ranks in one pair (dp_shard=1 x tp=2); 2 ranks vs 4 ranks in two pairs
-    (dp_shard=2 x tp=2), also with `--dp-replicate 2` (dp_replicate=2 x dp_shard=1 x tp=2). Same losses (fp32: the
+    (dp_shard=2 x tp=2), also with `--dp-replicate 2` (dp_replicate=2 x dp_shard=1 x tp=2). With `--cp`, the
+    default `--data-parallel auto` holds whole models (no FSDP2) but with `--dp-replicate 2`. Same losses (fp32: the
     split products and attention sum in another order), and the exported weights of the 2-rank run equal the 1-rank
     run's, so checkpoints hold whole parameters. A 4-rank run stopped at step 3 resumes with the unbroken run's
     losses; resuming it without the option is refused (its data positions belong to 2 data-parallel ranks)."""
     steps, flag = 6, f"--{option}"
+    whole = "whole model on each (gradients all-reduced)"  # `--data-parallel auto` for this small model: no FSDP2
     runs = {
         "one": (1, (), "1 ranks: dp_shard=1"),
-        "split_one": (2, (flag, "2"), f"2 ranks: dp_shard=1 x {option}=2"),
-        "two": (2, (), "2 ranks: dp_shard=2"),
-        "split_two": (4, (flag, "2"), f"4 ranks: dp_shard=2 x {option}=2"),
+        "split_one": (2, (flag, "2"), "2 ranks: dp_shard=1 x tp=2" if option == "tp" else f"2 ranks: cp=2, {whole}"),
+        "two": (2, (), f"2 ranks: {whole}"),
+        "split_two": (4, (flag, "2"), "4 ranks: dp_shard=2 x tp=2" if option == "tp" else f"4 ranks: cp=2, {whole}"),
         "replicated_split": (
             4,
             (flag, "2", "--dp-replicate", "2"),
@@ -153,7 +155,7 @@ def test_what_tensor_and_context_parallelism_do_not_support_is_refused(tiny_conf
         parse_config(argv).validate()
 
 
-@pytest.mark.parametrize("option", ["--tp 2", "--cp 2", "--dp-replicate 2", "--keep-gathered"])
+@pytest.mark.parametrize("option", ["--tp 2", "--dp-replicate 2", "--keep-gathered"])
 def test_whole_models_refuse_the_options_of_sharded_ones(tiny_config: Path, tmp_path: Path, option: str) -> None:
     argv = [*mlm_args(tiny_config, 2, "--data-parallel", "replicate", *option.split()), "--out", str(tmp_path / "x")]
     with pytest.raises(

@@ -215,8 +215,8 @@ class ParallelConfig:
         "auto",
         "how the data-parallel ranks hold the model: replicate (each rank a whole copy in fp32, CUDA graphs on, "
         "gradients all-reduced once per step), shard (FSDP2), or auto: replicate when the weights, gradients, AdamW "
-        "state and a micro-batch's activations fit in 80%% of a device, else shard (--tp, --cp and --dp-replicate "
-        "above 1 shard)",
+        "state and a micro-batch's activations fit in 80%% of a device, else shard (--tp and --dp-replicate above 1 "
+        "shard)",
         choices=DATA_PARALLEL_CHOICES,
     )
     dp_replicate: int = option(
@@ -414,7 +414,7 @@ class TrainConfig:
         refuse_option_combinations(self.parallel, self.model.lora_rank)
         parallel = self.parallel
         if parallel.data_parallel == "replicate":
-            sharding = {"--tp": parallel.tp > 1, "--cp": parallel.cp > 1, "--dp-replicate": parallel.dp_replicate > 1}
+            sharding = {"--tp": parallel.tp > 1, "--dp-replicate": parallel.dp_replicate > 1}
             sharding["--keep-gathered"] = parallel.keep_gathered
             asked = [option for option, given in sharding.items() if given]
             if asked:

@@ -83,7 +83,8 @@ class Dist:
     def describe(self) -> str:
         """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2", or "2 ranks: whole model on each"."""
         if self.replicated:
-            return f"{self.world_size} ranks: whole model on each (gradients all-reduced)"
+            together = f"cp={self.cp_size}, " if self.cp_size > 1 else ""
+            return f"{self.world_size} ranks: {together}whole model on each (gradients all-reduced)"
         dimensions = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
         return f"{self.world_size} ranks: {dimensions}"
 
@@ -195,9 +196,10 @@ def sharded(world: Dist) -> bool:
 
 def with_data_parallel(world: Dist, mode: str, fits: bool) -> Dist:
     """`world` with the data-parallel layout decided: whole models on every rank (`Dist.replicated`) for
-    `--data-parallel replicate`, or for `auto` when the run `fits` one device and no option shards (--tp, --cp,
-    --dp-replicate above 1, which `init_distributed` put in the mesh); else FSDP2 shards. One rank is neither."""
-    unsharded_mesh = world.mesh.mesh_dim_names == ("dp_shard",)
+    `--data-parallel replicate`, or for `auto` when the run `fits` one device and no option shards (--tp or
+    --dp-replicate above 1, which `init_distributed` put in the mesh; --cp ranks hold whole weights either way);
+    else FSDP2 shards. One rank is neither."""
+    unsharded_mesh = set(world.mesh.mesh_dim_names) <= {"dp_shard", "cp"}
     replicated = world.world_size > 1 and (mode == "replicate" or (mode == "auto" and fits and unsharded_mesh))
     return dataclasses.replace(world, replicated=replicated)
 
@@ -258,10 +260,9 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
     (`NVEsmEncoder.partial_gradients`). With `--cp`, FSDP2 averaged them over the "cp" ranks, where their sum is
     the gradient: they are multiplied by C. With `--tp` ("tp" is not in FSDP2's mesh), they are summed over the
     group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already. Ranks holding
-    whole models average their gradients (`all_reduce_gradients`)."""
+    whole models first average all gradients over the ranks (`all_reduce_gradients`), as FSDP2 would."""
     if world.replicated:
         all_reduce_gradients([p for p in model.parameters() if p.grad is not None], world.world_size)
-        return
     if world.ranks_per_batch == 1:
         return
     for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):

@@ -1,0 +1,330 @@
+"""ProteinGym's zero-shot scores of ESM-2, with the masked copies of many assays packed together (the Python side of
+`nv-esm proteingym`).
+
+    from nv_esm.proteingym_scoring import Assay, score_assays
+    assays = [Assay("MY_ASSAY", wild_type, ["A24G", "A24G:K30R"])]
+    scores = score_assays(model, tokenizer, assays, ["masked-marginals", "wt-marginals"])  # {DMS_id: {method: [M]}}
+
+`model` is an `NVEsmForMaskedLM` in eval mode, `tokenizer` its ESM tokenizer (as for `nv_esm.scoring`). Scores are
+in nats (float64); log-probabilities are the fp32 log-softmax of the LM head over the full vocabulary
+(`nv_esm.scoring.Scorer`). The methods follow ProteinGym's ESM baseline
+(`proteingym/baselines/esm/compute_fitness.py`, its `label_row`, `compute_pppl`, and
+`proteingym/utils/scoring_utils.py`'s `get_optimal_window`), with their names:
+
+- `masked-marginals`: per site of a mutant, the wild type with that site alone masked;
+  score = sum over sites of log p(mutant letter) - log p(wild-type letter) at that site's own copy. One copy per
+  distinct (wild type, position) serves every mutant of every assay of that wild type.
+- `wt-marginals`: the same sum read from unmasked forwards of the wild type.
+- `pseudo-ppl`: what `compute_pppl` returns for the mutated sequence s of L residues (higher: more likely; not a
+  perplexity, not a difference with the wild type): sum over token positions i = 1 .. L - 2 of the ESM token array
+  `<cls> s <eos>` of log p(s[i] | token i masked). Token i holds residue i - 1 (0-based), so each term reads the
+  probability of the letter of the residue AFTER the masked one, and the last two residues are never masked: their
+  code's indexing, kept so the numbers are theirs. L - 2 copies per distinct mutated sequence: expensive.
+- `masked_marginal`: `nv-esm score`'s joint mask (every site of a mutant masked in one copy, `nv_esm.scoring`).
+
+Windows (`window`, W: `nv_esm.scoring.default_window`, 1,024 for ESM-2, ProteinGym's hard-coded `model_window`):
+
+- `proteingym` (default): ProteinGym's slices of the token array `<cls> s <eos>` (T = L + 2 tokens), no special
+  tokens added (a slice may lack `<cls>` or `<eos>`). Masked copies (`masked-marginals`): `optimal_window` of the
+  masked token. `wt-marginals`: when T > W, `overlapping_windows` weighted by `overlap_weights`, the log-probabilities
+  averaged per token with those weights (their `--scoring-window overlapping`; their default, `optimal`, runs the
+  whole protein in one forward beyond the window); else one forward. `pseudo-ppl`: the whole sequence in every copy,
+  as `compute_pppl` runs it (a protein over `config.max_protein_length - 2` residues is refused).
+  `masked_marginal`: `nv_esm.scoring`'s window of its sites.
+- `nv-esm`: `nv_esm.scoring.window_bounds` for every method: W residues between `<cls>` and `<eos>`, centred on the
+  positions masked or read (a mutant whose sites span more than W residues is refused by the marginal methods).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from modeling_nv_esm_batch import protein_residues
+from nv_esm.scoring import MaskedCopy, Scorer, Substitution, copy_tokens, parse_mutant, progress_bar, window_bounds
+
+PROTEINGYM_METHODS = ("masked-marginals", "wt-marginals", "pseudo-ppl")
+METHODS = (*PROTEINGYM_METHODS, "masked_marginal")
+WINDOW_RULES = ("proteingym", "nv-esm")
+
+
+def optimal_window(position: int, length: int, window: int) -> tuple[int, int]:
+    """ProteinGym's `get_optimal_window(position, length, window)`: `[start, stop)` of a token array of `length`
+    tokens (`<cls>` and `<eos>` included) for the token `position`: the whole array if it has at most `window`
+    tokens, else `window` tokens: the first ones for a position before `window // 2`, the last ones for a position
+    in the last `window // 2`, else `[position - window // 2, position + window // 2)`."""
+    half = window // 2
+    if length <= window:
+        return 0, length
+    if position < half:
+        return 0, window
+    if position >= length - half:
+        return length - window, length
+    return max(0, position - half), min(length, position + half)
+
+
+def overlap_weights(window: int) -> torch.Tensor:
+    """`[window]` float64: ProteinGym's weights of a window's tokens for `wt-marginals` (written there for 1,024
+    tokens; their numbers 256, 128, 16 are window/4, window/8, window/64 here): 1, but a sigmoid rising over tokens
+    1 .. window/4 (1 / (1 + exp(-(i - window/8) / (window/64)))) and one falling over tokens
+    window - 2 - window/4 .. window - 2 (1 / (1 + exp((i - (window - 2) + window/8) / (window/64))))."""
+    edge, centre, scale = window // 4, window // 8, window / 64
+    weights = torch.ones(window, dtype=torch.float64)
+    for i in range(1, edge + 1):
+        weights[i] = 1 / (1 + math.exp(-(i - centre) / scale))
+    for i in range(window - 2 - edge, window - 1):
+        weights[i] = 1 / (1 + math.exp((i - (window - 2) + centre) / scale))
+    return weights
+
+
+def overlapping_windows(length: int, window: int) -> list[tuple[int, int]]:
+    """ProteinGym's windows `[start, stop)` of `wt-marginals` over a token array of `length` > `window` tokens: a
+    left window from token 0 and a right one ending at the last token, each moved inward by window/2 - 1 (511 for
+    1,024) until the left one ends after the right one starts (each pair is run, the last one included); then, if
+    that last pair overlaps by fewer than window/2 - 1 tokens, a central window starting at int(length / 2) -
+    window/2. A token run by several windows gets the weighted mean of their log-probabilities."""
+    step = window // 2 - 1
+    left, right = 0, length - window  # starts
+    windows = []
+    while True:
+        windows += [(left, left + window), (right, right + window)]
+        if left + window - 1 > right:
+            break
+        left, right = left + step, right - step
+    if (left + window - 1) - right + 1 < step:
+        centre = int(length / 2) - window // 2
+        windows.append((centre, centre + window))
+    return windows
+
+
+def token_slice(sequence: int, length: int, start: int, stop: int, masked: tuple[int, ...], read: tuple[int, ...]):
+    """The `MaskedCopy` of tokens `[start, stop)` of the token array `<cls>` + `length` residues + `<eos>`;
+    `masked` and `read` are 0-based residue positions."""
+    return MaskedCopy(
+        sequence, max(start - 1, 0), min(stop - 1, length), masked, read, bos=start == 0, eos=stop == length + 2
+    )
+
+
+@dataclass
+class Assay:
+    """One assay: its `DMS_id`, the wild type (`target_seq`), its mutants in ProteinGym's notation (1-based,
+    `A24G:K30R`); `names` (per mutant, for errors: its file, row and column) default to `DMS_id[i]`."""
+
+    dms_id: str
+    wild_type: str
+    mutants: Sequence[str]
+    names: Sequence[str] | None = None
+    variants: list[tuple[Substitution, ...]] = field(default_factory=list, init=False)
+
+    def parse(self) -> None:
+        """Check the wild type and every mutant (`nv_esm.scoring.parse_mutant`: ValueError naming the mutant)."""
+        self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
+        self.names = self.names or [f"{self.dms_id}[{i}]" for i in range(len(self.mutants))]
+        self.variants = [parse_mutant(m, self.wild_type, name) for m, name in zip(self.mutants, self.names)]
+
+
+def mutated_sequence(wild_type: str, substitutions: Sequence[Substitution]) -> str:
+    """The wild type with `substitutions` applied."""
+    residues = list(wild_type)
+    for s in substitutions:
+        residues[s.position - 1] = s.mutant
+    return "".join(residues)
+
+
+class Plan:
+    """The masked copies that `methods` need for `assays` (each `Assay.parse`d), deduplicated across assays and
+    methods, and how each score reads their log-probabilities back. `run` scores them in one packed pass."""
+
+    def __init__(self, scorer: Scorer, assays: Sequence[Assay], methods: Sequence[str], windows: str) -> None:
+        if windows not in WINDOW_RULES:
+            raise ValueError(f"windows must be one of {', '.join(WINDOW_RULES)}; got {windows!r}.")
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise ValueError(f"methods must be among {', '.join(METHODS)}; got {list(methods)!r}.")
+        self.scorer, self.assays, self.methods, self.windows = scorer, assays, tuple(methods), windows
+        self.sequences: list[str] = []
+        self.copies: list[MaskedCopy] = []
+        self._sequence_of: dict[str, int] = {}
+        self._copy_of: dict[tuple, int] = {}
+        self._reads: list[dict[int, None]] = []  # per copy: the residues it reads (ordered)
+        self._pll_targets: dict[int, tuple[int, str]] = {}  # pseudo-ppl copy -> (its sequence, the letter read)
+        # per (assay, method): per mutant, its terms [(weights [(copy, weight)], substitution)]
+        self._terms: dict[tuple[int, str], list[list[tuple[list[tuple[int, float]], Substitution]]]] = {}
+        self._plls: dict[tuple[int, int], int] = {}  # (assay, mutant) -> sequence of its pseudo-ppl
+        for a, assay in enumerate(assays):
+            for method in self.methods:
+                if method == "pseudo-ppl":
+                    for m, variant in enumerate(assay.variants):
+                        self._plls[a, m] = self._pseudo_ppl_sequence(mutated_sequence(assay.wild_type, variant))
+                else:
+                    self._terms[a, method] = [
+                        self._marginal_terms(assay, v, method, name) for v, name in zip(assay.variants, assay.names)
+                    ]
+        self.copies = [
+            MaskedCopy(c.sequence, c.start, c.stop, c.masked, tuple(sorted(reads)), c.bos, c.eos)
+            for c, reads in zip(self.copies, self._reads)
+        ]
+
+    def tokens(self) -> int:
+        """Tokens the pass runs through the model (its progress bar's total)."""
+        return copy_tokens(self.copies)
+
+    def _sequence(self, residues: str) -> int:
+        if residues not in self._sequence_of:
+            self._sequence_of[residues] = len(self.sequences)
+            self.sequences.append(residues)
+        return self._sequence_of[residues]
+
+    def _copy(self, key: tuple, copy: MaskedCopy, read: int) -> int:
+        """The index of the copy `key` (made from `copy` the first time), reading residue `read` too."""
+        index = self._copy_of.get(key)
+        if index is None:
+            index = self._copy_of[key] = len(self.copies)
+            self.copies.append(copy)
+            self._reads.append({})
+        self._reads[index][read] = None
+        return index
+
+    def _marginal_terms(self, assay: Assay, variant: tuple[Substitution, ...], method: str, name: str) -> list:
+        try:
+            return self._marginal_copies(assay, variant, method)
+        except ValueError as error:  # nv-esm windows: sites spanning more than a window
+            raise ValueError(f"{name}: {error} {method} scores a mutant in one forward.") from None
+
+    def _marginal_copies(self, assay: Assay, variant: tuple[Substitution, ...], method: str) -> list:
+        """Per site of `variant`: ([(copy, weight)] whose weighted log-probabilities it reads, the substitution)."""
+        sequence, length, window = self._sequence(assay.wild_type), len(assay.wild_type), self.scorer.window
+        terms = []
+        sites = tuple(s.position - 1 for s in variant)
+        for s in variant:
+            p = s.position - 1
+            if method == "masked_marginal" or self.windows == "nv-esm":
+                masked = {"masked-marginals": (p,), "masked_marginal": sites}.get(method, ())
+                span = (p, p) if method == "masked-marginals" else (sites[0], sites[-1])
+                start, stop = window_bounds(length, *span, window)
+                key = (sequence, start, stop, masked, True, True)
+                weights = [(self._copy(key, MaskedCopy(sequence, start, stop, masked, ()), p), 1.0)]
+            elif method == "masked-marginals":
+                start, stop = optimal_window(p + 1, length + 2, window)
+                key = (sequence, start, stop, (p,), "tokens")
+                weights = [(self._copy(key, token_slice(sequence, length, start, stop, (p,), ()), p), 1.0)]
+            else:  # wt-marginals, ProteinGym's windows
+                weights = self._overlap_terms(sequence, length, p)
+            terms.append((weights, s))
+        return terms
+
+    def _overlap_terms(self, sequence: int, length: int, position: int) -> list[tuple[int, float]]:
+        """[(copy, weight)] of the unmasked windows holding residue `position`, the weights normalised to sum 1."""
+        window, tokens = self.scorer.window, length + 2
+        spans = [(0, tokens)] if tokens <= window else overlapping_windows(tokens, window)
+        weights = overlap_weights(window) if tokens > window else torch.ones(tokens, dtype=torch.float64)
+        found = []
+        for start, stop in spans:
+            if start <= position + 1 < stop:
+                key = (sequence, start, stop, (), "tokens")
+                copy = self._copy(key, token_slice(sequence, length, start, stop, (), ()), position)
+                found.append((copy, float(weights[position + 1 - start])))
+        total = sum(weight for _, weight in found)
+        return [(copy, weight / total) for copy, weight in found]
+
+    def _pseudo_ppl_sequence(self, residues: str) -> int:
+        sequence = self._sequence(residues)
+        if ("pseudo-ppl", sequence) in self._copy_of:
+            return sequence
+        self._copy_of["pseudo-ppl", sequence] = -1
+        length = len(residues)
+        if self.windows == "proteingym" and length + 2 > self.scorer.model.config.max_protein_length:
+            raise ValueError(
+                f"pseudo-ppl runs the whole mutated sequence (ProteinGym's compute_pppl) and one of {length} residues "
+                f"is longer than config.max_protein_length - 2; use --windows nv-esm."
+            )
+        for token in range(1, length - 1):  # compute_pppl's range(1, len(sequence) - 1): residue token - 1 masked
+            masked = token - 1
+            start, stop = (0, length)
+            if self.windows == "nv-esm":
+                start, stop = window_bounds(length, masked, masked, self.scorer.window)
+            self._pll_targets[len(self.copies)] = (sequence, residues[token])
+            self._reads.append({masked: None})
+            self.copies.append(MaskedCopy(sequence, start, stop, (masked,), ()))
+        return sequence
+
+    def run(self, progress: Any = None) -> list[dict[str, torch.Tensor]]:
+        """Run the copies (packed, length-sorted: `Scorer.log_probs`); per assay {method: `[M]` float64 scores}."""
+        scorer = self.scorer
+        encoded = [scorer.encode(residues) for residues in self.sequences]
+        rows: dict[tuple[int, int], torch.Tensor] = {}
+        plls = [0.0] * len(self.sequences)
+        for batch, log_probs in scorer.log_probs(encoded, self.copies, progress):
+            offset = 0
+            for index in batch:
+                read = self.copies[index].read
+                if index in self._pll_targets:
+                    sequence, letter = self._pll_targets[index]
+                    plls[sequence] += float(log_probs[offset, scorer.letter_ids[letter]])
+                else:
+                    rows.update({(index, position): log_probs[offset + j] for j, position in enumerate(read)})
+                offset += len(read)
+        ids = scorer.letter_ids
+        results = []
+        for a, assay in enumerate(self.assays):
+            scores = {}
+            for method in self.methods:
+                if method == "pseudo-ppl":
+                    values = [plls[self._plls[a, m]] for m in range(len(assay.variants))]
+                else:
+                    values = [_marginal_score(rows, terms, ids) for terms in self._terms[a, method]]
+                scores[method] = torch.tensor(values, dtype=torch.float64)
+            results.append(scores)
+        return results
+
+
+def _marginal_score(rows: dict[tuple[int, int], torch.Tensor], terms: list, ids: dict[str, int]) -> float:
+    """sum over a mutant's sites of log p(mutant letter) - log p(wild-type letter), each log-probability the
+    weighted mean of its copies' (`rows[copy, position]`: `[vocab]` log-probabilities)."""
+    total = 0.0
+    for weights, s in terms:
+        for copy, weight in weights:
+            values = rows[copy, s.position - 1]
+            total += weight * float(values[ids[s.mutant]] - values[ids[s.wild_type]])
+    return total
+
+
+def score_assays(
+    model: Any,
+    tokenizer: Any,
+    assays: Sequence[Assay],
+    methods: Sequence[str] = ("masked-marginals",),
+    *,
+    windows: str = "proteingym",
+    window: int | None = None,
+    max_tokens_per_batch: int = 16384,
+    show_progress: bool = False,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Scores of every mutant of every assay by each of `methods` (see the module's docstring), the masked copies of
+    all assays packed in one pass: {DMS_id: {method: `[M]` float64, in the assay's order}}.
+
+    Args:
+        model: `NVEsmForMaskedLM` in eval mode.
+        tokenizer: The checkpoint's ESM tokenizer.
+        assays: `Assay`s (distinct `dms_id`s); a mutant whose wild-type letter differs from `wild_type`, or a
+            position outside it, raises ValueError naming it.
+        methods: Among `METHODS`.
+        windows: `proteingym` (their windows) or `nv-esm` (`nv_esm.scoring`'s).
+        window: W (default `nv_esm.scoring.default_window(model.config)`: 1,024 for ESM-2).
+        max_tokens_per_batch: Token budget of one packed batch.
+        show_progress: A progress bar over the tokens of the copies.
+    """
+    ids = [assay.dms_id for assay in assays]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"DMS_id {repeated[0]!r} is given twice; each assay needs an id of its own.")
+    scorer = Scorer(model, tokenizer, window, max_tokens_per_batch)
+    for assay in assays:
+        assay.parse()
+    plan = Plan(scorer, assays, methods, windows)
+    with progress_bar(plan.tokens(), "proteingym", not show_progress) as progress:
+        return dict(zip(ids, plan.run(progress)))

@@ -11,8 +11,12 @@ REFERENCE_CSV is ProteinGym's `reference_files/DMS_substitutions.csv` (columns `
 model's `input_score_name`, and `MODEL_NAME_<method>` for the others), and `manifest.json` (the settings). Methods
 and windows: `nv_esm.proteingym_scoring`.
 
+Then OUT/summary/ gets ProteinGym's metrics of every score column (`nv_esm.proteingym_metrics`: per assay, per
+UniProt_ID and selection type, their mean and bootstrap standard error; CSV files named as their benchmarks/ folder's),
+`Spearman.png` (per selection type) and `<DMS_id>.png` (one assay's scores against DMS_score, `--scatter-assay`).
+
 Every input is checked before the model loads (a one-line error names the file, row and column). The assays run
-in groups of whole wild types (about `GROUP_TOKENS` tokens each; every copy of a group packed in one pass, each
+in groups of whole wild types (`groups_of`; every copy of a group packed in one pass, each
 wild-type position computed once for all the assays of that wild type); an assay's file is written, atomically,
 when its group is done. A rerun skips the assays whose file is there, and refuses an OUT of other settings
 (checkpoint, methods, windows...) unless `--overwrite`. Under torchrun the groups are split over the ranks.
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 
 from modeling_nv_esm_batch import protein_residues
+from nv_esm import proteingym_metrics
 from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, write_atomically
 from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
@@ -39,6 +44,7 @@ from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision
 from nv_esm.hub_folder import remote_code_differences
+from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan
 from nv_esm.score import FP8_RECIPE, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
@@ -49,11 +55,16 @@ PROTEINGYM_FOLDER = OutputFolder(
     re.compile(rf"([^/]+\.(csv|png)|manifest\.json)({TEMPORARY_SUFFIX})?|\.nv-esm-proteingym\.lock"),
     ".nv-esm-proteingym.lock",
     "assay scores",
+    folders=("summary",),
 )
+SUMMARY_FOLDER = "summary"  # OUT/summary/: proteingym_metrics' files and the plots, rewritten by each run
+SUMMARY_COLUMNS = ("UniProt_ID", "coarse_selection_type")  # of the reference, for the summary
+MEASURED_COLUMNS = ("DMS_score", "DMS_score_bin")  # of each assay, for the summary
 REFERENCE_COLUMNS = ("DMS_id", "DMS_filename", "target_seq")
 MUTANT_COLUMN = "mutant"
 # Tokens of masked copies per group of assays (whole wild types): one packed pass each, and what a killed run loses.
 GROUP_TOKENS = 1 << 22
+GROUPS_PER_RANK = 8  # at least this many groups per rank where the wild types allow: the ranks' loads even out
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -77,6 +88,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="long proteins: ProteinGym's slices of the token array, or nv-esm score's windows",
     )
     parser.add_argument("--assays", nargs="+", metavar="DMS_ID", help="score these assays only (default: all)")
+    parser.add_argument(
+        "--scatter-assay", metavar="DMS_ID", help="the assay of the score-vs-DMS_score plot (default: the first one)"
+    )
     parser.add_argument(
         "--model-name",
         help="the score columns' name (ProteinGym's config.json reads e.g. esm2_t33_650M_UR50D; default: the "
@@ -120,11 +134,14 @@ class ProteinGymSettings:
 
 @dataclass
 class AssayFile:
-    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows."""
+    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows, and what the summary
+    groups it by (the reference's `UniProt_ID` and `coarse_selection_type`; None where it lacks the column)."""
 
     assay: Assay
     columns: list[str]
     rows: list[dict[str, str | None]]
+    uniprot: str | None
+    selection_type: str | None
 
 
 def read_assays(args: argparse.Namespace) -> list[AssayFile]:
@@ -147,6 +164,8 @@ def read_assays(args: argparse.Namespace) -> list[AssayFile]:
     unknown = [dms_id for dms_id in wanted if dms_id not in seen]
     if unknown:
         raise ValueError(f"--assays: {unknown[0]!r} is not a DMS_id of {args.reference}.")
+    if args.scatter_assay is not None and args.scatter_assay not in wanted:
+        raise ValueError(f"--scatter-assay: {args.scatter_assay!r} is not among the assays scored.")
     files = []
     for dms_id in wanted:
         row, line = rows[seen[dms_id] - 1]
@@ -169,24 +188,35 @@ def read_assays(args: argparse.Namespace) -> list[AssayFile]:
         wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
         assay = Assay(dms_id, wild_type, mutants, names)
         assay.parse()
-        files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows]))
+        groups = (row.get(name) for name in SUMMARY_COLUMNS)
+        files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows], *groups))
     return files
 
 
-def groups_of(files: list[AssayFile], tokens: dict[str, int]) -> list[list[int]]:
-    """Groups of assay indices, whole wild types together, of about `GROUP_TOKENS` tokens each (`tokens`: per wild
-    type, what its assays' copies cost), in the order of the wild types' first assays."""
+def groups_of(files: list[AssayFile], tokens: dict[str, int], world_size: int) -> list[list[list[int]]]:
+    """Per rank, its groups of assay indices: whole wild types together (`tokens`: per wild type, what its assays'
+    copies cost), each group about min(`GROUP_TOKENS`, all tokens / (`GROUPS_PER_RANK` x `world_size`)) tokens, in
+    the order of the wild types' first assays; the groups dealt out largest first, each to the rank with the fewest
+    tokens so far (the same on every rank)."""
     by_wild_type: dict[str, list[int]] = {}
     for index, file in enumerate(files):
         by_wild_type.setdefault(file.assay.wild_type, []).append(index)
-    groups, size = [[]], 0
+    target = min(GROUP_TOKENS, max(1, sum(tokens.values()) // (GROUPS_PER_RANK * world_size)))
+    groups, sizes = [[]], [0]
     for wild_type, indices in by_wild_type.items():
-        if groups[-1] and size + tokens[wild_type] > GROUP_TOKENS:
+        if groups[-1] and sizes[-1] + tokens[wild_type] > target:
             groups.append([])
-            size = 0
+            sizes.append(0)
         groups[-1] += indices
-        size += tokens[wild_type]
-    return [group for group in groups if group]
+        sizes[-1] += tokens[wild_type]
+    ranks: list[list[list[int]]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for k in sorted(range(len(groups)), key=lambda k: -sizes[k]):
+        if groups[k]:
+            rank = loads.index(min(loads))
+            ranks[rank].append(groups[k])
+            loads[rank] += sizes[k]
+    return ranks
 
 
 def output_path(args: argparse.Namespace, dms_id: str) -> Path:
@@ -223,8 +253,7 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
             for wild_type, indices in plans.items()
         }
         todo_files = [files[i] for i in todo]
-        groups = groups_of(todo_files, tokens)
-        mine = groups[rank::world_size]
+        mine = groups_of(todo_files, tokens, world_size)[rank]
         group_plans = [
             Plan(scorer, [todo_files[i].assay for i in group], settings.methods, settings.windows) for group in mine
         ]
@@ -237,8 +266,75 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
         barrier(world_size)
         if rank == 0:
             print(f"{len(files)} assays ({len(files) - len(todo)} were already done); wrote {args.output}")
-            # issue 45, metrics (nv_esm/proteingym_metrics.py, branch issue45-pgmetrics): the lead wires this call:
-            # summary = proteingym_metrics.summarize(args.reference, args.output, settings.columns)
+            missing = summary_gap(files)
+            if missing is None:
+                summarize_output(args, files, settings.columns)
+            else:
+                print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
+
+
+def summary_gap(files: list[AssayFile]) -> str | None:
+    """Why the metrics cannot be summarised (a column the summary reads is missing), or None."""
+    for file in files:
+        if file.uniprot is None or file.selection_type is None:
+            return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
+        absent = [name for name in MEASURED_COLUMNS if name not in file.columns]
+        if absent:
+            return f"assay {file.assay.dms_id} has no {absent[0]} column"
+    return None
+
+
+def summarize_output(args: argparse.Namespace, files: list[AssayFile], columns: tuple[str, ...]) -> None:
+    """ProteinGym's metrics of every score column over the assays' output files (`proteingym_metrics`), written to
+    OUT/summary/ with a bar plot of the Spearman per selection type and a scatter of one assay's scores."""
+    results, values_of = [], {}
+    for file in files:
+        path = output_path(args, file.assay.dms_id)
+        _, rows = read_csv(path)
+        values = {name: _floats(path, rows, name) for name in (*columns, *MEASURED_COLUMNS)}
+        values_of[file.assay.dms_id] = values
+        results.append(
+            proteingym_metrics.assay_result(
+                file.assay.dms_id,
+                file.uniprot,
+                file.selection_type,
+                values["DMS_score"],
+                values["DMS_score_bin"],
+                {name: values[name] for name in columns},
+            )
+        )
+    summary = proteingym_metrics.summarize(results)
+    folder = args.output / SUMMARY_FOLDER
+    proteingym_metrics.write_summary(summary, folder)
+    spearman = summary.metrics["Spearman"]
+    bars = {
+        name: [*spearman.category_values[:, i].tolist(), float(spearman.average[i])]
+        for i, name in enumerate(summary.methods)
+    }
+    averages = ", ".join(f"{name} {spearman.average[i]:.3f}" for i, name in enumerate(summary.methods))
+    print(f"average Spearman over selection types ({len(files)} assays): {averages}; wrote {folder}")
+    chosen = args.scatter_assay or files[0].assay.dms_id
+    result = next(result for result in results if result.DMS_id == chosen)
+    panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values_of[chosen][name] for name in columns}
+    plotted = [
+        plot_category_bars([*spearman.categories, "Average"], bars, folder / "Spearman.png"),
+        plot_scores(panels, values_of[chosen]["DMS_score"], folder / f"{chosen}.png", "DMS_score"),
+    ]
+    if None in plotted:
+        print(PLOTS_HINT.format(what="the summary"), file=sys.stderr)
+
+
+def _floats(path: Path, rows: list[tuple[dict[str, str | None], int]], column: str) -> list[float]:
+    """The column's values as floats; ValueError naming the file, row and column of one that is not a number."""
+    values = []
+    for number, (row, line) in enumerate(rows, 1):
+        try:
+            values.append(float(row[column]))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{path}: row {number} (line {line}), column {column!r}: {row[column]!r} is not a number."
+            ) from None
+    return values
 
 
 def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:

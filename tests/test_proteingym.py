@@ -14,11 +14,16 @@ forwards stay cheap): every case of each window rule runs. Scores are compared w
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from scipy.stats import spearmanr
 from transformers import EsmForMaskedLM, EsmTokenizer
 
 import convert_checkpoint
@@ -304,16 +309,17 @@ def write_benchmark(folder: Path, assays: dict[str, tuple[str, list[str]]], gene
     (folder / "assays").mkdir(parents=True)
     with open(folder / "DMS_substitutions.csv", "w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["DMS_index", "DMS_id", "DMS_filename", "UniProt_ID", "target_seq", "seq_len"])
+        writer.writerow(["DMS_index", "DMS_id", "DMS_filename", "UniProt_ID", "target_seq", "coarse_selection_type"])
         for index, (dms_id, (wild_type, _)) in enumerate(assays.items()):
-            writer.writerow([index, dms_id, f"{dms_id}.csv", f"P{index}", wild_type, len(wild_type)])
+            kind = ("Activity", "Stability")[index % 2]
+            writer.writerow([index, dms_id, f"{dms_id}.csv", f"P{wild_type[:6]}", wild_type, kind])
     for dms_id, (wild_type, mutants) in assays.items():
         with open(folder / "assays" / f"{dms_id}.csv", "w", newline="") as file:
             writer = csv.writer(file)
             writer.writerow(["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"])
-            for mutant in mutants:
+            for number, mutant in enumerate(mutants):
                 score = torch.randn(1, generator=generator).item()
-                writer.writerow([mutant, mutate(wild_type, mutant), f"{score:.4f}", int(score > 0)])
+                writer.writerow([mutant, mutate(wild_type, mutant), f"{score:.4f}", number % 2])
     return folder / "DMS_substitutions.csv"
 
 
@@ -341,6 +347,16 @@ def test_the_command_writes_each_assay_with_its_scores(checkpoint, assays, expec
         assert got == pytest.approx(expected[dms_id]["masked-marginals"], abs=ATOL)
         got = [float(row["esm2_tiny_nv_wt-marginals"]) for row in rows]
         assert got == pytest.approx(expected[dms_id]["wt-marginals"], abs=ATOL)
+    # the summary: ProteinGym's per-assay Spearman of each column (proteingym_metrics), and the plots
+    summary = read_csv(tmp_path / "out" / "summary" / "Spearman" / "DMS_substitutions_Spearman_DMS_level.csv")
+    assert [row["DMS ID"] for row in summary] == list(assays)
+    for row in summary:
+        scored = read_csv(tmp_path / "out" / f"{row['DMS ID']}.csv")
+        for column in ("esm2_tiny_nv", "esm2_tiny_nv_wt-marginals"):
+            rho = spearmanr([float(r["DMS_score"]) for r in scored], [float(r[column]) for r in scored])[0]
+            assert float(row[column]) == pytest.approx(rho, abs=5e-4)
+    if importlib.util.find_spec("matplotlib"):
+        assert {path.name for path in (tmp_path / "out" / "summary").glob("*.png")} == {"Spearman.png", "A_one.png"}
 
 
 def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(checkpoint, tmp_path, monkeypatch, capsys):
@@ -370,7 +386,7 @@ def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(check
         proteingym, "write_assay", lambda path, *args: (written.append(path.name), real_write(path, *args))
     )
     assert run_command(checkpoint, reference, out) == 0
-    assert written == ["S0.csv", "S2.csv"]  # S1 from the first run, S0 from the killed one: each written once
+    assert sorted(written) == ["S0.csv", "S2.csv"]  # S1 by the first run, one by the killed one: each written once
     assert (out / "S1.csv").read_bytes() == first
     capsys.readouterr()
     for changed in (["--methods", "wt-marginals"], ["--windows", "nv-esm"], ["--model-name", "other"]):
@@ -419,3 +435,41 @@ def test_malformed_inputs_are_one_line_errors_naming_file_row_and_column(checkpo
     error = capsys.readouterr().err
     assert message in error and error.startswith("nv-esm proteingym: error:") and len(error.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_groups_keep_wild_types_whole_and_spread_over_the_ranks():
+    from types import SimpleNamespace
+
+    generator = torch.Generator().manual_seed(4505)
+    wild_types = [random_sequence(10, generator) for _ in range(7)]
+    files = [SimpleNamespace(assay=SimpleNamespace(wild_type=wild_types[i % 7])) for i in range(20)]
+    tokens = {wild_type: int(torch.randint(1, 1000, (1,), generator=generator)) for wild_type in wild_types}
+    for world_size in (1, 2, 3):
+        ranks = proteingym.groups_of(files, tokens, world_size)
+        assert len(ranks) == world_size and all(ranks)
+        flat = [i for groups in ranks for group in groups for i in group]
+        assert sorted(flat) == list(range(20))
+        for groups in ranks:
+            for group in groups:
+                others = [i for g in (g for gs in ranks for g in gs if g is not group) for i in g]
+                assert not {files[i].assay.wild_type for i in group} & {files[i].assay.wild_type for i in others}
+
+
+def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
+    generator = torch.Generator().manual_seed(4506)
+    small = {}
+    for i in range(4):
+        wild_type = random_sequence(20 + i, generator)
+        small[f"S{i}"] = (wild_type, random_mutants(wild_type, generator, [1, 7, 12, 15], 6))
+    reference = write_benchmark(tmp_path, small, generator)
+    assert run_command(checkpoint, reference, tmp_path / "single") == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nv_esm"]
+    command += ["proteingym", str(checkpoint), str(reference), str(tmp_path / "assays"), str(tmp_path / "ranks"), *CPU]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for dms_id in small:
+        single, ranks = read_csv(tmp_path / "single" / f"{dms_id}.csv"), read_csv(tmp_path / "ranks" / f"{dms_id}.csv")
+        assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
+        for ours, theirs in zip(ranks, single):
+            assert float(ours["esm2_tiny_nv"]) == pytest.approx(float(theirs["esm2_tiny_nv"]), abs=1e-5)

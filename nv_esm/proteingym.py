@@ -45,7 +45,7 @@ from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, 
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
-from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan
+from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, check_assay, run_plans
 from nv_esm.score import FP8_RECIPE, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
@@ -144,10 +144,11 @@ class AssayFile:
     selection_type: str | None
 
 
-def read_assays(args: argparse.Namespace) -> list[AssayFile]:
+def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
     """The reference's assays (`--assays` of them), every file and mutant row checked: ValueError naming the file,
     row and column of a missing column, a repeated or unknown DMS_id, a missing assay file, a malformed mutant, a
-    position outside `target_seq` or a wild-type letter that differs from it."""
+    position outside `target_seq` or a wild-type letter that differs from it, or what the methods cannot score
+    (`check_assay`, with the model's `window` and `longest` protein)."""
     columns, rows = read_csv(args.reference)
     missing = [name for name in REFERENCE_COLUMNS if name not in columns]
     if missing:
@@ -188,28 +189,26 @@ def read_assays(args: argparse.Namespace) -> list[AssayFile]:
         wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
         assay = Assay(dms_id, wild_type, mutants, names)
         assay.parse()
+        check_assay(assay, args.methods, args.windows, window, longest)
         groups = (row.get(name) for name in SUMMARY_COLUMNS)
         files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows], *groups))
     return files
 
 
-def groups_of(files: list[AssayFile], tokens: dict[str, int], world_size: int) -> list[list[list[int]]]:
-    """Per rank, its groups of assay indices: whole wild types together (`tokens`: per wild type, what its assays'
-    copies cost), each group about min(`GROUP_TOKENS`, all tokens / (`GROUPS_PER_RANK` x `world_size`)) tokens, in
-    the order of the wild types' first assays; the groups dealt out largest first, each to the rank with the fewest
-    tokens so far (the same on every rank)."""
-    by_wild_type: dict[str, list[int]] = {}
-    for index, file in enumerate(files):
-        by_wild_type.setdefault(file.assay.wild_type, []).append(index)
+def groups_of(tokens: dict[str, int], world_size: int) -> list[list[list[str]]]:
+    """Per rank, its groups of wild types (`tokens`: what each one's copies cost, in the order of the runs'
+    assays): consecutive wild types, about min(`GROUP_TOKENS`, all tokens / (`GROUPS_PER_RANK` x `world_size`))
+    tokens per group; the groups dealt out largest first, each to the rank with the fewest tokens so far (the same
+    on every rank)."""
     target = min(GROUP_TOKENS, max(1, sum(tokens.values()) // (GROUPS_PER_RANK * world_size)))
     groups, sizes = [[]], [0]
-    for wild_type, indices in by_wild_type.items():
-        if groups[-1] and sizes[-1] + tokens[wild_type] > target:
+    for wild_type, size in tokens.items():
+        if groups[-1] and sizes[-1] + size > target:
             groups.append([])
             sizes.append(0)
-        groups[-1] += indices
-        sizes[-1] += tokens[wild_type]
-    ranks: list[list[list[int]]] = [[] for _ in range(world_size)]
+        groups[-1].append(wild_type)
+        sizes[-1] += size
+    ranks: list[list[list[str]]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
     for k in sorted(range(len(groups)), key=lambda k: -sizes[k]):
         if groups[k]:
@@ -244,24 +243,20 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
         barrier(world_size)
         todo = [i for i, file in enumerate(files) if not output_path(args, file.assay.dms_id).exists()]
         barrier(world_size)  # every rank has its list before any writes an assay: all share one list
-        plans = {}
-        for i in todo:  # tokens per wild type, to cut groups
-            wild_type = files[i].assay.wild_type
-            plans.setdefault(wild_type, []).append(i)
-        tokens = {
-            wild_type: Plan(scorer, [files[i].assay for i in indices], settings.methods, settings.windows).tokens()
-            for wild_type, indices in plans.items()
+        by_wild_type: dict[str, list[AssayFile]] = {}
+        for i in todo:
+            by_wild_type.setdefault(files[i].assay.wild_type, []).append(files[i])
+        plans = {
+            wild_type: Plan(scorer, [file.assay for file in group], settings.methods, settings.windows)
+            for wild_type, group in by_wild_type.items()
         }
-        todo_files = [files[i] for i in todo]
-        mine = groups_of(todo_files, tokens, world_size)[rank]
-        group_plans = [
-            Plan(scorer, [todo_files[i].assay for i in group], settings.methods, settings.windows) for group in mine
-        ]
-        progress = progress_bar(sum(p.tokens() for p in group_plans), "proteingym", args.no_progress or rank != 0)
-        for group, plan in zip(mine, group_plans):
-            for index, scores in zip(group, plan.run(progress)):
-                file = todo_files[index]
-                write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
+        mine = groups_of({wild_type: plan.tokens() for wild_type, plan in plans.items()}, world_size)[rank]
+        total = sum(plans[wild_type].tokens() for group in mine for wild_type in group)
+        progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
+        for group in mine:
+            for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
+                for file, scores in zip(by_wild_type[wild_type], results):
+                    write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
         progress.close()
         barrier(world_size)
         if rank == 0:
@@ -344,7 +339,9 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
         config = load_config(args.checkpoint)
         window = resolve_window(config, None)
         args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
-        files = read_assays(args)  # before loading: a bad row stops the run at once
+        files = read_assays(
+            args, window, config.max_protein_length - 2
+        )  # before loading: a bad row stops the run at once
         own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
         settings = ProteinGymSettings(
             checkpoint=checkpoint_fingerprint(args.checkpoint, config),

@@ -37,9 +37,11 @@ Windows (`window`, W: `nv_esm.scoring.default_window`, 1,024 for ESM-2, ProteinG
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -135,6 +137,24 @@ def mutated_sequence(wild_type: str, substitutions: Sequence[Substitution]) -> s
     return "".join(residues)
 
 
+def check_assay(assay: Assay, methods: Sequence[str], windows: str, window: int, longest: int) -> None:
+    """ValueError naming the mutant (`Assay.names`) for what `methods` cannot score: a mutant whose sites span more
+    than `window` residues where one forward holds them all (`masked_marginal`; `wt-marginals` with nv-esm
+    windows), and, with ProteinGym's windows, `pseudo-ppl` of a protein over `longest` residues
+    (`config.max_protein_length - 2`: it runs whole)."""
+    if "pseudo-ppl" in methods and windows == "proteingym" and len(assay.wild_type) > longest:
+        raise ValueError(
+            f"{assay.dms_id}: pseudo-ppl runs the whole mutated sequence (as ProteinGym's compute_pppl) and its "
+            f"{len(assay.wild_type)} residues are over config.max_protein_length - 2 ({longest}); use nv-esm windows."
+        )
+    joint = [m for m in methods if m == "masked_marginal" or (m == "wt-marginals" and windows == "nv-esm")]
+    for variant, name in zip(assay.variants, assay.names) if joint else ():
+        try:
+            window_bounds(len(assay.wild_type), variant[0].position - 1, variant[-1].position - 1, window)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error} {joint[0]} scores a mutant in one forward.") from None
+
+
 class Plan:
     """The masked copies that `methods` need for `assays` (each `Assay.parse`d), deduplicated across assays and
     methods, and how each score reads their log-probabilities back. `run` scores them in one packed pass."""
@@ -146,24 +166,26 @@ class Plan:
         if unknown or not methods:
             raise ValueError(f"methods must be among {', '.join(METHODS)}; got {list(methods)!r}.")
         self.scorer, self.assays, self.methods, self.windows = scorer, assays, tuple(methods), windows
+        for assay in assays:
+            check_assay(assay, methods, windows, scorer.window, scorer.model.config.max_protein_length - 2)
         self.sequences: list[str] = []
         self.copies: list[MaskedCopy] = []
         self._sequence_of: dict[str, int] = {}
         self._copy_of: dict[tuple, int] = {}
         self._reads: list[dict[int, None]] = []  # per copy: the residues it reads (ordered)
-        self._pll_targets: dict[int, tuple[int, str]] = {}  # pseudo-ppl copy -> (its sequence, the letter read)
+        self.pll_targets: dict[int, tuple[int, str]] = {}  # pseudo-ppl copy -> (its sequence, the letter read)
         # per (assay, method): per mutant, its terms [(weights [(copy, weight)], substitution)]
         self._terms: dict[tuple[int, str], list[list[tuple[list[tuple[int, float]], Substitution]]]] = {}
         self._plls: dict[tuple[int, int], int] = {}  # (assay, mutant) -> sequence of its pseudo-ppl
+        self._weights: list[float] | None = None  # overlap_weights(window), once
+        self._sites: dict[tuple[str, int, int], list[tuple[int, float]]] = {}  # (method, sequence, residue) -> copies
         for a, assay in enumerate(assays):
             for method in self.methods:
                 if method == "pseudo-ppl":
                     for m, variant in enumerate(assay.variants):
                         self._plls[a, m] = self._pseudo_ppl_sequence(mutated_sequence(assay.wild_type, variant))
                 else:
-                    self._terms[a, method] = [
-                        self._marginal_terms(assay, v, method, name) for v, name in zip(assay.variants, assay.names)
-                    ]
+                    self._terms[a, method] = [self._marginal_copies(assay, v, method) for v in assay.variants]
         self.copies = [
             MaskedCopy(c.sequence, c.start, c.stop, c.masked, tuple(sorted(reads)), c.bos, c.eos)
             for c, reads in zip(self.copies, self._reads)
@@ -179,55 +201,61 @@ class Plan:
             self.sequences.append(residues)
         return self._sequence_of[residues]
 
-    def _copy(self, key: tuple, copy: MaskedCopy, read: int) -> int:
-        """The index of the copy `key` (made from `copy` the first time), reading residue `read` too."""
+    def _copy(self, key: tuple, make: Callable[[], MaskedCopy], read: int) -> int:
+        """The index of the copy `key` (made by `make` the first time), reading residue `read` too."""
         index = self._copy_of.get(key)
         if index is None:
             index = self._copy_of[key] = len(self.copies)
-            self.copies.append(copy)
+            self.copies.append(make())
             self._reads.append({})
         self._reads[index][read] = None
         return index
 
-    def _marginal_terms(self, assay: Assay, variant: tuple[Substitution, ...], method: str, name: str) -> list:
-        try:
-            return self._marginal_copies(assay, variant, method)
-        except ValueError as error:  # nv-esm windows: sites spanning more than a window
-            raise ValueError(f"{name}: {error} {method} scores a mutant in one forward.") from None
-
     def _marginal_copies(self, assay: Assay, variant: tuple[Substitution, ...], method: str) -> list:
         """Per site of `variant`: ([(copy, weight)] whose weighted log-probabilities it reads, the substitution)."""
         sequence, length, window = self._sequence(assay.wild_type), len(assay.wild_type), self.scorer.window
-        terms = []
-        sites = tuple(s.position - 1 for s in variant)
-        for s in variant:
-            p = s.position - 1
-            if method == "masked_marginal" or self.windows == "nv-esm":
-                masked = {"masked-marginals": (p,), "masked_marginal": sites}.get(method, ())
-                span = (p, p) if method == "masked-marginals" else (sites[0], sites[-1])
-                start, stop = window_bounds(length, *span, window)
-                key = (sequence, start, stop, masked, True, True)
-                weights = [(self._copy(key, MaskedCopy(sequence, start, stop, masked, ()), p), 1.0)]
-            elif method == "masked-marginals":
-                start, stop = optimal_window(p + 1, length + 2, window)
-                key = (sequence, start, stop, (p,), "tokens")
-                weights = [(self._copy(key, token_slice(sequence, length, start, stop, (p,), ()), p), 1.0)]
-            else:  # wt-marginals, ProteinGym's windows
-                weights = self._overlap_terms(sequence, length, p)
-            terms.append((weights, s))
-        return terms
+        if method == "masked_marginal" or (method == "wt-marginals" and self.windows == "nv-esm"):  # one copy
+            sites = tuple(s.position - 1 for s in variant)
+            start, stop = window_bounds(length, sites[0], sites[-1], window)
+            masked = sites if method == "masked_marginal" else ()
+            key = (sequence, start, stop, masked, True, True)
+            return [([(self._copy(key, partial(MaskedCopy, sequence, start, stop, masked, ()), p), 1.0)], s)
+                    for p, s in zip(sites, variant)]  # fmt: skip
+        return [(self._site(method, sequence, length, s.position - 1), s) for s in variant]
+
+    def _site(self, method: str, sequence: int, length: int, p: int) -> list[tuple[int, float]]:
+        """[(copy, weight)] of residue `p` of a wild type by a per-site `method` (the same for every mutant)."""
+        key = (method, sequence, p)
+        if key in self._sites:
+            return self._sites[key]
+        window = self.scorer.window
+        if method == "wt-marginals":
+            found = self._overlap_terms(sequence, length, p)
+        elif self.windows == "nv-esm":
+            start, stop = window_bounds(length, p, p, window)
+            found = [(self._copy((sequence, start, stop, (p,), True, True),
+                                 partial(MaskedCopy, sequence, start, stop, (p,), ()), p), 1.0)]  # fmt: skip
+        else:
+            start, stop = optimal_window(p + 1, length + 2, window)
+            found = [(self._copy((sequence, start, stop, (p,), "tokens"),
+                                 partial(token_slice, sequence, length, start, stop, (p,), ()), p), 1.0)]  # fmt: skip
+        self._sites[key] = found
+        return found
 
     def _overlap_terms(self, sequence: int, length: int, position: int) -> list[tuple[int, float]]:
         """[(copy, weight)] of the unmasked windows holding residue `position`, the weights normalised to sum 1."""
         window, tokens = self.scorer.window, length + 2
-        spans = [(0, tokens)] if tokens <= window else overlapping_windows(tokens, window)
-        weights = overlap_weights(window) if tokens > window else torch.ones(tokens, dtype=torch.float64)
+        if tokens <= window:
+            key = (sequence, 0, tokens, (), "tokens")
+            return [(self._copy(key, partial(token_slice, sequence, length, 0, tokens, (), ()), position), 1.0)]
+        if self._weights is None:
+            self._weights = overlap_weights(window).tolist()
         found = []
-        for start, stop in spans:
+        for start, stop in overlapping_windows(tokens, window):
             if start <= position + 1 < stop:
                 key = (sequence, start, stop, (), "tokens")
-                copy = self._copy(key, token_slice(sequence, length, start, stop, (), ()), position)
-                found.append((copy, float(weights[position + 1 - start])))
+                copy = self._copy(key, partial(token_slice, sequence, length, start, stop, (), ()), position)
+                found.append((copy, self._weights[position + 1 - start]))
         total = sum(weight for _, weight in found)
         return [(copy, weight / total) for copy, weight in found]
 
@@ -237,38 +265,24 @@ class Plan:
             return sequence
         self._copy_of["pseudo-ppl", sequence] = -1
         length = len(residues)
-        if self.windows == "proteingym" and length + 2 > self.scorer.model.config.max_protein_length:
-            raise ValueError(
-                f"pseudo-ppl runs the whole mutated sequence (ProteinGym's compute_pppl) and one of {length} residues "
-                f"is longer than config.max_protein_length - 2; use --windows nv-esm."
-            )
         for token in range(1, length - 1):  # compute_pppl's range(1, len(sequence) - 1): residue token - 1 masked
             masked = token - 1
             start, stop = (0, length)
             if self.windows == "nv-esm":
                 start, stop = window_bounds(length, masked, masked, self.scorer.window)
-            self._pll_targets[len(self.copies)] = (sequence, residues[token])
+            self.pll_targets[len(self.copies)] = (sequence, residues[token])
             self._reads.append({masked: None})
             self.copies.append(MaskedCopy(sequence, start, stop, (masked,), ()))
         return sequence
 
     def run(self, progress: Any = None) -> list[dict[str, torch.Tensor]]:
         """Run the copies (packed, length-sorted: `Scorer.log_probs`); per assay {method: `[M]` float64 scores}."""
-        scorer = self.scorer
-        encoded = [scorer.encode(residues) for residues in self.sequences]
-        rows: dict[tuple[int, int], torch.Tensor] = {}
-        plls = [0.0] * len(self.sequences)
-        for batch, log_probs in scorer.log_probs(encoded, self.copies, progress):
-            offset = 0
-            for index in batch:
-                read = self.copies[index].read
-                if index in self._pll_targets:
-                    sequence, letter = self._pll_targets[index]
-                    plls[sequence] += float(log_probs[offset, scorer.letter_ids[letter]])
-                else:
-                    rows.update({(index, position): log_probs[offset + j] for j, position in enumerate(read)})
-                offset += len(read)
-        ids = scorer.letter_ids
+        return run_plans([self], progress)[0]
+
+    def scores(self, rows: dict[tuple[int, int], list[float]], plls: list[float]) -> list[dict[str, torch.Tensor]]:
+        """Per assay {method: `[M]` float64 scores}, from `rows[copy, residue]` (`[vocab]` log-probabilities) and
+        the pseudo-ppl of each sequence (`plls`)."""
+        ids = self.scorer.letter_ids
         results = []
         for a, assay in enumerate(self.assays):
             scores = {}
@@ -282,14 +296,38 @@ class Plan:
         return results
 
 
-def _marginal_score(rows: dict[tuple[int, int], torch.Tensor], terms: list, ids: dict[str, int]) -> float:
+def run_plans(plans: Sequence[Plan], progress: Any = None) -> list[list[dict[str, torch.Tensor]]]:
+    """Run the copies of every plan (of one `Scorer`) in one packed pass; per plan, `Plan.scores`."""
+    scorer = plans[0].scorer
+    sequences, copies, owners = [], [], []  # owners: per copy, (its plan, its index there)
+    for k, plan in enumerate(plans):
+        offset = len(sequences)
+        sequences += [scorer.encode(residues) for residues in plan.sequences]
+        copies += [dataclasses.replace(copy, sequence=copy.sequence + offset) for copy in plan.copies]
+        owners += [(k, index) for index in range(len(plan.copies))]
+    rows: list[dict[tuple[int, int], list[float]]] = [{} for _ in plans]
+    plls = [[0.0] * len(plan.sequences) for plan in plans]
+    for batch, log_probs in scorer.log_probs(sequences, copies, progress):
+        values, offset = log_probs.tolist(), 0
+        for index in batch:
+            (k, local), read = owners[index], copies[index].read
+            target = plans[k].pll_targets.get(local)
+            if target is not None:
+                plls[k][target[0]] += values[offset][scorer.letter_ids[target[1]]]
+            else:
+                rows[k].update({(local, position): values[offset + j] for j, position in enumerate(read)})
+            offset += len(read)
+    return [plan.scores(rows[k], plls[k]) for k, plan in enumerate(plans)]
+
+
+def _marginal_score(rows: dict[tuple[int, int], list[float]], terms: list, ids: dict[str, int]) -> float:
     """sum over a mutant's sites of log p(mutant letter) - log p(wild-type letter), each log-probability the
     weighted mean of its copies' (`rows[copy, position]`: `[vocab]` log-probabilities)."""
     total = 0.0
     for weights, s in terms:
         for copy, weight in weights:
             values = rows[copy, s.position - 1]
-            total += weight * float(values[ids[s.mutant]] - values[ids[s.wild_type]])
+            total += weight * (values[ids[s.mutant]] - values[ids[s.wild_type]])
     return total
 
 

@@ -270,9 +270,10 @@ def test_pseudo_ppl_and_the_joint_mask(model, tokenizer, reference):
     generator = torch.Generator().manual_seed(4502)
     short, long = random_sequence(16, generator), random_sequence(1100, generator)
     short_mutants = random_mutants(short, generator, list(range(16)), 4)
-    long_mutants = random_mutants(long, generator, [2, 540, 1099], 4)
+    long_mutants = random_mutants(long, generator, [2, 540, 1000], 4)
     assays = [Assay("short", short, short_mutants), Assay("long", long, long_mutants)]
-    got = score_assays(model, tokenizer, assays, ["pseudo-ppl", "masked_marginal"], max_tokens_per_batch=3000)
+    got = score_assays(model, tokenizer, assays, ["masked_marginal"], max_tokens_per_batch=3000)
+    got["short"] |= score_assays(model, tokenizer, assays[:1], ["pseudo-ppl", "masked_marginal"])["short"]
     want = [pseudo_ppl(reference, mutate(short, mutant)) for mutant in short_mutants]
     assert got["short"]["pseudo-ppl"].tolist() == pytest.approx(want, abs=ATOL)
     for dms_id, wild_type, mutants in (("short", short, short_mutants), ("long", long, long_mutants)):
@@ -437,22 +438,20 @@ def test_malformed_inputs_are_one_line_errors_naming_file_row_and_column(checkpo
     assert not (tmp_path / "out").exists()
 
 
-def test_groups_keep_wild_types_whole_and_spread_over_the_ranks():
-    from types import SimpleNamespace
-
+def test_groups_spread_the_wild_types_over_the_ranks():
+    """Each wild type in one group of one rank, in their order within a group; the ranks' loads within the largest
+    group of each other."""
     generator = torch.Generator().manual_seed(4505)
-    wild_types = [random_sequence(10, generator) for _ in range(7)]
-    files = [SimpleNamespace(assay=SimpleNamespace(wild_type=wild_types[i % 7])) for i in range(20)]
-    tokens = {wild_type: int(torch.randint(1, 1000, (1,), generator=generator)) for wild_type in wild_types}
+    tokens = {f"W{i}": int(torch.randint(1, 1000, (1,), generator=generator)) for i in range(30)}
     for world_size in (1, 2, 3):
-        ranks = proteingym.groups_of(files, tokens, world_size)
+        ranks = proteingym.groups_of(tokens, world_size)
         assert len(ranks) == world_size and all(ranks)
-        flat = [i for groups in ranks for group in groups for i in group]
-        assert sorted(flat) == list(range(20))
-        for groups in ranks:
-            for group in groups:
-                others = [i for g in (g for gs in ranks for g in gs if g is not group) for i in g]
-                assert not {files[i].assay.wild_type for i in group} & {files[i].assay.wild_type for i in others}
+        flat = [wild_type for groups in ranks for group in groups for wild_type in group]
+        assert sorted(flat) == sorted(tokens)
+        assert all(group == sorted(group, key=list(tokens).index) for groups in ranks for group in groups)
+        loads = [sum(tokens[w] for group in groups for w in group) for groups in ranks]
+        largest = max(sum(tokens[w] for w in group) for groups in ranks for group in groups)
+        assert max(loads) - min(loads) <= largest
 
 
 def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
@@ -473,3 +472,19 @@ def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
         assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
         for ours, theirs in zip(ranks, single):
             assert float(ours["esm2_tiny_nv"]) == pytest.approx(float(theirs["esm2_tiny_nv"]), abs=1e-5)
+
+
+def test_what_a_method_cannot_score_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):
+    """masked_marginal masks a mutant's sites in one forward: sites over 1,024 residues apart are refused, naming
+    the row, before the model loads."""
+    generator = torch.Generator().manual_seed(4507)
+    wild_type = random_sequence(1100, generator)
+    far = f"{wild_type[0]}1A:{wild_type[1099]}1100C"
+    reference = write_benchmark(tmp_path, {"far": (wild_type, [f"{wild_type[4]}5A", far])}, generator)
+    monkeypatch.setattr(proteingym, "load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    assert run_command(checkpoint, reference, tmp_path / "out", "--methods", "masked_marginal") == 1
+    error = capsys.readouterr().err
+    assert (
+        "far.csv: row 2 (line 3), column 'mutant': positions 1 to 1100 span more than the 1024-residue window" in error
+    )
+    assert "masked_marginal scores a mutant in one forward" in error and len(error.splitlines()) == 1

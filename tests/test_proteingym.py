@@ -266,7 +266,8 @@ def test_each_wild_type_position_is_one_copy_for_all_its_assays(model, tokenizer
 
 def test_pseudo_ppl_and_the_joint_mask(model, tokenizer, reference):
     """pseudo-ppl as compute_pppl sums it (of the mutated sequence); masked_marginal as nv-esm score's rule (all
-    sites masked in one forward), and nv-esm windows for masked-marginals on a long wild type."""
+    sites masked in one forward, its window around them), and nv-esm windows for masked-marginals and wt-marginals
+    on a long wild type."""
     generator = torch.Generator().manual_seed(4502)
     short, long = random_sequence(16, generator), random_sequence(1100, generator)
     short_mutants = random_mutants(short, generator, list(range(16)), 4)
@@ -276,19 +277,22 @@ def test_pseudo_ppl_and_the_joint_mask(model, tokenizer, reference):
     got["short"] |= score_assays(model, tokenizer, assays[:1], ["pseudo-ppl", "masked_marginal"])["short"]
     want = [pseudo_ppl(reference, mutate(short, mutant)) for mutant in short_mutants]
     assert got["short"]["pseudo-ppl"].tolist() == pytest.approx(want, abs=ATOL)
+    nv_windows = score_assays(model, tokenizer, assays[1:], ["masked-marginals", "wt-marginals"], windows="nv-esm")
     for dms_id, wild_type, mutants in (("short", short, short_mutants), ("long", long, long_mutants)):
-        want = []
+        joint, unmasked = [], []
         for mutant in mutants:
             sites = [int(part[1:-1]) - 1 for part in mutant.split(":")]
             start = min(max(-(-(sites[0] + sites[-1]) // 2) - 512, 0), max(len(wild_type) - 1024, 0))
             tokens = tokens_of(wild_type[start : start + 1024])
+            token_probs = log_softmax(reference, tokens)[0]
+            unmasked.append(label_row(mutant, wild_type, {1 + p: token_probs[1 + p - start] for p in sites}))
             for site in sites:
                 tokens[0, 1 + site - start] = MASK
             token_probs = log_softmax(reference, tokens)[0]
-            shifted = {1 + site: token_probs[1 + site - start] for site in sites}
-            want.append(label_row(mutant, wild_type, shifted))
-        assert got[dms_id]["masked_marginal"].tolist() == pytest.approx(want, abs=ATOL), dms_id
-    nv_windows = score_assays(model, tokenizer, assays[1:], ["masked-marginals"], windows="nv-esm")
+            joint.append(label_row(mutant, wild_type, {1 + p: token_probs[1 + p - start] for p in sites}))
+        assert got[dms_id]["masked_marginal"].tolist() == pytest.approx(joint, abs=ATOL), dms_id
+        if dms_id == "long":
+            assert nv_windows["long"]["wt-marginals"].tolist() == pytest.approx(unmasked, abs=ATOL)
     want = []
     for mutant in long_mutants:
         token_probs = {}

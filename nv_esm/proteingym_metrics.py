@@ -92,13 +92,16 @@ def mcc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:
 
 def ndcg(dms_scores: np.ndarray, model_scores: np.ndarray) -> float:
     """`calc_ndcg` with its defaults (quantile, top 10%): k = floor(n * 10 / 100) (0 below 10 mutants, and then
-    NDCG = 0); gains = min-max normalised DMS scores; the model's ranks 1..n by descending score, ties broken as
-    numpy's default (unstable) `argsort` of `-model_scores` orders them (their call, so it matches their script on
-    the same numpy); DCG = sum of gain / log2(rank + 1) over ranks <= k with a non-zero gain (0 if there is none);
-    IDCG the same over the k largest gains; NDCG = DCG / IDCG."""
+    NDCG = 0); gains = min-max normalised DMS scores; the model's ranks 1..n by descending score; DCG = sum of
+    gain / log2(rank + 1) over ranks <= k with a non-zero gain (0 if there is none); IDCG the same over the k largest
+    gains; NDCG = DCG / IDCG. Tied model scores are ranked in row order (a stable sort): theirs ranks them as numpy's
+    default, unstable `argsort` happens to order them, which differs between numpy versions and CPUs (numpy 1.24,
+    their environment's, and numpy 2 on AVX-512 give NDCGs 0.2 apart on heavily tied scores); row order is one of the
+    orders their sort may produce. Without ties the two are the same."""
     k = int(np.floor(len(dms_scores) * (TOP_PERCENT / 100)))
     gains = (dms_scores - dms_scores.min()) / (dms_scores.max() - dms_scores.min())
-    ranks = np.argsort(np.argsort(-model_scores)) + 1
+    ranks = np.empty(len(model_scores), dtype=np.int64)
+    ranks[np.argsort(-model_scores, kind="stable")] = np.arange(1, len(model_scores) + 1)
     kept = (ranks <= k) & (gains != 0)
     if not kept.any():
         return 0.0
@@ -129,7 +132,8 @@ def assay_metrics(
     constant score or DMS column (their Spearman NaN, top recall 1)."""
     scores, dms, bins = (np.asarray(values, dtype=np.float64) for values in (model_scores, dms_scores, dms_bins))
     if not scores.ndim == dms.ndim == bins.ndim == 1 or not len(scores) == len(dms) == len(bins):
-        raise ValueError(f"{label}: {scores.shape} model scores, {dms.shape} DMS_score, {bins.shape} DMS_score_bin")
+        shapes = f"model scores {scores.shape}, DMS_score {dms.shape}, DMS_score_bin {bins.shape}"
+        raise ValueError(f"{label}: one value per mutant expected in each column, got shapes {shapes}")
     for name, values in (("model score", scores), ("DMS_score", dms), ("DMS_score_bin", bins)):
         bad = np.flatnonzero(~np.isfinite(values))
         if len(bad):
@@ -141,7 +145,7 @@ def assay_metrics(
         raise ValueError(f"{label}: every DMS_score_bin is {bins[0]:g}; AUC and MCC need both classes")
     for name, values in (("model score", scores), ("DMS_score", dms)):
         if values.min() == values.max():
-            raise ValueError(f"{label}: every {name} is {values[0]!r}; a constant column has no ranking")
+            raise ValueError(f"{label}: every {name} is {float(values[0])!r}; a constant column has no ranking")
     return {
         "Spearman": spearman(dms, scores),
         "AUC": auc(scores, bins),

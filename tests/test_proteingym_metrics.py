@@ -23,6 +23,7 @@ from nv_esm.proteingym_metrics import (
     AssayResult,
     assay_metrics,
     assay_result,
+    category_bars,
     summarize,
     write_summary,
 )
@@ -279,9 +280,16 @@ def test_the_summary_files_are_laid_out_as_proteingyms(tmp_path):
 def test_the_category_bars_are_a_png_matplotlib_reads_back(tmp_path, monkeypatch):
     import matplotlib.image
 
-    rng = np.random.default_rng(1)
-    categories = ["Activity", "Binding", "Stability", "Average"]
-    values = {name: rng.uniform(-0.2, 0.7, size=len(categories)).tolist() for name in ("masked-marginals", "wt")}
+    assays = [
+        with_values("D1", "P1", "Stability", {"masked-marginals": 0.2, "wt": 0.4}),
+        with_values("D2", "P2", "Stability", {"masked-marginals": 0.4, "wt": -0.1}),
+        with_values("D3", "P1", "Binding", {"masked-marginals": 0.7, "wt": 0.3}),
+    ]
+    categories, values = category_bars(summarize(assays), "Spearman")
+    assert categories == ["Binding", "Stability", "Average"]
+    assert list(values) == ["masked-marginals", "wt"]
+    assert values["masked-marginals"] == pytest.approx([0.7, 0.3, 0.5], abs=1e-12)
+    assert values["wt"] == pytest.approx([0.3, 0.15, 0.225], abs=1e-12)
     png = plots.plot_category_bars(categories, values, tmp_path / "spearman.png")
     image = matplotlib.image.imread(png)
     assert image.ndim == 3 and min(image.shape[:2]) > 100 and image.std() > 0

@@ -23,8 +23,8 @@ Each rule follows OATML-Markslab/ProteinGym's `proteingym/performance_DMS_benchm
   average (ProteinGym's column, 0 for the best method itself), and, in a column of ours, of the method's own value.
 
 Checked against their script run in their environment (environments/proteingym_env.txt: pandas 1.5.1, numpy 1.24.4,
-scipy 1.10.1, scikit-learn 1.3.2) on random assays: every per-assay value within 1e-15, every mean bit for bit, the
-bootstrap standard error bit for bit when their script starts with `np.random.seed(seed)`.
+scipy 1.10.1, scikit-learn 1.3.2) on random assays: every per-assay value within 1e-15 (NDCG on untied scores), every
+mean bit for bit, the bootstrap standard error bit for bit when their script starts with `np.random.seed(seed)`.
 
 Inputs they would turn into NaN or a meaningless number (non-finite scores, a constant score column, a single
 `DMS_score_bin` class) are refused with a ValueError naming the assay and the column instead.

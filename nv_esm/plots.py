@@ -173,5 +173,6 @@ def plot_category_bars(
     axis.set_ylabel(metric)
     axis.axhline(0, color="black", linewidth=0.6)
     axis.grid(axis="y", alpha=0.3)
-    axis.legend(fontsize=8)
+    axis.margins(y=0.12)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_figure(figure, png)

@@ -5,20 +5,26 @@
                for ... in assays]
     summary = summarize(results)                  # summary.metrics["Spearman"].average: [methods]
     write_summary(summary, out / "summary")       # CSV files laid out as ProteinGym's benchmarks/ folder
+    plots.plot_category_bars(*category_bars(summary, "Spearman"), out / "spearman.png")
 
 Each rule follows OATML-Markslab/ProteinGym's `proteingym/performance_DMS_benchmarks.py` (its `main`, `calc_ndcg`,
 `calc_toprecall`, `minmax` and `compute_bootstrap_standard_error_functional_categories`), without its pandas:
 
 - per assay and method (`assay_metrics`): Spearman's rho of the model score with `DMS_score`; the ROC AUC of the model
   score for `DMS_score_bin`; the MCC of `score >= median(score)` (ties at the median count as 1) with `DMS_score_bin`;
-  NDCG over the model's top `floor(n * 10 / 100)` mutants with min-max normalised `DMS_score` as gains; the recall of
-  the true top 10% (`DMS_score >= 90th percentile`, ties all in) among the model's top 10% (same rule);
+  NDCG over the model's top `floor(n * 10 / 100)` mutants with min-max normalised `DMS_score` as gains (tied model
+  scores in row order, where theirs depends on numpy's unstable sort: see `ndcg`); the recall of the true top 10%
+  (`DMS_score >= 90th percentile`, ties all in) among the model's top 10% (same rule);
 - aggregation (`summarize`): each per-assay value rounded to 3 decimals (as their table is, before they average it);
   the mean per (UniProt_ID, coarse_selection_type) pair; the mean per coarse_selection_type; the mean over types;
 - the bootstrap standard error (10,000 samples): within each selection type, its pairs are resampled with
   replacement; a sample's value is the mean over types of the resampled types' means; the standard error is the
   standard deviation (ddof 1) over samples of that value for each method's difference to the method with the best
   average (ProteinGym's column, 0 for the best method itself), and, in a column of ours, of the method's own value.
+
+Checked against their script run in their environment (environments/proteingym_env.txt: pandas 1.5.1, numpy 1.24.4,
+scipy 1.10.1, scikit-learn 1.3.2) on random assays: every per-assay value within 1e-15 (NDCG on untied scores), every
+mean bit for bit, the bootstrap standard error bit for bit when their script starts with `np.random.seed(seed)`.
 
 Inputs they would turn into NaN or a meaningless number (non-finite scores, a constant score column, a single
 `DMS_score_bin` class) are refused with a ValueError naming the assay and the column instead.
@@ -92,13 +98,16 @@ def mcc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:
 
 def ndcg(dms_scores: np.ndarray, model_scores: np.ndarray) -> float:
     """`calc_ndcg` with its defaults (quantile, top 10%): k = floor(n * 10 / 100) (0 below 10 mutants, and then
-    NDCG = 0); gains = min-max normalised DMS scores; the model's ranks 1..n by descending score, ties broken as
-    numpy's default (unstable) `argsort` of `-model_scores` orders them (their call, so it matches their script on
-    the same numpy); DCG = sum of gain / log2(rank + 1) over ranks <= k with a non-zero gain (0 if there is none);
-    IDCG the same over the k largest gains; NDCG = DCG / IDCG."""
+    NDCG = 0); gains = min-max normalised DMS scores; the model's ranks 1..n by descending score; DCG = sum of
+    gain / log2(rank + 1) over ranks <= k with a non-zero gain (0 if there is none); IDCG the same over the k largest
+    gains; NDCG = DCG / IDCG. Tied model scores are ranked in row order (a stable sort): theirs ranks them as numpy's
+    default, unstable `argsort` happens to order them, which differs between numpy versions and CPUs (numpy 1.24,
+    their environment's, and numpy 2 on AVX-512 give NDCGs 0.2 apart on heavily tied scores); row order is one of the
+    orders their sort may produce. Without ties the two are the same."""
     k = int(np.floor(len(dms_scores) * (TOP_PERCENT / 100)))
     gains = (dms_scores - dms_scores.min()) / (dms_scores.max() - dms_scores.min())
-    ranks = np.argsort(np.argsort(-model_scores)) + 1
+    ranks = np.empty(len(model_scores), dtype=np.int64)
+    ranks[np.argsort(-model_scores, kind="stable")] = np.arange(1, len(model_scores) + 1)
     kept = (ranks <= k) & (gains != 0)
     if not kept.any():
         return 0.0
@@ -129,7 +138,8 @@ def assay_metrics(
     constant score or DMS column (their Spearman NaN, top recall 1)."""
     scores, dms, bins = (np.asarray(values, dtype=np.float64) for values in (model_scores, dms_scores, dms_bins))
     if not scores.ndim == dms.ndim == bins.ndim == 1 or not len(scores) == len(dms) == len(bins):
-        raise ValueError(f"{label}: {scores.shape} model scores, {dms.shape} DMS_score, {bins.shape} DMS_score_bin")
+        shapes = f"model scores {scores.shape}, DMS_score {dms.shape}, DMS_score_bin {bins.shape}"
+        raise ValueError(f"{label}: one value per mutant expected in each column, got shapes {shapes}")
     for name, values in (("model score", scores), ("DMS_score", dms), ("DMS_score_bin", bins)):
         bad = np.flatnonzero(~np.isfinite(values))
         if len(bad):
@@ -141,7 +151,7 @@ def assay_metrics(
         raise ValueError(f"{label}: every DMS_score_bin is {bins[0]:g}; AUC and MCC need both classes")
     for name, values in (("model score", scores), ("DMS_score", dms)):
         if values.min() == values.max():
-            raise ValueError(f"{label}: every {name} is {values[0]!r}; a constant column has no ranking")
+            raise ValueError(f"{label}: every {name} is {float(values[0])!r}; a constant column has no ranking")
     return {
         "Spearman": spearman(dms, scores),
         "AUC": auc(scores, bins),
@@ -225,7 +235,9 @@ def summarize(assays: Sequence[AssayResult], seed: int = 0) -> Summary:
     type in sorted order, `BOOTSTRAP_SAMPLES` draws of its pairs' row indices with replacement
     (`RandomState.randint(0, P_c, (samples, P_c))`, the draws pandas' `DataFrame.sample(frac=1.0, replace=True)`
     makes from numpy's global RandomState; their script never seeds it: run after `np.random.seed(seed)`, it draws
-    these samples). Every assay must hold the same methods; DMS ids must be unique."""
+    these samples). Every assay must hold the same methods; DMS ids must be unique. Give the assays in the
+    reference file's order: pandas sums a pair's assays in that order (the last bit of a mean, and so a rounded
+    half-way value, can depend on it)."""
     if not assays:
         raise ValueError("no assay to summarize")
     methods = list(assays[0].metrics)
@@ -287,6 +299,16 @@ def _kahan_mean(rows: np.ndarray) -> np.ndarray:
         compensation = (updated - total) - corrected
         total = updated
     return total / len(rows)
+
+
+def category_bars(summary: Summary, metric: str = "Spearman") -> tuple[list[str], dict[str, list[float]]]:
+    """The selection types then `Average`, and each method's values of `metric` at them: the input of
+    `nv_esm.plots.plot_category_bars`."""
+    result = summary.metrics[metric]
+    groups = [*result.categories, "Average"]
+    return groups, {
+        m: [*map(float, result.category_values[:, i]), float(result.average[i])] for i, m in enumerate(summary.methods)
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------

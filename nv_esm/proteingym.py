@@ -302,17 +302,13 @@ def summarize_output(args: argparse.Namespace, files: list[AssayFile], columns: 
     folder = args.output / SUMMARY_FOLDER
     proteingym_metrics.write_summary(summary, folder)
     spearman = summary.metrics["Spearman"]
-    bars = {
-        name: [*spearman.category_values[:, i].tolist(), float(spearman.average[i])]
-        for i, name in enumerate(summary.methods)
-    }
     averages = ", ".join(f"{name} {spearman.average[i]:.3f}" for i, name in enumerate(summary.methods))
     print(f"average Spearman over selection types ({len(files)} assays): {averages}; wrote {folder}")
     chosen = args.scatter_assay or files[0].assay.dms_id
     result = next(result for result in results if result.DMS_id == chosen)
     panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values_of[chosen][name] for name in columns}
     plotted = [
-        plot_category_bars([*spearman.categories, "Average"], bars, folder / "Spearman.png"),
+        plot_category_bars(*proteingym_metrics.category_bars(summary, "Spearman"), folder / "Spearman.png"),
         plot_scores(panels, values_of[chosen]["DMS_score"], folder / f"{chosen}.png", "DMS_score"),
     ]
     if None in plotted:

@@ -4,6 +4,7 @@
     nv-esm convert verify facebook/esm2_t33_650M_UR50D ./esm2_650M_te
     nv-esm embed ./esm2_650M_te proteins.fasta ./embeddings              # FASTA -> embeddings (nv_esm/embed.py)
     nv-esm score ./esm2_650M_te wt.fasta scores.csv --mutants dms.csv    # variant effects, PLLs (nv_esm/score.py)
+    nv-esm proteingym ./esm2_650M_te DMS_substitutions.csv assays/ out/  # ProteinGym (nv_esm/proteingym.py)
     nv-esm train --help                                                  # the FSDP2 recipe on one process
     torchrun --nproc-per-node 8 -m nv_esm.train ...                      # ... and on several GPUs
 
@@ -23,6 +24,7 @@ COMMANDS = {
     "convert": ("convert_checkpoint", "convert ESM-2 checkpoints between transformers, fair-esm and NVEsm; verify"),
     "embed": ("nv_esm.embed", "embed a FASTA file: per-protein/per-residue states and contacts, in shards + index"),
     "score": ("nv_esm.score", "score variants of a wild type (masked marginals, PLL ratios) or a FASTA file's PLLs"),
+    "proteingym": ("nv_esm.proteingym", "score ProteinGym's substitution assays (their ESM-2 methods and windows)"),
     "train": ("nv_esm.train.loop", "pre-train or fine-tune NVEsm with FSDP2 (torchrun -m nv_esm.train for many GPUs)"),
 }
 # The help of the commands' --backend (the model's `backend`).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,8 +46,8 @@ OUR_NAMES = re.compile(
 @dataclass(frozen=True)
 class OutputFolder:
     """Whose resumable folder `prepare_output` and `output_lock` keep: the command (named in errors), its manifest
-    format, the names of the files it writes, its lock file, what it calls its finished pieces, and the values of
-    settings its manifests were once written without."""
+    format, the names of the files it writes, its lock file, what it calls its finished pieces, the values of
+    settings its manifests were once written without, and the subfolders it writes (whole, e.g. a summary)."""
 
     command: str
     format: str
@@ -54,6 +55,7 @@ class OutputFolder:
     lock_name: str
     pieces: str
     settings_before: tuple[tuple[str, Any], ...] = ()
+    folders: tuple[str, ...] = ()
 
 
 EMBED_FOLDER = OutputFolder("nv-esm embed", FORMAT, OUR_NAMES, LOCK_NAME, "shards", tuple(_SETTINGS_BEFORE.items()))
@@ -71,7 +73,9 @@ def prepare_output(folder: Path, settings: Any, overwrite: bool, kind: OutputFol
     folder.mkdir(parents=True, exist_ok=True)
     if check_output_folder(folder, settings, overwrite, kind):
         for path in sorted(folder.iterdir(), key=lambda path: path.name == MANIFEST_NAME):
-            if path.name != kind.lock_name:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.name != kind.lock_name:
                 path.unlink()
     for stale in folder.glob("*.tmp"):
         stale.unlink()
@@ -87,9 +91,13 @@ def check_output_folder(folder: Path, settings: Any, overwrite: bool, kind: Outp
     if not folder.exists():
         return False
     entries = list(folder.iterdir())
-    foreign = sorted(
-        path.name for path in entries if path.is_symlink() or not (path.is_file() and kind.names.fullmatch(path.name))
-    )
+    ours = [
+        path
+        for path in entries
+        if not path.is_symlink()
+        and ((path.is_file() and kind.names.fullmatch(path.name)) or (path.is_dir() and path.name in kind.folders))
+    ]
+    foreign = sorted(path.name for path in entries if path not in ours)
     if foreign:
         raise FileExistsError(
             f"{folder} holds files {kind.command} did not write ({', '.join(foreign[:5])}); choose a new or empty "

@@ -147,3 +147,32 @@ def plot_contact_maps(maps: Sequence[tuple[str, np.ndarray]], png: Path) -> Path
     axes[0][0].set_ylabel("residue")
     figure.colorbar(image, ax=list(axes[0]), shrink=0.8, label="contact probability")
     return save_figure(figure, png)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nv-esm proteingym
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def plot_category_bars(
+    categories: Sequence[str], values: dict[str, Sequence[float]], png: Path, metric: str = "Spearman"
+) -> Path | None:
+    """Grouped bars of one metric: a group per entry of `categories` (ProteinGym's selection types, then `Average`),
+    a bar per method in each (`values[method]`, one value per category), the value written above each bar. The
+    scatter of one assay's scores against its DMS_score is `plot_scores`. None without matplotlib or methods."""
+    plt = pyplot()
+    if plt is None or not values:
+        return None
+    width = 0.8 / len(values)
+    figure, axis = plt.subplots(figsize=(1.2 + len(categories) * (0.5 + 0.45 * len(values)), 4.3))
+    for index, (method, heights) in enumerate(values.items()):
+        positions = np.arange(len(categories)) + (index - (len(values) - 1) / 2) * width
+        bars = axis.bar(positions, heights, width, label=method)
+        axis.bar_label(bars, fmt="%.3f", fontsize=7)
+    axis.set_xticks(np.arange(len(categories)), list(categories), rotation=20)
+    axis.set_ylabel(metric)
+    axis.axhline(0, color="black", linewidth=0.6)
+    axis.grid(axis="y", alpha=0.3)
+    axis.margins(y=0.12)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return save_figure(figure, png)

@@ -228,7 +228,7 @@ def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: Sco
     with open(args.fasta, "rb") as raw:
         (_, sequence), *_ = iter_fasta(text_lines(raw, args.fasta), args.fasta)
     wild_type = protein_residues(sequence[: records[0].residues], f"{args.fasta}: the wild type")
-    columns, rows = _read_csv(args.mutants)
+    columns, rows = read_csv(args.mutants)
     added = [name for name in (*args.methods, STATUS_COLUMN) if name in columns]
     if args.mutant_column not in columns or added:
         problem = f"has no column {args.mutant_column!r}" if not added else f"has columns named {', '.join(added)}"
@@ -270,7 +270,7 @@ def _positions(substitutions: tuple[Substitution, ...]) -> tuple[int, ...]:
     return tuple(s.position for s in substitutions)
 
 
-def _read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str | None], int]]]:
+def read_csv(path: Path) -> tuple[list[str], list[tuple[dict[str, str | None], int]]]:
     """(columns, [(row, line number), ...]) of a CSV file with a header line (UTF-8, a byte-order mark dropped),
     parsed strictly (an unterminated quote is an error, not a field that runs to the end of the file); blank lines
     are skipped, a short row's missing fields are None. ValueError naming the file and line for text that is not

@@ -85,14 +85,22 @@ class SequenceLikelihood:
 
 @dataclass(frozen=True, slots=True)
 class MaskedCopy:
-    """One model input: residues `start:stop` of sequence `sequence` between `<cls>` and `<eos>`, residues `masked`
-    (0-based, in the protein) replaced by `<mask>`; the log-probabilities at residues `read` come back."""
+    """One model input: residues `start:stop` of sequence `sequence`, after `<cls>` if `bos` and before `<eos>` if
+    `eos` (a slice of the protein's token array, as ProteinGym's windows cut it, may lack either), residues
+    `masked` (0-based, in the protein) replaced by `<mask>`; the log-probabilities at residues `read` come back."""
 
     sequence: int
     start: int
     stop: int
     masked: tuple[int, ...]
     read: tuple[int, ...]
+    bos: bool = True
+    eos: bool = True
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the model runs for this copy: its residues and its `<cls>` and `<eos>` where it has them."""
+        return self.stop - self.start + self.bos + self.eos
 
 
 def parse_mutant(mutant: str, wild_type: str, name: str) -> tuple[Substitution, ...]:
@@ -276,7 +284,7 @@ class Scorer:
         offsets = [0, *torch.tensor(positions, dtype=torch.int64).cumsum(0).tolist()]
         flat = torch.empty(offsets[-1], dtype=torch.float64)
         targets = torch.cat(list(sequences)) if sequences else torch.empty(0, dtype=torch.int64)
-        for batch, log_probs in self._log_probs(sequences, copies, progress):
+        for batch, log_probs in self.log_probs(sequences, copies, progress):
             where = torch.tensor([offsets[copies[i].sequence] + copies[i].read[0] for i in batch])
             flat[where] = log_probs.gather(1, targets[where][:, None])[:, 0].double()
         return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sequences))]
@@ -298,7 +306,7 @@ class Scorer:
             return self._pseudo_likelihood_scores(wild_type, variants, progress)
         plans, row_copies = self._marginal_copies(len(wild_type), variants, method)
         rows_of_copy: dict[int, dict[int, torch.Tensor]] = {}
-        for batch, log_probs in self._log_probs([wild_type], plans, progress):
+        for batch, log_probs in self.log_probs([wild_type], plans, progress):
             offset = 0
             for index in batch:
                 read = plans[index].read
@@ -359,7 +367,7 @@ class Scorer:
         plls = [wild_type_pll, *(values.sum().item() for values in mutants)]
         return torch.tensor([plls[distinct[key]] - wild_type_pll for key in keys], dtype=torch.float64)
 
-    def _log_probs(
+    def log_probs(
         self, sequences: Sequence[torch.Tensor], copies: Sequence[MaskedCopy], progress: Any = None
     ) -> Iterator[tuple[list[int], torch.Tensor]]:
         """Per packed batch: (indices of its copies, `[R, vocab_size]` float32 log-probabilities on the CPU, the
@@ -372,7 +380,7 @@ class Scorer:
                 progress.update(copy_tokens(copies[index] for index in batch))
             return result
 
-        lengths = [range(copy.stop - copy.start + 2) for copy in copies]  # length_sorted_batches reads len() only
+        lengths = [range(copy.tokens) for copy in copies]  # length_sorted_batches reads len() only
         in_flight = None
         for batch in length_sorted_batches(lengths, self.max_tokens):
             launched = self._launch(sequences, copies, batch)
@@ -389,12 +397,15 @@ class Scorer:
         pieces, reads, offset = [], [], 0
         for index in batch:
             copy = copies[index]
-            piece = torch.empty(copy.stop - copy.start + 2, dtype=torch.int64)
-            piece[0], piece[-1] = self.cls, self.eos
-            piece[1:-1] = sequences[copy.sequence][copy.start : copy.stop]
+            piece = torch.empty(copy.tokens, dtype=torch.int64)
+            if copy.bos:
+                piece[0] = self.cls
+            if copy.eos:
+                piece[-1] = self.eos
+            piece[int(copy.bos) : len(piece) - copy.eos] = sequences[copy.sequence][copy.start : copy.stop]
             if copy.masked:
-                piece[[1 + position - copy.start for position in copy.masked]] = self.mask
-            reads.extend(offset + 1 + position - copy.start for position in copy.read)
+                piece[[copy.bos + position - copy.start for position in copy.masked]] = self.mask
+            reads.extend(offset + copy.bos + position - copy.start for position in copy.read)
             offset += len(piece)
             pieces.append(piece)
         packed = pack_proteins(pieces)
@@ -434,8 +445,8 @@ def progress_bar(total: int, desc: str, disable: bool) -> Any:
 
 
 def copy_tokens(copies: Iterable[MaskedCopy]) -> int:
-    """Tokens the model runs for `copies`: each copy's residues, `<cls>` and `<eos>`."""
-    return sum(copy.stop - copy.start + 2 for copy in copies)
+    """Tokens the model runs for `copies`: each copy's residues, `<cls>` and `<eos>` (`MaskedCopy.tokens`)."""
+    return sum(copy.tokens for copy in copies)
 
 
 def _changes(substitutions: Sequence[Substitution]) -> tuple[Substitution, ...]:

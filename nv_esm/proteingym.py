@@ -1,0 +1,375 @@
+"""`nv-esm proteingym`: ProteinGym's zero-shot substitution benchmark in one command.
+
+    nv-esm proteingym ./esm2_650M_te DMS_substitutions.csv DMS_ProteinGym_substitutions/ ./pg_out \\
+        --model-name esm2_t33_650M_UR50D
+    torchrun --nproc-per-node 8 -m nv_esm proteingym ./esm2_650M_te DMS_substitutions.csv assays/ ./pg_out
+
+REFERENCE_CSV is ProteinGym's `reference_files/DMS_substitutions.csv` (columns `DMS_id`, `DMS_filename`,
+`target_seq` read here), ASSAY_FOLDER holds the assays (`DMS_filename`; each with a `mutant` column: `A24G:K30R`,
+1-based). OUT gets, per assay, `<DMS_id>.csv`: the assay's CSV with one score column per method
+(`score_column`: `MODEL_NAME` for `masked-marginals`, the column ProteinGym's `config.json` reads as an ESM-2
+model's `input_score_name`, and `MODEL_NAME_<method>` for the others), and `manifest.json` (the settings). Methods
+and windows: `nv_esm.proteingym_scoring`.
+
+Then OUT/summary/ gets ProteinGym's metrics of every score column (`nv_esm.proteingym_metrics`: per assay, per
+UniProt_ID and selection type, their mean and bootstrap standard error; CSV files named as their benchmarks/ folder's),
+`Spearman.png` (per selection type) and `<DMS_id>.png` (one assay's scores against DMS_score, `--scatter-assay`).
+
+Every input is checked before the model loads (a one-line error names the file, row and column). The assays run
+in groups of whole wild types (`groups_of`; every copy of a group packed in one pass, each
+wild-type position computed once for all the assays of that wild type); an assay's file is written, atomically,
+when its group is done. A rerun skips the assays whose file is there, and refuses an OUT of other settings
+(checkpoint, methods, windows...) unless `--overwrite`. Under torchrun the groups are split over the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modeling_nv_esm_batch import protein_residues
+from nv_esm import proteingym_metrics
+from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, write_atomically
+from nv_esm.cli import HelpFormatter
+from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
+from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
+from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
+from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision
+from nv_esm.hub_folder import remote_code_differences
+from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
+from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, check_assay, run_plans
+from nv_esm.score import FP8_RECIPE, load_tokenizer, read_csv
+from nv_esm.scoring import Scorer, progress_bar, resolve_window
+
+PROTEINGYM_FOLDER = OutputFolder(
+    "nv-esm proteingym",
+    "nv-esm-proteingym/1",
+    re.compile(rf"([^/]+\.(csv|png)|manifest\.json)({TEMPORARY_SUFFIX})?|\.nv-esm-proteingym\.lock"),
+    ".nv-esm-proteingym.lock",
+    "assay scores",
+    folders=("summary",),
+)
+SUMMARY_FOLDER = "summary"  # OUT/summary/: proteingym_metrics' files and the plots, rewritten by each run
+SUMMARY_COLUMNS = ("UniProt_ID", "coarse_selection_type")  # of the reference, for the summary
+MEASURED_COLUMNS = ("DMS_score", "DMS_score_bin")  # of each assay, for the summary
+REFERENCE_COLUMNS = ("DMS_id", "DMS_filename", "target_seq")
+MUTANT_COLUMN = "mutant"
+# Tokens of masked copies per group of assays (whole wild types): one packed pass each, and what a killed run loses.
+GROUP_TOKENS = 1 << 22
+GROUPS_PER_RANK = 8  # at least this many groups per rank where the wild types allow: the ranks' loads even out
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Score ProteinGym's substitution assays with an NVEsm masked-LM checkpoint, their ESM-2 methods "
+        "and windows, the masked copies of all assays packed together.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
+    parser.add_argument("reference", type=Path, help="ProteinGym's reference_files/DMS_substitutions.csv")
+    parser.add_argument("assays_folder", type=Path, help="the assays' CSV files (DMS_ProteinGym_substitutions/)")
+    parser.add_argument("output", type=Path, help="the output folder: <DMS_id>.csv per assay")
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=["masked-marginals"], help="one score column each"
+    )
+    parser.add_argument(
+        "--windows",
+        choices=WINDOW_RULES,
+        default="proteingym",
+        help="long proteins: ProteinGym's slices of the token array, or nv-esm score's windows",
+    )
+    parser.add_argument("--assays", nargs="+", metavar="DMS_ID", help="score these assays only (default: all)")
+    parser.add_argument(
+        "--scatter-assay", metavar="DMS_ID", help="the assay of the score-vs-DMS_score plot (default: the first one)"
+    )
+    parser.add_argument(
+        "--model-name",
+        help="the score columns' name (ProteinGym's config.json reads e.g. esm2_t33_650M_UR50D; default: the "
+        "checkpoint folder's name)",
+    )
+    add_run_arguments(
+        parser,
+        "every forward of masked copies",
+        "FP8 layers (Transformer Engine on CUDA), with current scaling: each batch is scaled from its own tensors",
+    )
+    args = parser.parse_args(argv)
+    args.methods = tuple(dict.fromkeys(args.methods))
+    args.model_name = args.model_name or Path(args.checkpoint.rstrip("/")).name
+    if args.tokens_per_batch < 1:
+        parser.error("--tokens-per-batch must be positive")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"output {args.output} is a file; name a folder")
+    return args
+
+
+def score_column(model_name: str, method: str) -> str:
+    """The output column of `method`: `model_name` for `masked-marginals` (ProteinGym's ESM-2 method, under the
+    name their `config.json` reads), `model_name_method` for the others."""
+    return model_name if method == "masked-marginals" else f"{model_name}_{method}"
+
+
+@dataclass(frozen=True)
+class ProteinGymSettings:
+    """Everything that decides the numbers written (OUT's manifest; a rerun resumes only if equal)."""
+
+    checkpoint: str  # `checkpoint_fingerprint`
+    model_code: str  # "installed", or "checkpoint" (--trust-remote-code, where its code differs)
+    methods: tuple[str, ...]
+    windows: str
+    window: int
+    columns: tuple[str, ...]
+    precision: str
+    backend: str
+    fp8: str
+
+
+@dataclass
+class AssayFile:
+    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows, and what the summary
+    groups it by (the reference's `UniProt_ID` and `coarse_selection_type`; None where it lacks the column)."""
+
+    assay: Assay
+    columns: list[str]
+    rows: list[dict[str, str | None]]
+    uniprot: str | None
+    selection_type: str | None
+
+
+def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
+    """The reference's assays (`--assays` of them), every file and mutant row checked: ValueError naming the file,
+    row and column of a missing column, a repeated or unknown DMS_id, a missing assay file, a malformed mutant, a
+    position outside `target_seq` or a wild-type letter that differs from it, or what the methods cannot score
+    (`check_assay`, with the model's `window` and `longest` protein)."""
+    columns, rows = read_csv(args.reference)
+    missing = [name for name in REFERENCE_COLUMNS if name not in columns]
+    if missing:
+        raise ValueError(f"{args.reference} has no column {', '.join(map(repr, missing))} (ProteinGym's reference).")
+    seen: dict[str, int] = {}
+    for number, (row, line) in enumerate(rows, 1):
+        dms_id = row["DMS_id"] or ""
+        if dms_id in seen:
+            raise ValueError(
+                f"{args.reference}: row {number} (line {line}), column 'DMS_id': {dms_id!r} repeats row {seen[dms_id]}."
+            )
+        seen[dms_id] = number
+    wanted = list(dict.fromkeys(args.assays or [row["DMS_id"] for row, _ in rows]))
+    unknown = [dms_id for dms_id in wanted if dms_id not in seen]
+    if unknown:
+        raise ValueError(f"--assays: {unknown[0]!r} is not a DMS_id of {args.reference}.")
+    if args.scatter_assay is not None and args.scatter_assay not in wanted:
+        raise ValueError(f"--scatter-assay: {args.scatter_assay!r} is not among the assays scored.")
+    files = []
+    for dms_id in wanted:
+        row, line = rows[seen[dms_id] - 1]
+        where = f"{args.reference}: row {seen[dms_id]} (line {line})"
+        if not dms_id or "/" in dms_id or dms_id.startswith("."):
+            raise ValueError(f"{where}, column 'DMS_id': {dms_id!r} cannot name an output file.")
+        path = args.assays_folder / (row["DMS_filename"] or "")
+        if not row["DMS_filename"] or not path.is_file():
+            raise ValueError(f"{where}, column 'DMS_filename': assay file {path} is missing.")
+        assay_columns, assay_rows = read_csv(path)
+        if MUTANT_COLUMN not in assay_columns:
+            raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(assay_columns[:20])}).")
+        taken = [name for name in args.columns if name in assay_columns]
+        if taken:
+            raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
+        mutants = [r[MUTANT_COLUMN] for r, _ in assay_rows]
+        names = [
+            f"{path}: row {n} (line {line}), column {MUTANT_COLUMN!r}" for n, (_, line) in enumerate(assay_rows, 1)
+        ]
+        wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
+        assay = Assay(dms_id, wild_type, mutants, names)
+        assay.parse()
+        check_assay(assay, args.methods, args.windows, window, longest)
+        groups = (row.get(name) for name in SUMMARY_COLUMNS)
+        files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows], *groups))
+    return files
+
+
+def groups_of(tokens: dict[str, int], world_size: int) -> list[list[list[str]]]:
+    """Per rank, its groups of wild types (`tokens`: what each one's copies cost, in the order of the runs'
+    assays): consecutive wild types, about min(`GROUP_TOKENS`, all tokens / (`GROUPS_PER_RANK` x `world_size`))
+    tokens per group; the groups dealt out largest first, each to the rank with the fewest tokens so far (the same
+    on every rank)."""
+    target = min(GROUP_TOKENS, max(1, sum(tokens.values()) // (GROUPS_PER_RANK * world_size)))
+    groups, sizes = [[]], [0]
+    for wild_type, size in tokens.items():
+        if groups[-1] and sizes[-1] + size > target:
+            groups.append([])
+            sizes.append(0)
+        groups[-1].append(wild_type)
+        sizes[-1] += size
+    ranks: list[list[list[str]]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for k in sorted(range(len(groups)), key=lambda k: -sizes[k]):
+        if groups[k]:
+            rank = loads.index(min(loads))
+            ranks[rank].append(groups[k])
+            loads[rank] += sizes[k]
+    return ranks
+
+
+def output_path(args: argparse.Namespace, dms_id: str) -> Path:
+    return args.output / f"{dms_id}.csv"
+
+
+def write_assay(path: Path, file: AssayFile, columns: tuple[str, ...], scores: dict[str, torch.Tensor]) -> None:
+    """The assay's CSV (its rows, in order) with one column per method, written atomically."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow([*file.columns, *columns])
+    values = list(zip(*(scores[method].tolist() for method in scores)))
+    for row, row_scores in zip(file.rows, values):
+        writer.writerow([*(row.get(column) or "" for column in file.columns), *map(repr, row_scores)])
+    write_atomically(path, text.getvalue())
+
+
+def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settings: ProteinGymSettings,
+        rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+    """Score the assays without an output file (this rank's share of the groups), each written when its group is
+    done; then rank 0 (after every rank) summarises OUT."""
+    with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
+        barrier(world_size)
+        todo = [i for i, file in enumerate(files) if not output_path(args, file.assay.dms_id).exists()]
+        barrier(world_size)  # every rank has its list before any writes an assay: all share one list
+        by_wild_type: dict[str, list[AssayFile]] = {}
+        for i in todo:
+            by_wild_type.setdefault(files[i].assay.wild_type, []).append(files[i])
+        plans = {
+            wild_type: Plan(scorer, [file.assay for file in group], settings.methods, settings.windows)
+            for wild_type, group in by_wild_type.items()
+        }
+        mine = groups_of({wild_type: plan.tokens() for wild_type, plan in plans.items()}, world_size)[rank]
+        total = sum(plans[wild_type].tokens() for group in mine for wild_type in group)
+        progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
+        for group in mine:
+            for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
+                for file, scores in zip(by_wild_type[wild_type], results):
+                    write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
+        progress.close()
+        barrier(world_size)
+        if rank == 0:
+            print(f"{len(files)} assays ({len(files) - len(todo)} were already done); wrote {args.output}")
+            missing = summary_gap(files)
+            if missing is None:
+                summarize_output(args, files, settings.columns)
+            else:
+                print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
+
+
+def summary_gap(files: list[AssayFile]) -> str | None:
+    """Why the metrics cannot be summarised (a column the summary reads is missing), or None."""
+    for file in files:
+        if file.uniprot is None or file.selection_type is None:
+            return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
+        absent = [name for name in MEASURED_COLUMNS if name not in file.columns]
+        if absent:
+            return f"assay {file.assay.dms_id} has no {absent[0]} column"
+    return None
+
+
+def summarize_output(args: argparse.Namespace, files: list[AssayFile], columns: tuple[str, ...]) -> None:
+    """ProteinGym's metrics of every score column over the assays' output files (`proteingym_metrics`), written to
+    OUT/summary/ with a bar plot of the Spearman per selection type and a scatter of one assay's scores."""
+    results, values_of = [], {}
+    for file in files:
+        path = output_path(args, file.assay.dms_id)
+        _, rows = read_csv(path)
+        values = {name: _floats(path, rows, name) for name in (*columns, *MEASURED_COLUMNS)}
+        values_of[file.assay.dms_id] = values
+        results.append(
+            proteingym_metrics.assay_result(
+                file.assay.dms_id,
+                file.uniprot,
+                file.selection_type,
+                values["DMS_score"],
+                values["DMS_score_bin"],
+                {name: values[name] for name in columns},
+            )
+        )
+    summary = proteingym_metrics.summarize(results)
+    folder = args.output / SUMMARY_FOLDER
+    proteingym_metrics.write_summary(summary, folder)
+    spearman = summary.metrics["Spearman"]
+    averages = ", ".join(f"{name} {spearman.average[i]:.3f}" for i, name in enumerate(summary.methods))
+    print(f"average Spearman over selection types ({len(files)} assays): {averages}; wrote {folder}")
+    chosen = args.scatter_assay or files[0].assay.dms_id
+    result = next(result for result in results if result.DMS_id == chosen)
+    panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values_of[chosen][name] for name in columns}
+    plotted = [
+        plot_category_bars(*proteingym_metrics.category_bars(summary, "Spearman"), folder / "Spearman.png"),
+        plot_scores(panels, values_of[chosen]["DMS_score"], folder / f"{chosen}.png", "DMS_score"),
+    ]
+    if None in plotted:
+        print(PLOTS_HINT.format(what="the summary"), file=sys.stderr)
+
+
+def _floats(path: Path, rows: list[tuple[dict[str, str | None], int]], column: str) -> list[float]:
+    """The column's values as floats; ValueError naming the file, row and column of one that is not a number."""
+    values = []
+    for number, (row, line) in enumerate(rows, 1):
+        try:
+            values.append(float(row[column]))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{path}: row {number} (line {line}), column {column!r}: {row[column]!r} is not a number."
+            ) from None
+    return values
+
+
+def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+
+    def score_on(device: torch.device, rank: int, world_size: int) -> None:
+        config = load_config(args.checkpoint)
+        window = resolve_window(config, None)
+        args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
+        files = read_assays(
+            args, window, config.max_protein_length - 2
+        )  # before loading: a bad row stops the run at once
+        own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
+        settings = ProteinGymSettings(
+            checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+            model_code="checkpoint" if own_code else "installed",
+            methods=args.methods,
+            windows=args.windows,
+            window=window,
+            columns=args.columns,
+            precision=command_precision(device),
+            backend=command_backend(args, device).name,
+            fp8=args.fp8,
+        )
+        check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
+        barrier(world_size)  # every rank has read OUT before rank 0 changes it
+        tokenizer = load_tokenizer(args.checkpoint)
+        model = load_model(
+            args.checkpoint,
+            config,
+            settings.backend,
+            args.fp8,
+            args.cuda_graphs is not False,
+            device,
+            args.trust_remote_code,
+            masked_lm=True,
+            fp8_recipe=FP8_RECIPE,
+            contacts=False,
+            progress=not args.no_progress,
+        )
+        run(args, Scorer(model, tokenizer, window, args.tokens_per_batch), files, settings, rank, world_size)
+
+    return run_on_ranks(args.device, score_on, f"finished assays in {args.output} are kept, a rerun resumes", prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

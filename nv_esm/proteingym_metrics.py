@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nv_esm import rank_statistics
 from nv_esm.checkpoint_io import write_atomically
 
 METRICS = ("Spearman", "AUC", "MCC", "NDCG", "Top_recall")
@@ -56,33 +57,16 @@ BOOTSTRAP_SAMPLES = 10_000
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def average_ranks(values: np.ndarray) -> np.ndarray:
-    """`[n]` float64 ranks 1..n of `values [n]`, tied values sharing the mean of their ranks."""
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    counts = np.diff(np.r_[starts, len(values)])
-    ranks = np.empty(len(values))
-    ranks[order] = np.repeat(starts + (counts + 1) / 2, counts)
-    return ranks
-
-
 def spearman(dms_scores: np.ndarray, model_scores: np.ndarray) -> float:
-    """Spearman's rho (`scipy.stats.spearmanr`): the Pearson correlation of the average ranks."""
-    x = average_ranks(dms_scores)
-    y = average_ranks(model_scores)
-    x, y = x - x.mean(), y - y.mean()
-    return float(x @ y / math.sqrt((x @ x) * (y @ y)))
+    """Spearman's rho (`scipy.stats.spearmanr`) of the model scores with `DMS_score` (`assay_metrics` refuses the
+    constant columns for which it is undefined)."""
+    return rank_statistics.spearman(dms_scores, model_scores)
 
 
 def auc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:
-    """ROC AUC of the scores for the positive bins (`sklearn.metrics.roc_auc_score`): Mann-Whitney U / (n+ n-),
-    ties between a positive and a negative counted half."""
-    positive = dms_bins == 1
-    num_positive = int(positive.sum())
-    num_negative = len(dms_bins) - num_positive
-    rank_sum = average_ranks(model_scores)[positive].sum()
-    return float((rank_sum - num_positive * (num_positive + 1) / 2) / (num_positive * num_negative))
+    """ROC AUC of the scores for the positive bins (`sklearn.metrics.roc_auc_score`; `assay_metrics` refuses a
+    single class)."""
+    return rank_statistics.auroc(model_scores, dms_bins == 1)
 
 
 def mcc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:

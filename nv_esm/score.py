@@ -68,6 +68,7 @@ from nv_esm.embed_plan import (
 )
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_scores
+from nv_esm.rank_statistics import spearman
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.scoring import (
     METHODS,
@@ -527,33 +528,8 @@ def method_spearman(scores: list[float], measured: list[float]) -> tuple[float, 
     """Spearman's rho of one method's `scores [n]` with the `measured` values `[n]` (finite) over the rows where
     the score is finite (a NaN or infinite score is dropped, not ranked), and how many rows that is."""
     kept = [(x, y) for x, y in zip(scores, measured) if math.isfinite(x)]
-    return spearman([x for x, _ in kept], [y for _, y in kept]), len(kept)
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation of `x` and `y` (ties get their average rank); NaN for fewer than 2 pairs or a
-    constant side."""
-    if len(x) < 2:
-        return math.nan
-    rx, ry = _ranks(x), _ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    spread = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return covariance / spread if spread else math.nan
-
-
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        stop = start
-        while stop + 1 < len(order) and values[order[stop + 1]] == values[order[start]]:
-            stop += 1
-        for position in range(start, stop + 1):
-            ranks[order[position]] = (start + stop) / 2
-        start = stop + 1
-    return ranks
+    rho = spearman([x for x, _ in kept], [y for _, y in kept])
+    return math.nan if rho is None else rho, len(kept)
 
 
 if __name__ == "__main__":

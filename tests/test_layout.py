@@ -1,4 +1,4 @@
-"""Rules of the code's layout (issue 32): the library never imports the trainer, the remote code's flat siblings
+"""Rules of the code's layout: the library never imports the trainer, the remote code's flat siblings
 import only downward and are all installed and copied, and no source file outgrows the size rule."""
 
 from __future__ import annotations
@@ -9,33 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Every module of the library: the top-level files pyproject.toml installs and the package's modules outside the
+# trainer (`nv_esm/train/`), found on disk so that a new one is covered without being listed.
 LIBRARY_MODULES = (
-    "configuration_nv_esm",
-    "modeling_nv_esm",
-    "modeling_nv_esm_batch",
-    "modeling_nv_esm_kernels",
-    "modeling_nv_esm_layout",
-    "modeling_nv_esm_parallel",
-    "modeling_nv_esm_lora",
-    "modeling_nv_esm_layers",
-    "modeling_nv_esm_graphs",
-    "modeling_nv_esm_encoder",
+    *(path.stem for path in sorted(ROOT.glob("*.py")) if path.stem.startswith(("modeling_", "configuration_"))),
     "tokenization_nv_esm",
     "convert_checkpoint",
-    "nv_esm.conversion_plan",
-    "nv_esm.conversion",
-    "nv_esm.cli",
-    "nv_esm.embed",
-    "nv_esm.embed_plan",
-    "nv_esm.embed_model",
-    "nv_esm.embed_output",
-    "nv_esm.score",
-    "nv_esm.scoring",
-    "nv_esm.model_card",
-    "nv_esm.verification",
-    "nv_esm.hub_folder",
-    "nv_esm.checkpoint_io",
-    "nv_esm.data",
+    *(f"nv_esm.{path.stem}" for path in sorted((ROOT / "nv_esm").glob("*.py")) if path.stem != "__main__"),
 )
 
 

@@ -17,15 +17,13 @@ from test_recipe_train import DEMO_FASTA, SECONDARY_STRUCTURE, mlm_args, run_rec
 from conftest import ROOT, pad_batch
 from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.data import Holdout, MLMStream
+from nv_esm.rank_statistics import auroc, average_ranks, spearman
 from nv_esm.train.config import parse_config
 from nv_esm.train.parallel import Dist
 from nv_esm.train.validation import (
     VALIDATION_SEED,
-    auroc,
-    average_ranks,
     classification_metrics,
     regression_metrics,
-    spearman,
     validation_stream,
 )
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from nv_esm.alphabet import CLS, EOS
 from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, pack_batch
+from nv_esm.rank_statistics import auroc, spearman
 from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.feed import warn_if_skipped
@@ -188,7 +189,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
         f1.append(2 * true_positives / (predicted + actual))
     probabilities = logits.softmax(-1)
     classes = [1] if logits.shape[-1] == 2 else range(logits.shape[-1])
-    areas = [auroc(probabilities[:, label], labels == label) for label in classes]
+    areas = [auroc(probabilities[:, label].cpu(), (labels == label).cpu()) for label in classes]
     areas = [area for area in areas if area is not None]
     return {
         "val_loss": F.cross_entropy(logits, labels).item(),
@@ -205,41 +206,6 @@ def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> dict
     return {
         "val_loss": error,
         "val_rmse": math.sqrt(error),
-        "val_spearman": spearman(predictions, targets),
+        "val_spearman": spearman(predictions.double().cpu(), targets.double().cpu()),
         "val_count": targets.numel(),
     }
-
-
-def average_ranks(values: torch.Tensor) -> torch.Tensor:
-    """`[n]` float64 ranks 1..n of `values [n]`, tied values sharing the mean of their ranks."""
-    order = values.argsort()
-    sorted_values = values[order]
-    _, counts = torch.unique_consecutive(sorted_values, return_counts=True)
-    ends = counts.cumsum(0).double()
-    tied_ranks = (ends - (counts.double() - 1) / 2).repeat_interleave(counts)
-    ranks = torch.empty(values.numel(), dtype=torch.float64)
-    ranks[order] = tied_ranks
-    return ranks
-
-
-def auroc(scores: torch.Tensor, positives: torch.Tensor) -> float | None:
-    """Area under the ROC curve of `scores [n]` for the boolean `positives [n]` (Mann-Whitney U / (n+ n-), ties
-    counted half); None without both positives and negatives."""
-    num_positive = int(positives.sum())
-    num_negative = positives.numel() - num_positive
-    if not num_positive or not num_negative:
-        return None
-    ranks = average_ranks(scores.double().cpu())
-    rank_sum = ranks[positives.cpu()].sum().item()
-    return (rank_sum - num_positive * (num_positive + 1) / 2) / (num_positive * num_negative)
-
-
-def spearman(x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """Spearman's rho of `x [n]` and `y [n]`: the Pearson correlation of their average ranks; None if either is
-    constant or n < 2."""
-    if x.numel() < 2:
-        return None
-    rank_x, rank_y = average_ranks(x.double().cpu()), average_ranks(y.double().cpu())
-    rank_x, rank_y = rank_x - rank_x.mean(), rank_y - rank_y.mean()
-    norm = rank_x.norm() * rank_y.norm()
-    return None if norm == 0 else (rank_x @ rank_y / norm).item()

@@ -89,6 +89,14 @@ def checkpoint(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return folder
 
 
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """transformers' `EsmTokenizer` of the bundled tiny checkpoint (ESM-2's vocabulary)."""
+    from transformers import EsmTokenizer
+
+    return EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
+
+
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """config.json of the repo's model in the tiny shape (for runs of the recipe from scratch)."""

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import spearmanr
-from transformers import EsmForMaskedLM, EsmTokenizer
+from transformers import EsmForMaskedLM
 
 import convert_checkpoint
-from conftest import TINY_CHECKPOINT, make_hf_model, make_nv_model
+from conftest import make_hf_model, make_nv_model
 from convert_helpers import save_hf
 from nv_esm import proteingym, proteingym_scoring
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
@@ -45,11 +45,6 @@ def reference() -> EsmForMaskedLM:
 @pytest.fixture(scope="module")
 def model(reference):
     return make_nv_model(reference)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> EsmTokenizer:
-    return EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import EsmForMaskedLM, EsmTokenizer
+from transformers import EsmForMaskedLM
 
 import convert_checkpoint
-from conftest import ATOL_FP32, TINY_CHECKPOINT, make_hf_model, make_nv_model
+from conftest import ATOL_FP32, make_hf_model, make_nv_model
 from convert_helpers import save_hf
 from nv_esm import rank_statistics, score, scoring
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
@@ -47,11 +47,6 @@ def reference() -> EsmForMaskedLM:
 @pytest.fixture(scope="module")
 def model(reference):
     return make_nv_model(reference)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> EsmTokenizer:
-    return EsmTokenizer.from_pretrained(TINY_CHECKPOINT)
 
 
 @pytest.fixture(scope="module")

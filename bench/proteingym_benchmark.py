@@ -1,18 +1,28 @@
 """`nv-esm proteingym` end to end over ProteinGym's 217 wild types, against ProteinGym's own ESM scoring loop.
 
+    # here, once (the file is not committed; bench/data/ is git-ignored and travels with run's carry):
+    mkdir -p bench/data && git -C /work/.mirror/OATML-Markslab+ProteinGym/repo \
+        show HEAD:reference_files/DMS_substitutions.csv > bench/data/DMS_substitutions.csv
+    # on one H100, one call each (run's carry: [".gpu", "bench/data"]; each under the 10-minute limit):
     source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
-    # once, here (not committed; bench/data/ is git-ignored; carry it with .gpu):
-    git -C /work/.mirror/OATML-Markslab+ProteinGym/repo show HEAD:reference_files/DMS_substitutions.csv \\
-        > bench/data/DMS_substitutions.csv
-    # one H100 (run's carry: [".gpu", "bench/data"]); each call well under 10 minutes:
-    python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \\
-        --variants bf16 --checkpoint-cache /tmp/pg_checkpoints --out $OUT/proteingym_650M_bf16.json
-    python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \\
-        --variants fp8 --checkpoint-cache /tmp/pg_checkpoints --out $OUT/proteingym_650M_fp8.json
-    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 40 \\
-        --variants bf16 --checkpoint-cache /tmp/pg_checkpoints --out $OUT/proteingym_3B_bf16.json
+    python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \
+        --variants bf16 --checkpoint-cache /tmp/pg --out $OUT/proteingym_650M_bf16.json
+    python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \
+        --variants fp8 --checkpoint-cache /tmp/pg --out $OUT/proteingym_650M_fp8.json
+    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 20 \
+        --variants bf16 --baseline-wild-types 2 --checkpoint-cache /tmp/pg --out $OUT/proteingym_3B_bf16.json
+    # if device time is left, on the same warm machine (the cached checkpoint):
+    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 20 \
+        --variants fp8 --baseline-wild-types 2 --checkpoint-cache /tmp/pg --out $OUT/proteingym_3B_fp8.json
     # a small run, also on the CPU (the bundled tiny checkpoint, the 3 shortest wild types):
     python bench/proteingym_benchmark.py --quick --reference bench/data/DMS_substitutions.csv --out /tmp/pg.json
+
+Expected (650M ~3e5 tokens/s in bf16 on an H100, bench/results/score_h100_session19; 3B ~4.4x its FLOPs per
+token): 650M, all 217 rows (4.95e7 tokens): the command ~3-4 minutes, the call ~6 minutes (random checkpoint
+~1 minute, unless the cache of an earlier call on the same warm machine has it; side-by-side ~1 minute). 3B: the
+whole file would take ~12-14 minutes, over one call's 10, so `--limit 20` (7.3e6 tokens, the first 20 rows) and
+the JSON's `projected_full_reference_seconds` (the whole file's tokens at the run's tokens/s, start-up included,
+so an upper bound); the call ~8 minutes (checkpoint ~3, the command ~2.5, side by side ~2); the fp8 call ~5.
 
 Workload: every row of `--reference` (ProteinGym's reference_files/DMS_substitutions.csv; `--limit N`: the first N
 rows) gets a stand-in assay in ProteinGym's layout (`mutant`, `mutated_sequence`, `DMS_score`, `DMS_score_bin`):
@@ -77,6 +87,7 @@ TINY = ROOT / "assets" / "esm2_tiny"
 VARIANTS = {"bf16": "off", "fp8": "all"}  # name: the command's --fp8
 WINDOW_TOKENS = 1024  # ESM-2's window: ProteinGym's model_window, and the longest protein of the baseline + 2
 QUICK_ROWS = 3
+MODEL_NAME = "bench"  # the command's --model-name: its score column
 
 
 def read_reference(path: Path, limit: int | None, quick: bool) -> tuple[list[str], list[dict[str, str]]]:
@@ -186,8 +197,10 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
     output = folder / f"out_{variant}"
     command = [sys.executable, "-m", "nv_esm", "proteingym", str(checkpoint), str(folder / "reference.csv"),
                str(folder / "assays"), str(output), "--methods", "masked-marginals", "--fp8", VARIANTS[variant],
-               "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress", "--model-name", "bench"]  # fmt: skip
-    command += ["--device", args.device]
+               "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress",
+               "--model-name", MODEL_NAME]  # fmt: skip
+    if args.device_given:
+        command += ["--device", args.device]
     log = folder / f"log_{variant}.txt"
     with log.open("w") as handle:
         poll = GpuMemoryPoll()
@@ -229,6 +242,12 @@ def label_scores(log_probs: torch.Tensor, tokenizer, mutants: list[str]) -> torc
     vocab = tokenizer.get_vocab()
     host = log_probs.double().cpu()
     return torch.tensor([(host[int(m[1:-1]), vocab[m[-1]]] - host[int(m[1:-1]), vocab[m[0]]]).item() for m in mutants])
+
+
+def command_scores(path: Path) -> torch.Tensor:
+    """The `masked-marginals` column (`bench`, `--model-name`) of an assay file the command wrote (`[M]` float64)."""
+    with path.open(newline="") as handle:
+        return torch.tensor([float(row[MODEL_NAME]) for row in csv.DictReader(handle)], dtype=torch.float64)
 
 
 def synchronize(device: torch.device) -> None:
@@ -274,8 +293,9 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def side_by_side(args, checkpoint: Path, hf_folder: Path, subset, mutants_of, summary: dict) -> None:
-    """ProteinGym's loop (transformers) and `score_assays` on the subset: times, speed-up, agreement."""
+def side_by_side(args, checkpoint: Path, hf_folder: Path, work: Path, subset, mutants_of, summary: dict) -> None:
+    """ProteinGym's loop (transformers) and `score_assays` on the subset: times, speed-up, agreement (also of the
+    command's written scores, `work/out_<variant>/`, with the API's in this process)."""
     from transformers import EsmForMaskedLM, EsmTokenizer
 
     device = torch.device(args.device)
@@ -342,12 +362,17 @@ def side_by_side(args, checkpoint: Path, hf_folder: Path, subset, mutants_of, su
         }
         for variant in args.variants:
             entry[f"ours_{variant}_vs_fp32_spearman"] = spearman(scores[variant][k].numpy(), fp32[k].numpy())
+            written = command_scores(work / f"out_{variant}" / f"{dms_id}.csv")
+            entry[f"command_{variant}_vs_api_max_abs_diff"] = (written - scores[variant][k]).abs().max().item()
         if "bf16" in scores:
             entry["ours_bf16_vs_transformers_loop_max_abs_diff"] = (scores["bf16"][k] - theirs[k]).abs().max().item()
     values = agreement["per_assay"].values()
     for variant in args.variants:
         found = [v[f"ours_{variant}_vs_fp32_spearman"] for v in values]
         agreement[f"ours_{variant}_vs_fp32_spearman_min"] = min((v for v in found if v is not None), default=None)
+    for variant in args.variants:
+        key = f"command_{variant}_vs_api_max_abs_diff"
+        agreement[key] = max(v[key] for v in values)
     agreement["ours_fp32_vs_transformers_fp32_max_abs_diff"] = max(
         v["ours_fp32_vs_transformers_fp32_max_abs_diff"] for v in values
     )
@@ -382,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/proteingym_benchmark.json"))
     args = parser.parse_args(argv)
+    args.device_given = args.device is not None  # else the command picks its own default device too
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.variants = list(dict.fromkeys(args.variants or ["bf16"]))
     if "fp8" in args.variants and args.device == "cpu":
@@ -439,7 +465,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     write(args.out, summary)
     if args.baseline_wild_types > 0:
         subset = baseline_subset(rows, args.baseline_wild_types, args.seed)
-        side_by_side(args, checkpoint, hf_folder, subset, mutants_of, summary)
+        side_by_side(args, checkpoint, hf_folder, work / "data", subset, mutants_of, summary)
     write(args.out, summary)
     print_table(summary)
 

@@ -17,7 +17,7 @@ from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_run_writes_the_benchmark_fields(tmp_path):
+def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     generator = random.Random(4507)
     wild_types = ["".join(generator.choices(STANDARD_AMINO_ACIDS, k=k)) for k in (generator.randint(20, 40), 31)]
     reference = tmp_path / "DMS_substitutions.csv"
@@ -62,3 +62,23 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path):
     assert isinstance(agreement["ours_bf16_vs_fp32_spearman_min"], float)
     assert agreement["ours_bf16_vs_fp32_spearman_min"] > 0.999  # fp32 on both sides on the CPU
     assert agreement["ours_fp32_vs_transformers_fp32_max_abs_diff"] < 1e-4
+    assert agreement["command_bf16_vs_api_max_abs_diff"] < 1e-4  # the command's file, packed otherwise
+
+    # the stand-in assays: ProteinGym's columns, one substitution at every position, the bins from the cutoff
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from proteingym_benchmark import write_assays
+
+    with reference.open(newline="") as handle:
+        reference_rows = list(csv.DictReader(handle))
+    mutants_of = write_assays(columns, reference_rows, tmp_path / "stand_in", seed=3)
+    for dms_id, wild_type, _ in rows:
+        with (tmp_path / "stand_in" / "assays" / f"{dms_id}.csv").open(newline="") as handle:
+            assay = list(csv.DictReader(handle))
+        assert list(assay[0]) == ["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"]
+        assert [row["mutant"] for row in assay] == mutants_of[dms_id]
+        assert [int(row["mutant"][1:-1]) for row in assay] == list(range(1, len(wild_type) + 1))
+        for row in assay:
+            position, letter = int(row["mutant"][1:-1]) - 1, row["mutant"][-1]
+            assert row["mutant"][0] == wild_type[position] != letter and letter in STANDARD_AMINO_ACIDS
+            assert row["mutated_sequence"] == wild_type[:position] + letter + wild_type[position + 1 :]
+            assert row["DMS_score_bin"] == str(int(float(row["DMS_score"]) > 0.1))

@@ -1,0 +1,84 @@
+"""bench/proteingym_benchmark.py --quick on a 3-row reference in ProteinGym's layout (random wild types, two rows
+sharing one): the JSON's workload against counts made here, its timings, speed-up and Spearman as numbers, and our
+fp32 scores equal to the ProteinGym-rule transformers loop's."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from nv_esm.alphabet import STANDARD_AMINO_ACIDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
+    generator = random.Random(4507)
+    wild_types = ["".join(generator.choices(STANDARD_AMINO_ACIDS, k=k)) for k in (generator.randint(20, 40), 31)]
+    reference = tmp_path / "DMS_substitutions.csv"
+    columns = ["DMS_id", "DMS_filename", "UniProt_ID", "target_seq", "seq_len", "DMS_binarization_cutoff",
+               "coarse_selection_type"]  # fmt: skip
+    rows = [("A_ONE", wild_types[0], "Activity"), ("B_TWO", wild_types[1], "Stability"),
+            ("B_THREE", wild_types[1], "Stability")]  # fmt: skip
+    with reference.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for dms_id, wild_type, kind in rows:
+            writer.writerow([dms_id, f"{dms_id}.csv", dms_id.split("_")[0], wild_type, len(wild_type), 0.1, kind])
+    out = tmp_path / "result.json"
+    path = os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    command = [sys.executable, str(ROOT / "bench" / "proteingym_benchmark.py"), "--quick", "--reference",
+               str(reference), "--device", "cpu", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+
+    lengths = [len(w) for w in wild_types]
+    assert result["workload"] == {
+        "assays": 3,
+        "distinct_wild_types": 2,
+        "masked_copies": sum(lengths),
+        "tokens": sum(n * (n + 2) for n in lengths),
+        "tokens_per_row": sum(n * (n + 2) for n in lengths) + lengths[1] * (lengths[1] + 2),
+    }
+    bf16 = result["variants"]["bf16"]
+    assert bf16["assay_files_written"] == 3 and bf16["seconds"] > 0 and bf16["peak_rss_gb"] > 0
+    assert abs(bf16["tokens_per_s"] * bf16["seconds"] - result["workload"]["tokens"]) < 1e-6 * bf16["tokens_per_s"]
+    assert set(result["versions"]) >= {"torch", "transformers"} and result["device"] == "cpu"
+    baseline = result["baseline"]
+    assert len(baseline["assays"]) == 2 and baseline["assays"][0] != "B_THREE" != baseline["assays"][1]
+    assert baseline["transformers_forwards"] == sum(lengths) + 4
+    speedup = baseline["ours_bf16"]["x_transformers_loop"]
+    assert isinstance(speedup, float) and speedup > 0
+    assert abs(speedup - baseline["transformers_loop"]["seconds"] / baseline["ours_bf16"]["seconds"]) < 1e-9
+    agreement = result["agreement"]
+    assert set(agreement["per_assay"]) == set(baseline["assays"])
+    assert isinstance(agreement["ours_bf16_vs_fp32_spearman_min"], float)
+    assert agreement["ours_bf16_vs_fp32_spearman_min"] > 0.999  # fp32 on both sides on the CPU
+    assert agreement["ours_fp32_vs_transformers_fp32_max_abs_diff"] < 1e-4
+    assert agreement["command_bf16_vs_api_max_abs_diff"] < 1e-4  # the command's file, packed otherwise
+
+    # the stand-in assays: ProteinGym's columns, one substitution at every position, the bins from the cutoff
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from proteingym_benchmark import write_assays
+
+    with reference.open(newline="") as handle:
+        reference_rows = list(csv.DictReader(handle))
+    mutants_of = write_assays(columns, reference_rows, tmp_path / "stand_in", seed=3)
+    for dms_id, wild_type, _ in rows:
+        with (tmp_path / "stand_in" / "assays" / f"{dms_id}.csv").open(newline="") as handle:
+            assay = list(csv.DictReader(handle))
+        assert list(assay[0]) == ["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"]
+        assert [row["mutant"] for row in assay] == mutants_of[dms_id]
+        assert [int(row["mutant"][1:-1]) for row in assay] == list(range(1, len(wild_type) + 1))
+        for row in assay:
+            position, letter = int(row["mutant"][1:-1]) - 1, row["mutant"][-1]
+            assert row["mutant"][0] == wild_type[position] != letter and letter in STANDARD_AMINO_ACIDS
+            assert row["mutated_sequence"] == wild_type[:position] + letter + wild_type[position + 1 :]
+            assert row["DMS_score_bin"] == str(int(float(row["DMS_score"]) > 0.1))

@@ -9,7 +9,7 @@ weights): every case's ratio is then ours (eager, graphs, FP8 graphs) over the f
 
 Each tree's remote code (`configuration_nv_esm.py`, `modeling_nv_esm*.py`) is copied into a package of its own in a
 temporary folder and imported from there, as transformers loads Hub remote code, so both run in one process. Separate
-processes (`benchmark.py`) differ by up to +-30% from run to run on the lent H100 where the GPU waits for Python
+processes (`benchmark.py`) differ by up to +-30% from run to run on an H100 where the GPU waits for Python
 (eager at 16 proteins, inference); in one process, with alternating rounds, both trees see the same machine state.
 
 Cases (`--cases`): eager / graphs / FP8 graphs (every layer FP8, delayed scaling) x infer (bf16 weights, no grad) /

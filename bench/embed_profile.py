@@ -12,10 +12,11 @@ and for the default settings in bf16:
 and, with `--experiments captures`, what the CUDA-graph captures of a first run cost: per variant a fresh model, a
 warm-up run on 512 proteins, then two runs over all proteins (the first captures the shapes the warm-up did not
 meet), each with the number of captures, their seconds, the batches run eagerly before their shape was captured
-and those run padded in a larger captured graph; variants `previous` (session 12: no batch runs in a larger graph)
-and `default` (the model as it is). (Earlier variants: session 11's in
-bench/results/embed_profile_h100_session11/embed_captures.json, session 12's against session 11's shapes in
-bench/results/embed_profile_h100_session12/embed_captures.json.)
+and those run padded in a larger captured graph; variants `previous` (no batch runs in a larger graph: a shape is
+captured at its second batch) and `default` (the model as it is). (Earlier variants: capture at a shape's first
+batch in bench/results/embed_profile_h100_2026-11-23_capture_at_first_use/embed_captures.json, capture at its
+second batch against capture at its first in
+bench/results/embed_profile_h100_2026-11-23_capture_at_second_use/embed_captures.json.)
 Writes OUT/embed_profile.json after every measurement.
 """
 
@@ -86,7 +87,7 @@ def command(checkpoint: Path, config, model, fasta: Path, warm: Path, work: Path
 
 
 def patch_variant(model, variant: str) -> dict:
-    """Apply `variant` to `model`: "default" leaves it as it is; "previous" restores session 12's policy (no
+    """Apply `variant` to `model`: "default" leaves it as it is; "previous" restores the earlier policy (no
     batch runs in a larger captured graph: a shape runs eagerly until its second batch, which captures it). A dict
     that counts the captures, their seconds, the batches run eagerly before their shape's capture and the batches
     run padded in a larger captured graph."""

@@ -1,4 +1,4 @@
-"""Memory and speed of CUDA-graph training across a run's packed shapes (issue 12), one case per process.
+"""Memory and speed of CUDA-graph training across a run's packed shapes, one case per process.
 
     python bench/graph_memory.py --shape 650M --proteins 64 --out bench/results/graph_memory
 
@@ -14,7 +14,7 @@ Cases (each in its own process, same batches, fp32 weights + bf16 autocast + fus
   one_shape_fp8    one_shape with every layer FP8 (DelayedScaling)
   eager_fp8        eager with every layer FP8
   buckets_warmup_beside_pool, buckets_warmup_beside_pool_fp8  buckets (and FP8) with TE's eager warm-up before
-                   each capture beside the graphs' memory pool, as before issue 33 (`WarmUpInPool` not routed): the
+                   each capture beside the graphs' memory pool, as before `WarmUpInPool` (not routed): the
                    second shape's warm-up needs its activations on top of the pool's (3B at 16 proteins on an 80 GB
                    H100: out of memory, eager from then on). The other `buckets` cases warm up in the pool from the
                    second capture on; each capture's record says where (`captures`).
@@ -22,8 +22,8 @@ Cases (each in its own process, same batches, fp32 weights + bf16 autocast + fus
 Per step it records the bucket, the number of captured shapes (0 after a capture ran out of memory: eager from
 then on), allocated / reserved / peak memory; at the end the
 seconds per step of a second pass over the same batches (all shapes captured by then). The results of
-bench/results/graphs_h100_session8/ were recorded before the model switched segments itself: there, `buckets` is
-today's `buckets_fixed_segments` and `buckets_capture_expand` (a patch of `_capture`) is today's `buckets`.
+bench/results/graphs_benchmark_h100_2026-11-23/ were recorded before the model switched segments itself: there,
+`buckets` is today's `buckets_fixed_segments` and `buckets_capture_expand` (a patch of `_capture`) is today's `buckets`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
     # a small run, also on the CPU (the bundled tiny checkpoint, the 3 shortest wild types):
     python bench/proteingym_benchmark.py --quick --reference bench/data/DMS_substitutions.csv --out /tmp/pg.json
 
-Expected (650M ~3e5 tokens/s in bf16 on an H100, bench/results/score_h100_session19; 3B ~4.4x its FLOPs per
+Expected (650M ~3e5 tokens/s in bf16 on an H100, bench/results/score_h100_2026-11-25; 3B ~4.4x its FLOPs per
 token): 650M, all 217 rows (4.95e7 tokens): the command ~3-4 minutes, the call ~6 minutes (random checkpoint
 ~1 minute, unless the cache of an earlier call on the same warm machine has it; side-by-side ~1 minute). 3B: the
 whole file would take ~12-14 minutes, over one call's 10, so `--limit 20` (7.3e6 tokens, the first 20 rows) and

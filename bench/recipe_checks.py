@@ -258,7 +258,7 @@ def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> 
     """Activation offloading (`--offload-activations`) against the default (CUDA graphs on one GPU), eager and
     activation checkpointing, same init and data on `gpus` GPUs: losses, tokens/s and peak memory per rank
     (expandable segments, as `fit`). A variant that failed (e.g. out of memory) is listed under "failed". (The
-    first H100 run, bench/results/offload_h100_session13/, also ran offloading with checkpointing: it offloaded
+    first H100 run, bench/results/offload_h100_2026-11-23/, also ran offloading with checkpointing: it offloaded
     nothing, and the recipe now refuses it.)"""
     config = write_config(out, shape)
     allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 20, call 5 (H100, fresh machine): the 650M speed table from one run (plain TE port, ours graphs /
+# Call 5 (H100, fresh machine): the 650M speed table from one run (plain TE port, ours graphs /
 # graphs FP8 / eager), nothing else on the GPU.
 set -u
 start=$(date +%s)

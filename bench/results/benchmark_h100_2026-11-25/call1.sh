@@ -1,8 +1,8 @@
 #!/bin/bash
-# Session 21, call 1 (H100, fresh machine, branch issue33-review-fixes): 3B training at 16 proteins against the
+# Call 1 (H100, fresh machine, tree e8c860e): 3B training at 16 proteins against the
 # plain TE port (eager, graphs, FP8 graphs), then per-kernel-kind traces of 650M at 64 proteins (port, graphs,
 # FP8 graphs; train and infer). Nothing else on the GPU.
-# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/issue33_h100_session21/call1.sh
+# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/benchmark_h100_2026-11-25/call1.sh
 set -u
 CALL_START=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 21, call 6 (H100): the GPU suite without the recipe tests (-n 12), each test's cached GPU memory given
+# Call 6 (H100): the GPU suite without the recipe tests (-n 12), each test's cached GPU memory given
 # back after it (tests/conftest.py); call 4's run of it failed one test beside a worker holding 32.8 GB.
 set -u
 start=$(date +%s)

@@ -13,29 +13,14 @@ from transformers import EsmForMaskedLM
 
 from convert_checkpoint import main
 from nv_esm.checkpoint_io import DTYPES
-from nv_esm.hub_folder import write_esm_tokenizer
+from nv_esm.hub_folder import REMOTE_CODE_FILES, write_esm_tokenizer
 
 # --verify on the CPU: the exact PyTorch path on every machine (with a GPU, "auto" runs Transformer Engine, whose
 # tanh GELU moves float32 logits by ~3e-3; tests/test_gpu.py covers that path).
 VERIFY_CPU = ("--verify", "--verify-device", "cpu")
-NV_FILES = {
-    "config.json",
-    "configuration_nv_esm.py",
-    "modeling_nv_esm.py",
-    "modeling_nv_esm_batch.py",
-    "modeling_nv_esm_kernels.py",
-    "modeling_nv_esm_layout.py",
-    "modeling_nv_esm_parallel.py",
-    "modeling_nv_esm_lora.py",
-    "modeling_nv_esm_layers.py",
-    "modeling_nv_esm_graphs.py",
-    "modeling_nv_esm_encoder.py",
-    "tokenization_nv_esm.py",
-    "LICENSE",
-    "README.md",
-    "vocab.txt",
-    "tokenizer_config.json",
-}
+# What a converted folder holds: the remote code (`REMOTE_CODE_FILES`, the one list of it, which
+# tests/test_layout.py checks against pyproject.toml's install list) and these.
+NV_FILES = {*REMOTE_CODE_FILES, "config.json", "LICENSE", "README.md", "vocab.txt", "tokenizer_config.json"}
 
 
 def save_hf(model: EsmForMaskedLM, folder: Path, dtype: str = "float32", shard: int | None = None) -> Path:

@@ -94,6 +94,7 @@ def test_dtype_option_casts_weights_and_keeps_rotary_frequencies(tmp_path, capsy
 # ---- fair-esm .pt input ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regression_beside", [True, False], ids=["regression-file", "regression-inside"])
 def test_fair_esm_checkpoint_converts_and_verifies(tmp_path, capsys, regression_beside):
     original = make_hf_model("wide_heads", seed=21)
@@ -135,6 +136,7 @@ def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
 # ---- --verify -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
     status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0

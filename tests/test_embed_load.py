@@ -307,6 +307,7 @@ def test_a_damaged_weight_file_is_one_line_naming_it(checkpoint, tmp_path, capsy
         assert line.endswith("the checkpoint is damaged: convert or download it again."), line
 
 
+@pytest.mark.slow
 def test_train_refuses_a_checkpoint_that_embed_and_score_refuse(checkpoint, tmp_path):
     """`nv-esm train --model`: a swapped vocabulary, a missing weight of the base model and a cut-off weight file
     stop the run in one line naming the file, before any step."""

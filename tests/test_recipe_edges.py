@@ -49,6 +49,7 @@ def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
     assert lines[0].startswith("nv-esm train: error: ") and needle in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
     bad = tmp_path / "bad.fasta"
     bad.write_text(">a\nMKV\n>b\nMKJV\n")
@@ -67,6 +68,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
         one_line_error(train(*args, out=tmp_path / f"run{index}"), needle)
 
 
+@pytest.mark.slow
 def test_an_existing_run_and_changed_options_on_resume_are_one_line_errors(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 2, "--no-export"), out=out).returncode == 0
@@ -74,6 +76,7 @@ def test_an_existing_run_and_changed_options_on_resume_are_one_line_errors(tmp_p
     one_line_error(train(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_extended_with_a_larger_steps(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 2, "--no-export", "--log-every", "1"), out=out).returncode == 0
@@ -84,6 +87,7 @@ def test_a_finished_run_is_extended_with_a_larger_steps(tmp_path, tiny_config):
     one_line_error(train(*mlm_args(tiny_config, 3, "--resume"), out=out), "at step 4, past --steps 3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config, signum):
     """The default --save-every 0 used to leave nothing to resume after a kill at step 19 of 50."""
@@ -110,6 +114,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config,
     assert [r["step"] for r in records(out)][-2:] == [step + 1, step + 2]
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny_config):
     args = mlm_args(tiny_config, 4, "--lr", "1e30", "--log-every", "1")
     done = train(*args, out=tmp_path / "stop")
@@ -124,6 +129,7 @@ def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny
     assert len(rows) == 4 and any(row.get("skipped") for row in rows)
 
 
+@pytest.mark.slow
 def test_metrics_rows_say_which_figures_are_the_intervals(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 4, "--log-every", "2", "--no-export"), out=out).returncode == 0
@@ -133,6 +139,7 @@ def test_metrics_rows_say_which_figures_are_the_intervals(tmp_path, tiny_config)
     assert len({row["loss"] for row in rows}) == 4  # each step's own loss
 
 
+@pytest.mark.slow
 def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
     bad = tmp_path / "bad.fasta"
     bad.write_text("".join(f">p{i}\nMKV{'J' if i == 5 else ''}L\n" for i in range(8)))
@@ -151,6 +158,7 @@ def flip_4_kib(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage,reason",
     [
@@ -179,6 +187,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny
     assert "step_0000003 is damaged" in exported.stderr and not (tmp_path / "hub").exists()
 
 
+@pytest.mark.slow
 def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, tiny_config):
     out = tmp_path / "run"
     args = mlm_args(tiny_config, 2, "--no-export")
@@ -189,6 +198,7 @@ def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, ti
     assert done.returncode == 1 and len(lines) == 1 and "every checkpoint in" in lines[0], done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_data_smaller_than_a_micro_batch_is_said_to_repeat(tmp_path, tiny_config):
     small = tmp_path / "small.fasta"
     small.write_text(">a\nMKTAYIAK\n>b\nMKVL\n")

@@ -93,6 +93,7 @@ def test_labelled_csv_rows_follow_the_record_rules(tmp_path: Path) -> None:
     assert len(stream) == len(sequences) and len(stream.skipped) == 2
 
 
+@pytest.mark.slow
 def test_train_offers_the_record_rules_of_embed_and_score(tmp_path: Path, tiny_config: Path) -> None:
     """The '*' error names --strip-stop, which train now takes; with --invalid skip the bad records are left out
     and counted in one warning."""
@@ -111,6 +112,7 @@ def test_train_offers_the_record_rules_of_embed_and_score(tmp_path: Path, tiny_c
     assert warning.startswith(f"warning: --invalid skip left {len(bad)} records of --data out: ")
 
 
+@pytest.mark.slow
 def test_bad_data_files_are_named_in_one_line(tmp_path: Path, tiny_config: Path) -> None:
     latin1 = tmp_path / "latin1.fasta"
     latin1.write_bytes(b">a\nMKV\n>b caf\xe9\nMKL\n")
@@ -151,6 +153,7 @@ def test_the_options_a_run_records_parse_back_to_its_config() -> None:
     assert (changed.model.init_from, changed.model.config_file, changed.optimizer.steps) == (None, "c.json", 200)
 
 
+@pytest.mark.slow
 def test_resume_alone_takes_the_recorded_options(tmp_path: Path, tiny_config: Path) -> None:
     """`--out OUT --resume` continues with the options the run was started with (non-default --lr, --seed,
     --max-length, --strip-stop...): its steps are the unbroken run's."""
@@ -182,6 +185,7 @@ def stopped_run(tmp_path: Path, nv_tiny: Path) -> tuple[list[str], Path, Path]:
     return args, out, data
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_run, tiny_config: Path) -> None:
     args, out, data = stopped_run
     step = out / "checkpoints" / "step_0000001"
@@ -214,6 +218,7 @@ def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_r
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stop_at_step_seed_and_token_budget_are_bounded(tmp_path: Path, tiny_config: Path) -> None:
     cases = [
         (["--stop-at-step", "0"], "--stop-at-step must be at least 1"),
@@ -234,6 +239,7 @@ def independent_bytes_per_token(fields: dict, itemsize: int) -> int:
     return layers * (7 * h + 2 * i) * itemsize + 3 * vocab * 4
 
 
+@pytest.mark.slow
 def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_path: Path, tiny_config) -> None:
     rng = random.Random(8)
     for _ in range(5):
@@ -253,6 +259,7 @@ def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_
     one_line_error(done, f"--token-budget {budget}: a micro-batch keeps at least")
 
 
+@pytest.mark.slow
 def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_config: Path) -> None:
     fields = json.loads(Path(tiny_config).read_text())
     for name in ("hidden_size", "num_hidden_layers"):

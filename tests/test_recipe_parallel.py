@@ -29,6 +29,7 @@ def grad_norms(out: Path) -> dict[int, float]:
     return {record["step"]: record["grad_norm"] for record in records if "grad_norm" in record}
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     tiny_config: Path, tmp_path: Path
 ) -> None:
@@ -74,6 +75,7 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["tp", "cp"])
 def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_size_and_resume(
     tiny_config: Path, tmp_path: Path, option: str
@@ -133,6 +135,7 @@ def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_si
         torch.testing.assert_close(weights["split_one"][key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 def test_what_tensor_and_context_parallelism_do_not_support_is_refused(tiny_config: Path, tmp_path: Path) -> None:
     refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "3"), ranks=2, check=False)
     assert refused.returncode != 0 and "--tp 3 must divide the number of ranks (2)" in refused.stderr
@@ -193,6 +196,7 @@ def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pyt
         assert not materialize.data_parallel_layout(config, nv_config, alone).replicated
 
 
+@pytest.mark.slow
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: Path, tmp_path: Path) -> None:
     refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--dp-replicate", "3"), ranks=RANKS, check=False)
     assert refused.returncode != 0 and "--dp-replicate 3 must divide the number of ranks (4)" in refused.stderr
@@ -201,6 +205,7 @@ def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: 
         config.validate()
 
 
+@pytest.mark.slow
 def test_activation_offloading_is_refused_off_the_gpu(tiny_config: Path, tmp_path: Path) -> None:
     """`--offload-activations` (the model's `offload_activations`) moves GPU activations to host memory: on CPU the
     recipe refuses it before training, and the model refuses a training forward (eval forwards do not offload)."""

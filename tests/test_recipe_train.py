@@ -53,6 +53,7 @@ def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:
             "--max-length", "254", "--lr", "3e-3", "--seed", "3", *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_config: Path, tmp_path: Path) -> None:
     """Same global batch (W=2, A=1 vs W=1, A=2), same fresh init: same losses. A run stopped at step 3 and resumed
     gives exactly the unbroken run's losses, and the loss goes down."""
@@ -84,6 +85,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_con
         assert dict(zip(steps, values)) == losses(tmp_path / run)
 
 
+@pytest.mark.slow
 def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, tmp_path: Path) -> None:
     """Start from a converted checkpoint with lr 0: the exported Hub folder holds exactly the starting weights
     (per-rank row slices read from safetensors, DCP save, consolidation); the folder loads with from_pretrained."""
@@ -108,6 +110,7 @@ def export_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(0o077), timeout=120)
 
 
+@pytest.mark.slow
 def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_in_one_line(
     tiny_config: Path, tmp_path: Path
 ) -> None:
@@ -128,6 +131,7 @@ def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_i
     assert export_command(str(checkpoint), str(tmp_path / "hub"), "--force").returncode == 0
 
 
+@pytest.mark.slow
 def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     args = ["--model", str(nv_tiny), "--task", "token", "--data", str(SECONDARY_STRUCTURE), "--steps", "6"]
@@ -214,6 +218,7 @@ def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
             assert torch.equal(fresh == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
 
 
+@pytest.mark.slow
 def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path: Path) -> None:
     result = run_recipe(
         tmp_path / "run", "--model", str(TINY_CHECKPOINT), "--data", str(DEMO_FASTA), "--steps", "1", ranks=1,
@@ -222,6 +227,7 @@ def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path
     assert result.returncode != 0 and "nv-esm convert hf-to-te" in result.stderr
 
 
+@pytest.mark.slow
 def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tmp_path: Path) -> None:
     """Fine-tune the <cls> head on the demo solubility CSV (2 classes) with activation checkpointing; the loss of the
     first step equals a run without checkpointing (recomputation changes nothing), and the export loads."""
@@ -239,6 +245,7 @@ def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tm
     assert model.config.num_labels == 2
 
 
+@pytest.mark.slow
 def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 6, "--log-every", "2", "--profile-steps", "3"))
     traces = sorted((tmp_path / "run" / "profile").glob("rank*.json.gz"))
@@ -248,6 +255,7 @@ def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path
         assert summary["ms_per_step"]["cpu_step_spans"] > 0
 
 
+@pytest.mark.slow
 def test_profile_steps_must_fit_in_the_run(tmp_path: Path, tiny_config: Path) -> None:
     result = run_recipe(
         tmp_path / "run", *mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), check=False
@@ -291,6 +299,7 @@ def test_kernel_kinds(name: str, kind: str) -> None:
     assert trace_summary.kernel_kind(name) == kind
 
 
+@pytest.mark.slow
 def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None:
     """--tensorboard writes OUT/tensorboard with the scalars of metrics.jsonl, step for step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -302,6 +311,7 @@ def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None
     assert logged == pytest.approx(losses(tmp_path / "run"), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_no_checkpoint_logs_every_step_and_writes_no_checkpoint(tmp_path: Path, tiny_config: Path) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 5, "--log-every", "2", "--no-checkpoint"))
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5]

@@ -222,6 +222,7 @@ def conversions(tmp_path_factory, tiny_source) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_verify_command_passes_on_untouched_conversions(tmp_path, capsys, tiny_source, conversions):
     path = tmp_path / "esm2_t3_random_UR50D.pt"
     write_fair_esm_checkpoint(make_hf_model("wide_heads", seed=21), path, regression_beside=True)
@@ -295,6 +296,7 @@ def test_verify_command_reports_missing_and_extra_tensors_and_config_changes(
     assert status == 1 and "transformers and" in err
 
 
+@pytest.mark.slow
 def test_verifying_leaves_nothing_in_the_modules_cache(tmp_path, capsys, tiny_source, modules_cache):
     te, back = tmp_path / "work" / "te", tmp_path / "work" / "back"
     assert run(capsys, "hf-to-te", tiny_source, te, *VERIFY_CPU)[0] == 0

@@ -14,7 +14,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe
+from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe, train_here
 
 from nv_esm.train.config import (
     CheckpointConfig,
@@ -49,7 +49,6 @@ def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
     assert lines[0].startswith("nv-esm train: error: ") and needle in lines[0], lines[0]
 
 
-@pytest.mark.slow
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
     bad = tmp_path / "bad.fasta"
     bad.write_text(">a\nMKV\n>b\nMKJV\n")
@@ -65,7 +64,17 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
         (["--model", "facebook/esm2_t6_8M_UR50D", "--data", str(DEMO_FASTA), "--steps", "2"], "esm2_t6_8M_UR50D"),
     ]
     for index, (args, needle) in enumerate(cases):
-        one_line_error(train(*args, out=tmp_path / f"run{index}"), needle)
+        one_line_error(train_here(*args, out=tmp_path / f"run{index}"), needle)
+
+
+@pytest.mark.slow
+def test_a_refusal_exits_1_with_one_line_on_stderr(tmp_path, tiny_config):
+    """The process behind the in-process checks (`train_here`): `python -m nv_esm.train` exits 1 with the refusal's
+    one line on stderr, and 2 with argparse's one line for a usage error."""
+    one_line_error(train(*mlm_args(tiny_config, 2, "--mask-prob", "1.5"), out=tmp_path / "run"), "--mask-prob")
+    done = train(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "usage")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "argument --seed: invalid int value: '1e23'" in lines[0]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_recipe_data import assert_same_batches, random_sequences, write_fasta
 from test_recipe_edges import one_line_error, records, train
-from test_recipe_train import DEMO_FASTA, mlm_args
+from test_recipe_train import DEMO_FASTA, mlm_args, train_here
 
 from nv_esm.data import ClassificationStream, MLMStream, read_labelled_csv
 from nv_esm.records import RecordRules
@@ -112,7 +112,6 @@ def test_train_offers_the_record_rules_of_embed_and_score(tmp_path: Path, tiny_c
     assert warning.startswith(f"warning: --invalid skip left {len(bad)} records of --data out: ")
 
 
-@pytest.mark.slow
 def test_bad_data_files_are_named_in_one_line(tmp_path: Path, tiny_config: Path) -> None:
     latin1 = tmp_path / "latin1.fasta"
     latin1.write_bytes(b">a\nMKV\n>b caf\xe9\nMKL\n")
@@ -129,7 +128,7 @@ def test_bad_data_files_are_named_in_one_line(tmp_path: Path, tiny_config: Path)
         (numbers, "numbers.parquet: row 0 of column 'sequence' is a int, not text"),
     ]
     for index, (path, needle) in enumerate(cases):
-        one_line_error(train(*mlm_args(tiny_config, 2, "--data", str(path)), out=tmp_path / f"run{index}"), needle)
+        one_line_error(train_here(*mlm_args(tiny_config, 2, "--data", str(path)), out=tmp_path / f"run{index}"), needle)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -218,7 +217,6 @@ def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_r
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_stop_at_step_seed_and_token_budget_are_bounded(tmp_path: Path, tiny_config: Path) -> None:
     cases = [
         (["--stop-at-step", "0"], "--stop-at-step must be at least 1"),
@@ -228,8 +226,8 @@ def test_stop_at_step_seed_and_token_budget_are_bounded(tmp_path: Path, tiny_con
         (["--token-budget", "10000000000000"], "--token-budget must be at most 2**31 - 1"),
     ]
     for index, (extra, needle) in enumerate(cases):
-        one_line_error(train(*mlm_args(tiny_config, 2, *extra), out=tmp_path / f"run{index}"), needle)
-    done = train(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "float-seed")
+        one_line_error(train_here(*mlm_args(tiny_config, 2, *extra), out=tmp_path / f"run{index}"), needle)
+    done = train_here(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "float-seed")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "argument --seed: invalid int value: '1e23'" in lines[0]
 
@@ -239,7 +237,6 @@ def independent_bytes_per_token(fields: dict, itemsize: int) -> int:
     return layers * (7 * h + 2 * i) * itemsize + 3 * vocab * 4
 
 
-@pytest.mark.slow
 def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_path: Path, tiny_config) -> None:
     rng = random.Random(8)
     for _ in range(5):
@@ -255,11 +252,10 @@ def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_
     tiny = json.loads(Path(tiny_config).read_text())
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = memory // independent_bytes_per_token(tiny, 4) + 1
-    done = train(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
+    done = train_here(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
     one_line_error(done, f"--token-budget {budget}: a micro-batch keeps at least")
 
 
-@pytest.mark.slow
 def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_config: Path) -> None:
     fields = json.loads(Path(tiny_config).read_text())
     for name in ("hidden_size", "num_hidden_layers"):
@@ -268,5 +264,5 @@ def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_co
         path.parent.mkdir()
         path.write_text(json.dumps(written))
         for fp8 in ((), ("--fp8", "all")):
-            done = train("--config", str(path), "--data", str(DEMO_FASTA), "--steps", "2", *fp8, out=tmp_path / "run")
+            done = train_here("--config", path, "--data", DEMO_FASTA, "--steps", "2", *fp8, out=tmp_path / "run")
             one_line_error(done, f"{path}: {name} must be a positive integer, got '{written[name]}'")

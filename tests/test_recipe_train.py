@@ -5,6 +5,8 @@ The runs are real `torchrun` launches (a few seconds each) of the tiny ESM-2 sha
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -22,6 +24,7 @@ from nv_esm import trace_summary
 from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.hub_folder import REMOTE_CODE_FILES
 from nv_esm.plots import training_curves
+from nv_esm.train import loop
 from nv_esm.train.config import ModelConfig, OptimizerConfig
 from nv_esm.train.export import export_weights
 from nv_esm.train.loop import learning_rate_factor
@@ -40,6 +43,20 @@ def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> sub
     if check and result.returncode != 0:
         raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def train_here(*args: object, out: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m nv_esm.train --backend torch ARGS --out OUT` (`test_recipe_edges.train`) in this process, for
+    argument and refusal checks: `nv_esm.train.loop.main`'s exit status (argparse's for a usage error) and what it
+    printed. `test_recipe_edges.test_a_refusal_exits_1_with_one_line_on_stderr` checks that a process gives the same."""
+    argv = ["--backend", "torch", *map(str, args), *(["--out", str(out)] if out is not None else [])]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            status = loop.main(argv)
+        except SystemExit as usage_error:
+            status = usage_error.code
+    return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -218,12 +235,8 @@ def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
             assert torch.equal(fresh == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
 
 
-@pytest.mark.slow
 def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path: Path) -> None:
-    result = run_recipe(
-        tmp_path / "run", "--model", str(TINY_CHECKPOINT), "--data", str(DEMO_FASTA), "--steps", "1", ranks=1,
-        check=False,
-    )  # fmt: skip
+    result = train_here("--model", TINY_CHECKPOINT, "--data", DEMO_FASTA, "--steps", "1", out=tmp_path / "run")
     assert result.returncode != 0 and "nv-esm convert hf-to-te" in result.stderr
 
 
@@ -255,11 +268,8 @@ def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path
         assert summary["ms_per_step"]["cpu_step_spans"] > 0
 
 
-@pytest.mark.slow
 def test_profile_steps_must_fit_in_the_run(tmp_path: Path, tiny_config: Path) -> None:
-    result = run_recipe(
-        tmp_path / "run", *mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), check=False
-    )
+    result = train_here(*mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), out=tmp_path / "run")
     assert result.returncode != 0 and "--profile-steps" in result.stderr
 
 

@@ -107,7 +107,7 @@ def test_config_output_attentions_is_honoured_and_heads_return_maps(hf_eager):
         assert nv(input_ids, attention_mask=attention_mask, output_attentions=False).attentions is None
 
 
-@pytest.mark.parametrize("layout", ["right", pytest.param("left", marks=pytest.mark.slow), "packed"])
+@pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_predict_contacts_match_transformers(hf_eager, layout):
     """Right-padded: transformers' `predict_contacts` on the same batch at every residue pair of every protein.
     Left-padded and packed: each protein's contacts equal transformers' for it alone (our layout is per protein:

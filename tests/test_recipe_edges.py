@@ -81,8 +81,8 @@ def test_a_refusal_exits_1_with_one_line_on_stderr(tmp_path, tiny_config):
 def test_an_existing_run_and_changed_options_on_resume_are_one_line_errors(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 2, "--no-export"), out=out).returncode == 0
-    one_line_error(train(*mlm_args(tiny_config, 2), out=out), "pass --resume to continue")
-    one_line_error(train(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
+    one_line_error(train_here(*mlm_args(tiny_config, 2), out=out), "pass --resume to continue")
+    one_line_error(train_here(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
 
 
 @pytest.mark.slow

@@ -198,18 +198,18 @@ def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_r
         (["--stop-at-step", "1"], "--stop-at-step 1: "),
     ]
     for extra, needle in cases:
-        one_line_error(train("--resume", *extra, out=out), needle)
-    one_line_error(train(*args, "--resume", "--lr", "1e-3", out=out), "--lr 0.0004 -> 0.001")  # all retyped
+        one_line_error(train_here("--resume", *extra, out=out), needle)
+    one_line_error(train_here(*args, "--resume", "--lr", "1e-3", out=out), "--lr 0.0004 -> 0.001")  # all retyped
     with data.open("a") as file:  # the same path, other contents
         file.write(">added\nMKTAYIAKQR\n")
-    one_line_error(train("--resume", out=out), f"--data {data} is not the file step_0000001 was trained on")
+    one_line_error(train_here("--resume", out=out), f"--data {data} is not the file step_0000001 was trained on")
     state = json.loads((step / "train_state.json").read_text())
     del state["world_size"]
     (step / "train_state.json").write_text(json.dumps(state))
     sums = json.loads((step / "checksums.json").read_text())  # written so: the checksums hold
     sums["train_state.json"] = hashlib.sha256((step / "train_state.json").read_bytes()).hexdigest()
     (step / "checksums.json").write_text(json.dumps(sums))
-    one_line_error(train("--resume", out=out), "train_state.json has no world_size")
+    one_line_error(train_here("--resume", out=out), "train_state.json has no world_size")
 
 
 # --------------------------------------------------------------------------------------------------------------

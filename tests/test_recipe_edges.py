@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,19 @@ def flip_4_kib(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+DAMAGED_RUN_ARGS = ("--save-every", "1", "--keep", "2", "--no-export", "--log-every", "1")
+
+
+@pytest.fixture(scope="module")
+def stopped_at_step_2(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """A 3-step run stopped after step 2 with both checkpoints kept: one run for the damage cases, each of which
+    damages a copy."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    done = train(*mlm_args(tiny_config, 3, *DAMAGED_RUN_ARGS), "--stop-at-step", "2", out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "damage,reason",
@@ -178,10 +192,11 @@ def flip_4_kib(path: Path) -> None:
     ],
     ids=["flipped", "truncated", "train-state", "metadata-missing"],
 )
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_config, damage, reason):
-    out = tmp_path / "run"
-    args = mlm_args(tiny_config, 3, "--save-every", "1", "--keep", "2", "--no-export", "--log-every", "1")
-    assert train(*args, "--stop-at-step", "2", out=out).returncode == 0
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
+    tmp_path, tiny_config, stopped_at_step_2, damage, reason
+):
+    out = Path(shutil.copytree(stopped_at_step_2, tmp_path / "run"))
+    args = mlm_args(tiny_config, 3, *DAMAGED_RUN_ARGS)
     damage(out / "checkpoints" / "step_0000002")
     done = train(*args, "--resume", out=out)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -6,6 +6,7 @@ import faulthandler
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -172,6 +173,34 @@ def time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+# What a test may start only when marked `slow` (pyproject.toml says what the mark means): torchrun, the trainer and
+# the commands. Argument and refusal checks call the command's `main([...])` in-process instead.
+SLOW_LAUNCHES = ("torch.distributed.run", "torchrun", "nv_esm", "nv_esm.train", "recipes/train.py")
+
+
+def launches_slowly(args: Any) -> bool:
+    """Whether a `subprocess.Popen` command line (`args`: a list or a string) starts torchrun, the trainer or a
+    command of nv-esm."""
+    words = [str(word) for word in args] if isinstance(args, (list, tuple)) else str(args).split()
+    return any(word in SLOW_LAUNCHES or word.endswith(("/torchrun", "/nv-esm")) for word in words)
+
+
+@pytest.fixture(autouse=True)
+def slow_launches_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test outside the `slow` mark that starts torchrun, the trainer or a command fails, naming the mark: the fast
+    set (`make test`) stays fast as tests are added."""
+    if request.node.get_closest_marker("slow"):
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_slow_launches(self: subprocess.Popen, args: Any, *rest: Any, **options: Any) -> None:
+        if launches_slowly(args):
+            raise AssertionError(f"{request.node.nodeid} starts {args!r}: mark it @pytest.mark.slow")
+        popen_init(self, args, *rest, **options)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_slow_launches)
 
 
 # The GPU suite runs with pytest -n 12 on one 80 GB GPU: a test whose own tensors peak above this many GiB is named in

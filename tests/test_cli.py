@@ -35,6 +35,7 @@ def test_each_command_prints_its_own_help_under_its_name(capsys, command):
     assert capsys.readouterr().out.startswith(f"usage: nv-esm {command} ")
 
 
+@pytest.mark.slow
 def test_the_module_entry_points_run_the_same_commands():
     """`python -m nv_esm` is `nv-esm`; `python -m nv_esm.train` and `recipes/train.py` print the same help."""
     run = [sys.executable, "-m", "nv_esm", "--help"]

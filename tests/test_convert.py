@@ -94,6 +94,7 @@ def test_dtype_option_casts_weights_and_keeps_rotary_frequencies(tmp_path, capsy
 # ---- fair-esm .pt input ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regression_beside", [True, False], ids=["regression-file", "regression-inside"])
 def test_fair_esm_checkpoint_converts_and_verifies(tmp_path, capsys, regression_beside):
     original = make_hf_model("wide_heads", seed=21)
@@ -135,6 +136,7 @@ def test_pt_file_with_other_objects_is_refused(tmp_path, capsys):
 # ---- --verify -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_verify_passes_and_the_model_card_holds_the_table(tmp_path, capsys, tiny_source):
     status, out, _ = run(capsys, "hf-to-te", tiny_source, tmp_path / "te", *VERIFY_CPU)
     assert status == 0
@@ -220,6 +222,7 @@ def conversions(tmp_path_factory, tiny_source) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_verify_command_passes_on_untouched_conversions(tmp_path, capsys, tiny_source, conversions):
     path = tmp_path / "esm2_t3_random_UR50D.pt"
     write_fair_esm_checkpoint(make_hf_model("wide_heads", seed=21), path, regression_beside=True)
@@ -293,6 +296,7 @@ def test_verify_command_reports_missing_and_extra_tensors_and_config_changes(
     assert status == 1 and "transformers and" in err
 
 
+@pytest.mark.slow
 def test_verifying_leaves_nothing_in_the_modules_cache(tmp_path, capsys, tiny_source, modules_cache):
     te, back = tmp_path / "work" / "te", tmp_path / "work" / "back"
     assert run(capsys, "hf-to-te", tiny_source, te, *VERIFY_CPU)[0] == 0

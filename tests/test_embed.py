@@ -255,6 +255,7 @@ def test_a_rerun_resumes_and_other_settings_are_refused(checkpoint, tmp_path, ca
     assert "did not write (notes.txt)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_write_one_index_and_the_same_numbers(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(84)
     lengths = torch.randint(1, 60, (11,), generator=generator).tolist()

@@ -16,14 +16,13 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from test_recipe_train import train_here
 from transformers import EsmTokenizer
 
 import convert_checkpoint
@@ -52,12 +51,6 @@ def run_embed(*argv: object) -> int:
 
 def run_score(*argv: object) -> int:
     return score.main([str(arg) for arg in argv])
-
-
-def train(*args: object) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
 def one_line(err: str) -> str:
@@ -326,7 +319,7 @@ def test_train_refuses_a_checkpoint_that_embed_and_score_refuse(checkpoint, tmp_
     }
     for folder, needle in cases.items():
         args = ["--model", folder, "--data", DEMO_FASTA, "--steps", 1, "--token-budget", 1024, "--max-length", 254]
-        done = train(*args, "--no-export", "--out", tmp_path / f"run_{folder.name}")
+        done = train_here(*args, "--no-export", out=tmp_path / f"run_{folder.name}")
         last = done.stderr.strip().splitlines()[-1]
         assert done.returncode == 1 and last.startswith("nv-esm train: error: ") and needle in last, done.stderr[-3000:]
         assert "Traceback" not in done.stderr

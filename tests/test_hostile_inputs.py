@@ -273,6 +273,7 @@ def write_pickle(path: Path, payload: object) -> None:
     path.write_bytes(pickle.dumps(payload))
 
 
+@pytest.mark.slow
 def test_the_rng_state_is_plain_data_and_an_earlier_releases_pickle_is_read_weights_only(
     tmp_path, tiny_config, stopped_run
 ):
@@ -290,6 +291,7 @@ def test_the_rng_state_is_plain_data_and_an_earlier_releases_pickle_is_read_weig
     assert "rng_rank0.pt holds objects other than RNG states (not read)" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_an_earlier_releases_rng_files_still_resume(tmp_path, tiny_config, stopped_run):
     """Plain RNG states in `rng_rank{r}.pt` (read with weights_only=True) resume as before."""
     import torch
@@ -310,6 +312,7 @@ def test_an_earlier_releases_rng_files_still_resume(tmp_path, tiny_config, stopp
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["resume", "export"])
 def test_a_payload_in_the_dcp_metadata_is_refused_not_run(tmp_path, tiny_config, stopped_run, command):
     run = shutil.copytree(stopped_run, tmp_path / "run")

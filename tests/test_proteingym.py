@@ -453,6 +453,7 @@ def test_groups_spread_the_wild_types_over_the_ranks():
         assert max(loads) - min(loads) <= largest
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(4506)
     small = {}

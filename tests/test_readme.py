@@ -96,6 +96,7 @@ def test_the_first_run_says_how_to_reach_nv_esm(tmp_path, monkeypatch, capsys):
         assert "source .venv/bin/activate" in dry_run.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_the_readme_snippets_run_as_written(tmp_path, monkeypatch):
     from convert_checkpoint import main as convert
     from nv_esm import embed, score

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe
+from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe, train_here
 
 from nv_esm.train.config import (
     CheckpointConfig,
@@ -64,16 +65,28 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
         (["--model", "facebook/esm2_t6_8M_UR50D", "--data", str(DEMO_FASTA), "--steps", "2"], "esm2_t6_8M_UR50D"),
     ]
     for index, (args, needle) in enumerate(cases):
-        one_line_error(train(*args, out=tmp_path / f"run{index}"), needle)
+        one_line_error(train_here(*args, out=tmp_path / f"run{index}"), needle)
 
 
+@pytest.mark.slow
+def test_a_refusal_exits_1_with_one_line_on_stderr(tmp_path, tiny_config):
+    """The process behind the in-process checks (`train_here`): `python -m nv_esm.train` exits 1 with the refusal's
+    one line on stderr, and 2 with argparse's one line for a usage error."""
+    one_line_error(train(*mlm_args(tiny_config, 2, "--mask-prob", "1.5"), out=tmp_path / "run"), "--mask-prob")
+    done = train(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "usage")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "argument --seed: invalid int value: '1e23'" in lines[0]
+
+
+@pytest.mark.slow
 def test_an_existing_run_and_changed_options_on_resume_are_one_line_errors(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 2, "--no-export"), out=out).returncode == 0
-    one_line_error(train(*mlm_args(tiny_config, 2), out=out), "pass --resume to continue")
-    one_line_error(train(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
+    one_line_error(train_here(*mlm_args(tiny_config, 2), out=out), "pass --resume to continue")
+    one_line_error(train_here(*mlm_args(tiny_config, 2, "--resume", "--lr", "1e-3"), out=out), "--lr 0.003 -> 0.001")
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_extended_with_a_larger_steps(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 2, "--no-export", "--log-every", "1"), out=out).returncode == 0
@@ -84,6 +97,7 @@ def test_a_finished_run_is_extended_with_a_larger_steps(tmp_path, tiny_config):
     one_line_error(train(*mlm_args(tiny_config, 3, "--resume"), out=out), "at step 4, past --steps 3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config, signum):
     """The default --save-every 0 used to leave nothing to resume after a kill at step 19 of 50."""
@@ -110,6 +124,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config,
     assert [r["step"] for r in records(out)][-2:] == [step + 1, step + 2]
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny_config):
     args = mlm_args(tiny_config, 4, "--lr", "1e30", "--log-every", "1")
     done = train(*args, out=tmp_path / "stop")
@@ -124,6 +139,7 @@ def test_a_non_finite_step_stops_the_run_or_is_skipped_when_asked(tmp_path, tiny
     assert len(rows) == 4 and any(row.get("skipped") for row in rows)
 
 
+@pytest.mark.slow
 def test_metrics_rows_say_which_figures_are_the_intervals(tmp_path, tiny_config):
     out = tmp_path / "run"
     assert train(*mlm_args(tiny_config, 4, "--log-every", "2", "--no-export"), out=out).returncode == 0
@@ -133,6 +149,7 @@ def test_metrics_rows_say_which_figures_are_the_intervals(tmp_path, tiny_config)
     assert len({row["loss"] for row in rows}) == 4  # each step's own loss
 
 
+@pytest.mark.slow
 def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
     bad = tmp_path / "bad.fasta"
     bad.write_text("".join(f">p{i}\nMKV{'J' if i == 5 else ''}L\n" for i in range(8)))
@@ -151,6 +168,20 @@ def flip_4_kib(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+DAMAGED_RUN_ARGS = ("--save-every", "1", "--keep", "2", "--no-export", "--log-every", "1")
+
+
+@pytest.fixture(scope="module")
+def stopped_at_step_2(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """A 3-step run stopped after step 2 with both checkpoints kept: one run for the damage cases, each of which
+    damages a copy."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    done = train(*mlm_args(tiny_config, 3, *DAMAGED_RUN_ARGS), "--stop-at-step", "2", out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage,reason",
     [
@@ -161,10 +192,11 @@ def flip_4_kib(path: Path) -> None:
     ],
     ids=["flipped", "truncated", "train-state", "metadata-missing"],
 )
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_config, damage, reason):
-    out = tmp_path / "run"
-    args = mlm_args(tiny_config, 3, "--save-every", "1", "--keep", "2", "--no-export", "--log-every", "1")
-    assert train(*args, "--stop-at-step", "2", out=out).returncode == 0
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
+    tmp_path, tiny_config, stopped_at_step_2, damage, reason
+):
+    out = Path(shutil.copytree(stopped_at_step_2, tmp_path / "run"))
+    args = mlm_args(tiny_config, 3, *DAMAGED_RUN_ARGS)
     damage(out / "checkpoints" / "step_0000002")
     done = train(*args, "--resume", out=out)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -179,6 +211,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny
     assert "step_0000003 is damaged" in exported.stderr and not (tmp_path / "hub").exists()
 
 
+@pytest.mark.slow
 def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, tiny_config):
     out = tmp_path / "run"
     args = mlm_args(tiny_config, 2, "--no-export")
@@ -189,6 +222,7 @@ def test_a_resume_with_every_checkpoint_damaged_says_so_in_one_line(tmp_path, ti
     assert done.returncode == 1 and len(lines) == 1 and "every checkpoint in" in lines[0], done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_data_smaller_than_a_micro_batch_is_said_to_repeat(tmp_path, tiny_config):
     small = tmp_path / "small.fasta"
     small.write_text(">a\nMKTAYIAK\n>b\nMKVL\n")

@@ -14,6 +14,7 @@ from test_recipe_train import DEMO_FASTA
 from nv_esm.train.config import build_parser, config_from_args
 
 
+@pytest.mark.slow
 def test_a_protein_past_the_models_default_limit_trains_at_its_max_length(tmp_path, nv_tiny):
     """One random 8,200-residue protein (8,202 tokens, past the default 8,192) with --max-length 8200: one step runs
     on all of its tokens. On a197d12 every rank refused it ("max_length_q (8202) is longer than max_protein_length")."""

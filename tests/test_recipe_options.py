@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_recipe_data import assert_same_batches, random_sequences, write_fasta
 from test_recipe_edges import one_line_error, records, train
-from test_recipe_train import DEMO_FASTA, mlm_args
+from test_recipe_train import DEMO_FASTA, mlm_args, train_here
 
 from nv_esm.data import ClassificationStream, MLMStream, read_labelled_csv
 from nv_esm.records import RecordRules
@@ -93,6 +93,7 @@ def test_labelled_csv_rows_follow_the_record_rules(tmp_path: Path) -> None:
     assert len(stream) == len(sequences) and len(stream.skipped) == 2
 
 
+@pytest.mark.slow
 def test_train_offers_the_record_rules_of_embed_and_score(tmp_path: Path, tiny_config: Path) -> None:
     """The '*' error names --strip-stop, which train now takes; with --invalid skip the bad records are left out
     and counted in one warning."""
@@ -127,7 +128,7 @@ def test_bad_data_files_are_named_in_one_line(tmp_path: Path, tiny_config: Path)
         (numbers, "numbers.parquet: row 0 of column 'sequence' is a int, not text"),
     ]
     for index, (path, needle) in enumerate(cases):
-        one_line_error(train(*mlm_args(tiny_config, 2, "--data", str(path)), out=tmp_path / f"run{index}"), needle)
+        one_line_error(train_here(*mlm_args(tiny_config, 2, "--data", str(path)), out=tmp_path / f"run{index}"), needle)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ def test_the_options_a_run_records_parse_back_to_its_config() -> None:
     assert (changed.model.init_from, changed.model.config_file, changed.optimizer.steps) == (None, "c.json", 200)
 
 
+@pytest.mark.slow
 def test_resume_alone_takes_the_recorded_options(tmp_path: Path, tiny_config: Path) -> None:
     """`--out OUT --resume` continues with the options the run was started with (non-default --lr, --seed,
     --max-length, --strip-stop...): its steps are the unbroken run's."""
@@ -182,6 +184,7 @@ def stopped_run(tmp_path: Path, nv_tiny: Path) -> tuple[list[str], Path, Path]:
     return args, out, data
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_run, tiny_config: Path) -> None:
     args, out, data = stopped_run
     step = out / "checkpoints" / "step_0000001"
@@ -195,18 +198,18 @@ def test_a_resume_refuses_what_it_cannot_honour_before_the_model_loads(stopped_r
         (["--stop-at-step", "1"], "--stop-at-step 1: "),
     ]
     for extra, needle in cases:
-        one_line_error(train("--resume", *extra, out=out), needle)
-    one_line_error(train(*args, "--resume", "--lr", "1e-3", out=out), "--lr 0.0004 -> 0.001")  # all retyped
+        one_line_error(train_here("--resume", *extra, out=out), needle)
+    one_line_error(train_here(*args, "--resume", "--lr", "1e-3", out=out), "--lr 0.0004 -> 0.001")  # all retyped
     with data.open("a") as file:  # the same path, other contents
         file.write(">added\nMKTAYIAKQR\n")
-    one_line_error(train("--resume", out=out), f"--data {data} is not the file step_0000001 was trained on")
+    one_line_error(train_here("--resume", out=out), f"--data {data} is not the file step_0000001 was trained on")
     state = json.loads((step / "train_state.json").read_text())
     del state["world_size"]
     (step / "train_state.json").write_text(json.dumps(state))
     sums = json.loads((step / "checksums.json").read_text())  # written so: the checksums hold
     sums["train_state.json"] = hashlib.sha256((step / "train_state.json").read_bytes()).hexdigest()
     (step / "checksums.json").write_text(json.dumps(sums))
-    one_line_error(train("--resume", out=out), "train_state.json has no world_size")
+    one_line_error(train_here("--resume", out=out), "train_state.json has no world_size")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -223,8 +226,8 @@ def test_stop_at_step_seed_and_token_budget_are_bounded(tmp_path: Path, tiny_con
         (["--token-budget", "10000000000000"], "--token-budget must be at most 2**31 - 1"),
     ]
     for index, (extra, needle) in enumerate(cases):
-        one_line_error(train(*mlm_args(tiny_config, 2, *extra), out=tmp_path / f"run{index}"), needle)
-    done = train(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "float-seed")
+        one_line_error(train_here(*mlm_args(tiny_config, 2, *extra), out=tmp_path / f"run{index}"), needle)
+    done = train_here(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "float-seed")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "argument --seed: invalid int value: '1e23'" in lines[0]
 
@@ -249,7 +252,7 @@ def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_
     tiny = json.loads(Path(tiny_config).read_text())
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = memory // independent_bytes_per_token(tiny, 4) + 1
-    done = train(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
+    done = train_here(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
     one_line_error(done, f"--token-budget {budget}: a micro-batch keeps at least")
 
 
@@ -261,5 +264,5 @@ def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_co
         path.parent.mkdir()
         path.write_text(json.dumps(written))
         for fp8 in ((), ("--fp8", "all")):
-            done = train("--config", str(path), "--data", str(DEMO_FASTA), "--steps", "2", *fp8, out=tmp_path / "run")
+            done = train_here("--config", path, "--data", DEMO_FASTA, "--steps", "2", *fp8, out=tmp_path / "run")
             one_line_error(done, f"{path}: {name} must be a positive integer, got '{written[name]}'")

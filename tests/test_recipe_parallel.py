@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_recipe_train import losses, mlm_args, run_recipe
+from test_recipe_train import losses, mlm_args, run_recipe, train_here
 
 from conftest import make_hf_model, make_nv_model, pack_batch, random_proteins
 from nv_esm.train.config import parse_config
@@ -24,11 +25,25 @@ RANKS = 4
 LOSS_RTOL = 1e-5
 
 
+def refusal_on_ranks(monkeypatch: pytest.MonkeyPatch, ranks: int, *args: str, out: Path) -> subprocess.CompletedProcess:
+    """`train_here` as rank 0 of `ranks` started by torchrun (its environment), for the refusals made before the
+    process group is joined: joining it fails the test (the other ranks are not there)."""
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", ranks), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, str(value))
+
+    def join(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{ranks} ranks were joined: nothing refused before the process group")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", join)
+    return train_here(*args, out=out)
+
+
 def grad_norms(out: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {record["step"]: record["grad_norm"] for record in records if "grad_norm" in record}
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     tiny_config: Path, tmp_path: Path
 ) -> None:
@@ -74,6 +89,7 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["tp", "cp"])
 def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_size_and_resume(
     tiny_config: Path, tmp_path: Path, option: str
@@ -133,17 +149,19 @@ def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_si
         torch.testing.assert_close(weights["split_one"][key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_what_tensor_and_context_parallelism_do_not_support_is_refused(tiny_config: Path, tmp_path: Path) -> None:
-    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "3"), ranks=2, check=False)
+def test_what_tensor_and_context_parallelism_do_not_support_is_refused(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused = refusal_on_ranks(monkeypatch, 2, *mlm_args(tiny_config, 2, "--tp", "3"), out=tmp_path / "run")
     assert refused.returncode != 0 and "--tp 3 must divide the number of ranks (2)" in refused.stderr
-    refused = run_recipe(
-        tmp_path / "run", *mlm_args(tiny_config, 2, "--tp", "2", "--dp-replicate", "2"), ranks=2, check=False
+    refused = refusal_on_ranks(
+        monkeypatch, 2, *mlm_args(tiny_config, 2, "--tp", "2", "--dp-replicate", "2"), out=tmp_path / "run"
     )
     assert (
         refused.returncode != 0
         and "--dp-replicate 2 must divide the number of ranks (2 / --tp 2 = 1)" in refused.stderr
     )
-    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--cp", "3"), ranks=2, check=False)
+    refused = refusal_on_ranks(monkeypatch, 2, *mlm_args(tiny_config, 2, "--cp", "3"), out=tmp_path / "run")
     assert refused.returncode != 0 and "--cp 3 must divide the number of ranks (2)" in refused.stderr
     for parallel in ("--tp", "--cp"):
         for option in ("--lora-rank 4", "--offload-activations", "--compile"):
@@ -193,8 +211,11 @@ def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pyt
         assert not materialize.data_parallel_layout(config, nv_config, alone).replicated
 
 
-def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: Path, tmp_path: Path) -> None:
-    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--dp-replicate", "3"), ranks=RANKS, check=False)
+def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = mlm_args(tiny_config, 2, "--dp-replicate", "3")
+    refused = refusal_on_ranks(monkeypatch, RANKS, *args, out=tmp_path / "run")
     assert refused.returncode != 0 and "--dp-replicate 3 must divide the number of ranks (4)" in refused.stderr
     config = parse_config([*mlm_args(tiny_config, 2, "--dp-replicate", "0"), "--out", str(tmp_path / "other")])
     with pytest.raises(ValueError, match="--dp-replicate must be at least 1"):
@@ -204,7 +225,7 @@ def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(tiny_config: 
 def test_activation_offloading_is_refused_off_the_gpu(tiny_config: Path, tmp_path: Path) -> None:
     """`--offload-activations` (the model's `offload_activations`) moves GPU activations to host memory: on CPU the
     recipe refuses it before training, and the model refuses a training forward (eval forwards do not offload)."""
-    refused = run_recipe(tmp_path / "run", *mlm_args(tiny_config, 2, "--offload-activations"), ranks=1, check=False)
+    refused = train_here(*mlm_args(tiny_config, 2, "--offload-activations"), out=tmp_path / "run")
     assert refused.returncode != 0 and "--offload-activations moves activations from GPU to host" in refused.stderr
     hf = make_hf_model("tiny", seed=5)
     offloading, plain = make_nv_model(hf, offload_activations=True), make_nv_model(hf)

@@ -54,6 +54,7 @@ def group_ended(pgid: int, seconds: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sender", ["terminal", "scheduler"])
 def test_a_signal_to_the_process_group_saves_a_checkpoint(tmp_path, tiny_config, sender):
     """Default options (one data worker, a log every 10 steps). A terminal's Ctrl-C reaches the whole foreground
@@ -92,6 +93,7 @@ def test_a_signal_to_the_process_group_saves_a_checkpoint(tmp_path, tiny_config,
     assert records(out)[-1]["step"] == step + 1
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_run_folder_in_use_is_refused(tmp_path, tiny_config):
     """Two runs into one --out used to write into each other's checkpoints (or one died: "Directory not empty")."""
     out = tmp_path / "run"
@@ -108,6 +110,7 @@ def test_a_second_run_into_a_run_folder_in_use_is_refused(tmp_path, tiny_config)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "metrics.png"]  # no lock left
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_checksums_is_damaged_and_a_step_can_be_set_aside_twice(tmp_path, tiny_config):
     """A deleted checksums.json used to let a resume (and export) take flipped weights as whole; and a step damaged,
     saved again by the resume and damaged again blocked --resume ("Directory not empty: step_0000002 ->
@@ -145,6 +148,7 @@ def as_an_earlier_release(step: Path) -> None:
     (step / "checksums.json").unlink()
 
 
+@pytest.mark.slow
 def test_an_earlier_releases_checkpoint_that_does_not_read_is_a_one_line_error(tmp_path, tiny_config):
     """Without checksums, a truncated .distcp is found only when it is read: a one-line error, not a traceback; a
     train_state.json without its fields is damage found before."""
@@ -188,6 +192,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_save_is_a_one_line_error(tmp_path, tiny_config):
     out = tmp_path / "run"
     command = [sys.executable, "-c", FULL_DISK, "--backend", "torch", "--out", str(out)]
@@ -199,6 +204,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_a_one_line_error(tmp_path, tiny
     assert damage(out / "checkpoints" / "step_0000002") is None
 
 
+@pytest.mark.slow
 def test_train_runs_print_no_library_warnings(tmp_path, tiny_config):
     """DCP's "torch.distributed is disabled" (the export at the end of every run) and FSDP2's "returned a view
     tensor" (every step of a run on several ranks) asked nothing of the user."""

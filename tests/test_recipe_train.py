@@ -5,6 +5,8 @@ The runs are real `torchrun` launches (a few seconds each) of the tiny ESM-2 sha
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -22,6 +24,7 @@ from nv_esm import trace_summary
 from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.hub_folder import REMOTE_CODE_FILES
 from nv_esm.plots import training_curves
+from nv_esm.train import loop
 from nv_esm.train.config import ModelConfig, OptimizerConfig
 from nv_esm.train.export import export_weights
 from nv_esm.train.loop import learning_rate_factor
@@ -42,6 +45,20 @@ def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> sub
     return result
 
 
+def train_here(*args: object, out: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m nv_esm.train --backend torch ARGS --out OUT` (`test_recipe_edges.train`) in this process, for
+    argument and refusal checks: `nv_esm.train.loop.main`'s exit status (argparse's for a usage error) and what it
+    printed. `test_recipe_edges.test_a_refusal_exits_1_with_one_line_on_stderr` checks that a process gives the same."""
+    argv = ["--backend", "torch", *map(str, args), *(["--out", str(out)] if out is not None else [])]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            status = loop.main(argv)
+        except SystemExit as usage_error:
+            status = usage_error.code
+    return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
+
+
 def losses(out: Path) -> dict[int, float]:
     """Step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -53,6 +70,7 @@ def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:
             "--max-length", "254", "--lr", "3e-3", "--seed", "3", *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_config: Path, tmp_path: Path) -> None:
     """Same global batch (W=2, A=1 vs W=1, A=2), same fresh init: same losses. A run stopped at step 3 and resumed
     gives exactly the unbroken run's losses, and the loss goes down."""
@@ -84,6 +102,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_con
         assert dict(zip(steps, values)) == losses(tmp_path / run)
 
 
+@pytest.mark.slow
 def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, tmp_path: Path) -> None:
     """Start from a converted checkpoint with lr 0: the exported Hub folder holds exactly the starting weights
     (per-rank row slices read from safetensors, DCP save, consolidation); the folder loads with from_pretrained."""
@@ -108,6 +127,7 @@ def export_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(0o077), timeout=120)
 
 
+@pytest.mark.slow
 def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_in_one_line(
     tiny_config: Path, tmp_path: Path
 ) -> None:
@@ -128,6 +148,7 @@ def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_i
     assert export_command(str(checkpoint), str(tmp_path / "hub"), "--force").returncode == 0
 
 
+@pytest.mark.slow
 def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     args = ["--model", str(nv_tiny), "--task", "token", "--data", str(SECONDARY_STRUCTURE), "--steps", "6"]
@@ -215,13 +236,11 @@ def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
 
 
 def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path: Path) -> None:
-    result = run_recipe(
-        tmp_path / "run", "--model", str(TINY_CHECKPOINT), "--data", str(DEMO_FASTA), "--steps", "1", ranks=1,
-        check=False,
-    )  # fmt: skip
+    result = train_here("--model", TINY_CHECKPOINT, "--data", DEMO_FASTA, "--steps", "1", out=tmp_path / "run")
     assert result.returncode != 0 and "nv-esm convert hf-to-te" in result.stderr
 
 
+@pytest.mark.slow
 def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tmp_path: Path) -> None:
     """Fine-tune the <cls> head on the demo solubility CSV (2 classes) with activation checkpointing; the loss of the
     first step equals a run without checkpointing (recomputation changes nothing), and the export loads."""
@@ -239,6 +258,7 @@ def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tm
     assert model.config.num_labels == 2
 
 
+@pytest.mark.slow
 def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 6, "--log-every", "2", "--profile-steps", "3"))
     traces = sorted((tmp_path / "run" / "profile").glob("rank*.json.gz"))
@@ -249,9 +269,7 @@ def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path
 
 
 def test_profile_steps_must_fit_in_the_run(tmp_path: Path, tiny_config: Path) -> None:
-    result = run_recipe(
-        tmp_path / "run", *mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), check=False
-    )
+    result = train_here(*mlm_args(tiny_config, 4, "--log-every", "2", "--profile-steps", "3"), out=tmp_path / "run")
     assert result.returncode != 0 and "--profile-steps" in result.stderr
 
 
@@ -291,6 +309,7 @@ def test_kernel_kinds(name: str, kind: str) -> None:
     assert trace_summary.kernel_kind(name) == kind
 
 
+@pytest.mark.slow
 def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None:
     """--tensorboard writes OUT/tensorboard with the scalars of metrics.jsonl, step for step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -302,6 +321,7 @@ def test_tensorboard_logs_the_metrics(tiny_config: Path, tmp_path: Path) -> None
     assert logged == pytest.approx(losses(tmp_path / "run"), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_no_checkpoint_logs_every_step_and_writes_no_checkpoint(tmp_path: Path, tiny_config: Path) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 5, "--log-every", "2", "--no-checkpoint"))
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5]

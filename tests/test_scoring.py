@@ -722,6 +722,7 @@ def test_a_checkpoint_without_an_lm_head_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out.csv").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(53)
     wild_type = random_sequence(30, generator)
@@ -815,6 +816,7 @@ def test_every_file_the_command_reads_or_writes_names_its_encoding():
     assert not unnamed
 
 
+@pytest.mark.slow
 def test_the_command_writes_utf8_under_an_ascii_locale(checkpoint, tmp_path):
     """Non-ASCII text of the table (a column name, a cell) reaches the output CSV, and back, under a locale whose
     default encoding is ASCII."""

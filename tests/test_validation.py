@@ -154,6 +154,7 @@ def transformers_logits(model: torch.nn.Module, batch) -> torch.Tensor:
     return logits if logits.dim() == 2 else logits[attention_mask.bool()]
 
 
+@pytest.mark.slow
 def test_mlm_validation_equals_transformers_on_the_held_out_proteins(tiny_config: Path, tmp_path: Path) -> None:
     """2 ranks, --val-fraction 0.1, validation at steps 2 and 4: loss, perplexity and masked accuracy at step 4
     equal transformers' `EsmForMaskedLM` with the exported weights on the held-out proteins with the same masks
@@ -207,6 +208,7 @@ def regression_csv(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["sequence", "token", "regression"])
 def test_head_validation_equals_transformers(nv_tiny: Path, tmp_path: Path, task: str) -> None:
     """Fine-tuning runs (2 ranks) with validation after the last step: sequence classification on --val-fraction
@@ -285,6 +287,7 @@ def test_validation_options_are_checked_before_training(tiny_config: Path, tmp_p
         parse_config([*base, *head]).validate()
 
 
+@pytest.mark.slow
 def test_regression_against_class_labels_is_refused(nv_tiny: Path, tmp_path: Path) -> None:
     """A validation CSV whose labels read as class ids (all integers) for a regression run: refused, with the fix."""
     train = regression_csv(tmp_path / "regression.csv")
@@ -313,6 +316,7 @@ def test_held_out_records_are_not_trained_on(tmp_path: Path) -> None:
     assert held_out and not training & held_out and len(training) + len(held_out) == 600
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["mlm", "token"])
 def test_a_rank_without_validation_records_runs_filler_forwards(nv_tiny: Path, tmp_path: Path, task: str) -> None:
     """A --val-data file of one protein on 2 ranks: rank 1 holds none, runs as many (unscored) forwards as rank 0

@@ -204,7 +204,7 @@ def slow_launches_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest
 
 
 # The GPU suite runs with pytest -n 12 on one 80 GB GPU: a test whose own tensors peak above this many GiB is named in
-# the warnings summary (session 20: one worker held 42.8 GB and a tensor-parallel test beside it ran out of memory).
+# the warnings summary (one worker once held 42.8 GB and a tensor-parallel test beside it ran out of memory).
 GPU_MEMORY_NOTE_GIB = 8
 
 

@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     generator = random.Random(4507)
     wild_types = ["".join(generator.choices(STANDARD_AMINO_ACIDS, k=k)) for k in (generator.randint(20, 40), 31)]

@@ -1,4 +1,4 @@
-"""The one table of unsupported feature combinations (`configuration_nv_esm.UNSUPPORTED_COMBINATIONS`, issue 32):
+"""The one table of unsupported feature combinations (`configuration_nv_esm.UNSUPPORTED_COMBINATIONS`):
 well formed, looked up whatever the order, worded as the model's refusals read, and the source of nv-esm train's
 refusals of its options (`TrainConfig.validate`, `parallelize`): removing a pair lets it through, adding one
 refuses it."""

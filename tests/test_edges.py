@@ -1,4 +1,4 @@
-"""The edges a user meets first (issue 31): inputs that used to give a silent wrong number, a traceback or a hang
+"""The edges a user meets first: inputs that used to give a silent wrong number, a traceback or a hang
 now give the right number or a one-line reason. (The protein rule: tests/test_protein_rule.py.)"""
 
 from __future__ import annotations

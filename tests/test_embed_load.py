@@ -1,5 +1,5 @@
 """What `nv-esm embed`, `nv-esm score` and `nv-esm train --model` do with bad inputs and damaged checkpoints or
-outputs (issue 43): every bad FASTA record in one error; a checkpoint folder checked before its weights run
+outputs: every bad FASTA record in one error; a checkpoint folder checked before its weights run
 (config.json, vocab.txt, weight files, missing weights), with one-line errors naming the file; finished embedding
 shards checked by their SHA-256 when a run resumes; a full disk during a shard write; the embedding API's
 arguments; `--tokens-per-batch` below a protein's size; `--no-progress`.

@@ -1,4 +1,4 @@
-"""The pictures the commands write (issue 43, item 12): the curves read from metrics.jsonl, and PNG files that
+"""The pictures the commands write: the curves read from metrics.jsonl, and PNG files that
 matplotlib reads back; nothing written, and None returned, without matplotlib."""
 
 from __future__ import annotations

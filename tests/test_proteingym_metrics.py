@@ -1,4 +1,4 @@
-"""ProteinGym's metrics and their aggregation (issue 45): each metric against scipy / scikit-learn or a plain loop of
+"""ProteinGym's metrics and their aggregation: each metric against scipy / scikit-learn or a plain loop of
 the formula in ProteinGym's performance_DMS_benchmarks.py, the aggregation against a hand-built example, the
 bootstrap against an independent loop that draws as pandas' DataFrame.sample does, the CSV files, the picture."""
 

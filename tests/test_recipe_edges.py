@@ -1,4 +1,4 @@
-"""The trainer at its edges (issue 31): one-line errors with the exit status of the other commands, work kept on
+"""The trainer at its edges: one-line errors with the exit status of the other commands, work kept on
 Ctrl-C/SIGTERM, runs extended, steps that go non-finite, metrics that say what they hold. Single-process runs
 (`python -m nv_esm.train`, a world of one) unless a test needs ranks."""
 

@@ -1,6 +1,6 @@
 """Options of `nv-esm train` checked against the model: `--max-length N` trains on proteins of N residues whatever the
-model's default guard (issue 44, item 2: a crop the recipe was told to make is never refused by `max_protein_length`,
-8,192 tokens by default), and LoRA on a fused module is refused with the options (issue 43, item 11)."""
+model's default guard (a crop the recipe was told to make is never refused by `max_protein_length`,
+8,192 tokens by default), and LoRA on a fused module is refused with the options."""
 
 from __future__ import annotations
 

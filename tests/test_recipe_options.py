@@ -1,4 +1,4 @@
-"""`nv-esm train`'s options at their edges (issue 43): the record rules of embed and score (`--invalid`,
+"""`nv-esm train`'s options at their edges: the record rules of embed and score (`--invalid`,
 `--strip-stop`), `--resume` with the options of the run record and its refusals made before the model loads, the
 bounds of `--stop-at-step`, `--seed` and `--token-budget`, and one-line errors for bad files. Single-process runs
 (`python -m nv_esm.train`, a world of one)."""

@@ -1,4 +1,4 @@
-"""The trainer against what happens to real runs (issue 43): Ctrl-C from a terminal and SIGTERM from a scheduler sent
+"""The trainer against what happens to real runs: Ctrl-C from a terminal and SIGTERM from a scheduler sent
 to the whole process group, two runs into one folder, checkpoints whose checksums were deleted or that are damaged
 twice, a disk that fills up during a save, and library warnings that ask nothing of the user. Single-process runs
 (`python -m nv_esm.train`) unless a test needs ranks."""

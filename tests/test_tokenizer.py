@@ -1,4 +1,4 @@
-"""The tokenizer of a converted folder (issue 43): AutoTokenizer(trust_remote_code=True) reads residue letters in
+"""The tokenizer of a converted folder: AutoTokenizer(trust_remote_code=True) reads residue letters in
 either case and refuses any other character in one line, never mapping a protein to a silent `<unk>`; transformers'
 pipelines get the same; without trust_remote_code the folder is refused rather than read by `EsmTokenizer`."""
 

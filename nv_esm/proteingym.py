@@ -250,8 +250,9 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
             wild_type: Plan(scorer, [file.assay for file in group], settings.methods, settings.windows)
             for wild_type, group in by_wild_type.items()
         }
-        mine = groups_of({wild_type: plan.tokens() for wild_type, plan in plans.items()}, world_size)[rank]
-        total = sum(plans[wild_type].tokens() for group in mine for wild_type in group)
+        tokens = {wild_type: plan.tokens() for wild_type, plan in plans.items()}
+        mine = groups_of(tokens, world_size)[rank]
+        total = sum(tokens[wild_type] for group in mine for wild_type in group)
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
         for group in mine:
             for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):

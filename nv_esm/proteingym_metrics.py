@@ -57,18 +57,6 @@ BOOTSTRAP_SAMPLES = 10_000
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def spearman(dms_scores: np.ndarray, model_scores: np.ndarray) -> float:
-    """Spearman's rho (`scipy.stats.spearmanr`) of the model scores with `DMS_score` (`assay_metrics` refuses the
-    constant columns for which it is undefined)."""
-    return rank_statistics.spearman(dms_scores, model_scores)
-
-
-def auc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:
-    """ROC AUC of the scores for the positive bins (`sklearn.metrics.roc_auc_score`; `assay_metrics` refuses a
-    single class)."""
-    return rank_statistics.auroc(model_scores, dms_bins == 1)
-
-
 def mcc(model_scores: np.ndarray, dms_bins: np.ndarray) -> float:
     """Matthews correlation of `model_scores >= median(model_scores)` (their `x >= median_cutoff`: ties at the median
     are predicted 1) with the bins; 0 where a marginal is empty (`sklearn.metrics.matthews_corrcoef`'s rule)."""
@@ -137,8 +125,8 @@ def assay_metrics(
         if values.min() == values.max():
             raise ValueError(f"{label}: every {name} is {float(values[0])!r}; a constant column has no ranking")
     return {
-        "Spearman": spearman(dms, scores),
-        "AUC": auc(scores, bins),
+        "Spearman": rank_statistics.spearman(dms, scores),  # `scipy.stats.spearmanr`
+        "AUC": rank_statistics.auroc(scores, bins == 1),  # `sklearn.metrics.roc_auc_score`
         "MCC": mcc(scores, bins),
         "NDCG": ndcg(dms, scores),
         "Top_recall": top_recall(dms, scores),

@@ -8,6 +8,7 @@ head or LoRA adapters) from one seeded generator per tensor, so every world size
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.hub_folder import check_vocabulary
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
-from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded, with_data_parallel
+from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
 
 MODEL_CLASSES = {
     "mlm": NVEsmForMaskedLM,
@@ -128,12 +129,20 @@ def training_state_bytes(nv_config: NVEsmConfig) -> int:
 
 
 def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> Dist:
-    """`world` with the run's data-parallel layout (`--data-parallel`; `with_data_parallel`): `auto` replicates
-    when the training state and a micro-batch's activations fit in `REPLICATE_MEMORY_FRACTION` of a device."""
+    """`world` with the run's data-parallel layout decided (`Dist.replicated`): whole models on every rank for
+    `--data-parallel replicate`, or for `auto` when the training state and a micro-batch's activations fit in
+    `REPLICATE_MEMORY_FRACTION` of a device and no option shards (--tp or --dp-replicate above 1, which
+    `init_distributed` put in the mesh; --cp ranks hold whole weights either way); else FSDP2 shards. One rank is
+    neither."""
+    mode = config.parallel.data_parallel
+    if world.world_size == 1 or mode == "shard":
+        return dataclasses.replace(world, replicated=False)
+    if mode == "replicate":
+        return dataclasses.replace(world, replicated=True)
     activations = config.data.token_budget * activation_bytes_per_token(config, nv_config, world.device)
-    needed = training_state_bytes(nv_config) + activations
-    fits = needed <= REPLICATE_MEMORY_FRACTION * device_memory(world.device)
-    return with_data_parallel(world, config.parallel.data_parallel, fits)
+    fits = training_state_bytes(nv_config) + activations <= REPLICATE_MEMORY_FRACTION * device_memory(world.device)
+    unsharded_mesh = set(world.mesh.mesh_dim_names) <= {"dp_shard", "cp"}
+    return dataclasses.replace(world, replicated=fits and unsharded_mesh)
 
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:

@@ -11,7 +11,6 @@ compute under `torch.autocast`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import warnings
@@ -42,7 +41,7 @@ class Dist:
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     fsdp_mesh: Any = None
     checkpoint_mesh: Any = None
-    replicated: bool = False  # the data-parallel ranks hold whole models (`with_data_parallel`), not FSDP2 shards
+    replicated: bool = False  # the data-parallel ranks hold whole models (`data_parallel_layout`), not FSDP2 shards
 
     @property
     def is_main(self) -> bool:
@@ -192,16 +191,6 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
 def sharded(world: Dist) -> bool:
     """Whether `parallelize` shards the model (FSDP2): on several ranks that do not hold whole models."""
     return world.world_size > 1 and not world.replicated
-
-
-def with_data_parallel(world: Dist, mode: str, fits: bool) -> Dist:
-    """`world` with the data-parallel layout decided: whole models on every rank (`Dist.replicated`) for
-    `--data-parallel replicate`, or for `auto` when the run `fits` one device and no option shards (--tp or
-    --dp-replicate above 1, which `init_distributed` put in the mesh; --cp ranks hold whole weights either way);
-    else FSDP2 shards. One rank is neither."""
-    unsharded_mesh = set(world.mesh.mesh_dim_names) <= {"dp_shard", "cp"}
-    replicated = world.world_size > 1 and (mode == "replicate" or (mode == "auto" and fits and unsharded_mesh))
-    return dataclasses.replace(world, replicated=replicated)
 
 
 def forward_context(settings: ParallelConfig, world: Dist) -> contextlib.AbstractContextManager:

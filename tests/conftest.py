@@ -177,14 +177,14 @@ def time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # What a test may start only when marked `slow` (pyproject.toml says what the mark means): torchrun, the trainer and
 # the commands. Argument and refusal checks call the command's `main([...])` in-process instead.
-SLOW_LAUNCHES = ("torch.distributed.run", "torchrun", "nv_esm", "nv_esm.train", "recipes/train.py")
+SLOW_LAUNCHES = ("torch.distributed.run", "torchrun", "nv_esm", "nv_esm.train")
 
 
 def launches_slowly(args: Any) -> bool:
     """Whether a `subprocess.Popen` command line (`args`: a list or a string) starts torchrun, the trainer or a
     command of nv-esm."""
     words = [str(word) for word in args] if isinstance(args, (list, tuple)) else str(args).split()
-    return any(word in SLOW_LAUNCHES or word.endswith(("/torchrun", "/nv-esm")) for word in words)
+    return any(word in SLOW_LAUNCHES or word.endswith(("/torchrun", "/nv-esm", "recipes/train.py")) for word in words)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ commands on the example inputs in examples/, in a temporary folder; and its firs
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -89,9 +90,17 @@ def test_the_first_run_says_how_to_reach_nv_esm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VIRTUAL_ENV", str(venv))  # run from the activated venv: nothing to activate
     assert "source" not in demo.next_steps()
     if shutil.which("make"):  # `make test` ends with the same line (-n: prints the commands, runs none)
-        # --no-print-directory: under CI this test runs inside `make test`, where a nested make adds "Leaving directory"
+        # Under CI this test runs inside a make (e.g. `make suite VENV=.venv-oldest`): a nested make would inherit
+        # that make's variables through MAKEFLAGS and print "Leaving directory"; the README's command has neither.
+        outer_make = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV")
+        env = {key: value for key, value in os.environ.items() if key not in outer_make}
         dry_run = subprocess.run(
-            ["make", "-n", "--no-print-directory", "test"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["make", "-n", "--no-print-directory", "test"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         assert "source .venv/bin/activate" in dry_run.stdout.strip().splitlines()[-1]
 

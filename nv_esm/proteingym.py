@@ -146,8 +146,9 @@ class AssayFile:
 
 def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
     """The reference's assays (`--assays` of them), every file and mutant row checked: ValueError naming the file,
-    row and column of a missing column, a repeated or unknown DMS_id, a missing assay file, a malformed mutant, a
-    position outside `target_seq` or a wild-type letter that differs from it, or what the methods cannot score
+    row and column of a missing column, a repeated or unknown DMS_id, a missing assay file, a `DMS_score` or
+    `DMS_score_bin` that is not a number, a malformed mutant, a position outside `target_seq` or a wild-type letter
+    that differs from it, or what the methods cannot score
     (`check_assay`, with the model's `window` and `longest` protein)."""
     columns, rows = read_csv(args.reference)
     missing = [name for name in REFERENCE_COLUMNS if name not in columns]
@@ -179,6 +180,9 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         assay_columns, assay_rows = read_csv(path)
         if MUTANT_COLUMN not in assay_columns:
             raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(assay_columns[:20])}).")
+        for name in MEASURED_COLUMNS:  # a value the summary cannot read is refused now, not after the scoring
+            if name in assay_columns:
+                _floats(path, assay_rows, name)
         taken = [name for name in args.columns if name in assay_columns]
         if taken:
             raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")

@@ -407,6 +407,7 @@ def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(check
         ("wild_type_letter", "S1.csv: row 1 (line 2), column 'mutant': mutant 'W3A' says position 3 is 'W'"),
         ("position", "S1.csv: row 1 (line 2), column 'mutant': position 99 of mutant 'A99G' is outside the wild type"),
         ("unknown_assay", "--assays: 'nope' is not a DMS_id"),
+        ("score", "S1.csv: row 2 (line 3), column 'DMS_score': 'n/a' is not a number"),
     ],
 )
 def test_malformed_inputs_are_one_line_errors_naming_file_row_and_column(checkpoint, tmp_path, capsys, damage, message):
@@ -429,6 +430,11 @@ def test_malformed_inputs_are_one_line_errors_naming_file_row_and_column(checkpo
         assay.write_text(assay.read_text().replace("T3A", "W3A"))
     elif damage == "position":
         assay.write_text(assay.read_text().replace("T3A", "A99G"))
+    elif damage == "score":  # refused before the scoring, not after it when the summary reads the column
+        lines = assay.read_text().splitlines(keepends=True)
+        fields = lines[2].split(",")
+        lines[2] = ",".join([*fields[:2], "n/a", *fields[3:]])
+        assay.write_text("".join(lines))
     else:
         options = ["--assays", "nope"]
     assert run_command(checkpoint, reference, tmp_path / "out", *options) == 1

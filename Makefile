@@ -10,6 +10,8 @@ TRANSFORMERS_OLDEST := 5.6.0
 TRANSFORMERS_PIN ?=
 # Which tests `suite` runs (pytest -m): the fast set by default; `slow` (pyproject.toml says what it marks) is the rest.
 MARKS ?= not slow
+# pytest-xdist workers (auto: one a core); JOBS=0 runs the tests in this process (e.g. for pdb).
+JOBS ?= auto
 
 .PHONY: demo test test-slow lint suite check-pins test-transformers-oldest gpu-test
 
@@ -36,7 +38,7 @@ check-pins:
 suite: $(VENV)/.installed
 	@$(PY) -c "import torch, transformers as t; print('transformers', t.__version__, '| torch', torch.__version__); \
 	  assert '$(TRANSFORMERS_PIN)' in ('', t.__version__), '$(VENV) does not hold transformers $(TRANSFORMERS_PIN)'"
-	$(PY) -m pytest -q -m "$(MARKS)"
+	$(PY) -m pytest -q -m "$(MARKS)" -n $(JOBS)
 
 # `make test`: ruff, then the fast set. The README's commands run in the venv: say how to reach them (make runs $(PY)
 # without activating it).

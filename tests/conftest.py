@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forked_ranks
 import pytest
 import torch
 from transformers import EsmForMaskedLM
@@ -201,6 +202,11 @@ def slow_launches_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest
         popen_init(self, args, *rest, **options)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_slow_launches)
+
+    def refuse_forked_runs(target: str, *args: Any, **options: Any) -> None:
+        raise AssertionError(f"{request.node.nodeid} runs {target} in forked processes: mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(forked_ranks, "run", refuse_forked_runs)
 
 
 # The GPU suite runs with pytest -n 12 on one 80 GB GPU: a test whose own tensors peak above this many GiB is named in

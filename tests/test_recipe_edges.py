@@ -14,6 +14,7 @@ import time
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import forked_ranks
 import pytest
 from test_recipe_train import DEMO_FASTA, mlm_args, run_recipe, train_here
 
@@ -34,9 +35,17 @@ TIMEOUT = 300
 
 
 def train(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", *args]
-    command += ["--out", str(out)] if out is not None else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    """`python -m nv_esm.train --backend torch ARGS --out OUT` on CPU, forked from a process that has imported the
+    trainer (`forked_ranks`)."""
+    argv = ["--backend", "torch", *args, *(["--out", out] if out is not None else [])]
+    return forked_ranks.run("nv_esm.train.loop:main", argv, timeout=TIMEOUT)
+
+
+def train_in_a_process(*args: str, out: Path) -> subprocess.CompletedProcess:
+    """`python -m nv_esm.train --backend torch ARGS --out OUT` in a fresh interpreter (a real process's exit status
+    and stderr, import-time output included)."""
+    command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", *args, "--out", str(out)]
+    env = {**os.environ, **forked_ranks.SERVER_ENV}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
 
 
@@ -72,8 +81,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_config, tiny_source):
 def test_a_refusal_exits_1_with_one_line_on_stderr(tmp_path, tiny_config):
     """The process behind the in-process checks (`train_here`): `python -m nv_esm.train` exits 1 with the refusal's
     one line on stderr, and 2 with argparse's one line for a usage error."""
-    one_line_error(train(*mlm_args(tiny_config, 2, "--mask-prob", "1.5"), out=tmp_path / "run"), "--mask-prob")
-    done = train(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "usage")
+    refused = train_in_a_process(*mlm_args(tiny_config, 2, "--mask-prob", "1.5"), out=tmp_path / "run")
+    one_line_error(refused, "--mask-prob")
+    done = train_in_a_process(*mlm_args(tiny_config, 2, "--seed", "1e23"), out=tmp_path / "usage")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "argument --seed: invalid int value: '1e23'" in lines[0]
 

@@ -1,7 +1,8 @@
 """The training recipe (nv_esm.train, launched as recipes/train.py) on CPU: 2-process gloo runs of the FSDP2
 loop with the PyTorch twin, checkpoint resume, export.
 
-The runs are real `torchrun` launches (a few seconds each) of the tiny ESM-2 shape on the demo FASTA."""
+The runs are torchrun's ranks forked from a process with the trainer imported (`forked_ranks`), a few seconds each,
+of the tiny ESM-2 shape on the demo FASTA."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_ranks
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -35,11 +37,22 @@ DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 SECONDARY_STRUCTURE = ROOT / "recipes" / "demo_data" / "secondary_structure.csv"
 
 
-def run_recipe(out: Path, *args: str, ranks: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
-    command += [str(ROOT / "recipes" / "train.py"), "--out", str(out), "--backend", "torch", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+def run_recipe(
+    out: Path, *args: str, ranks: int = 2, check: bool = True, torchrun: bool = False
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node RANKS recipes/train.py --out OUT --backend torch ARGS` on CPU: its
+    ranks forked from a process that has imported the trainer (`forked_ranks`: torchrun's variables, its stop of
+    the other ranks when one fails), or (`torchrun`) that command itself. Raises with the output unless it succeeds
+    or `check` is false."""
+    argv = ["--out", str(out), "--backend", "torch", *args]
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+        env = {**os.environ, **forked_ranks.SERVER_ENV}
+        result = subprocess.run(
+            [*command, str(ROOT / "recipes" / "train.py"), *argv], capture_output=True, text=True, env=env, timeout=300
+        )
+    else:
+        result = forked_ranks.run("nv_esm.train.loop:main", argv, ranks=ranks)
     if check and result.returncode != 0:
         raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -122,9 +135,8 @@ def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, t
 
 
 def export_command(*args: str) -> subprocess.CompletedProcess:
-    """`python -m nv_esm.train export ARGS` under umask 077."""
-    command = [sys.executable, "-m", "nv_esm.train", "export", *args]
-    return subprocess.run(command, capture_output=True, text=True, preexec_fn=lambda: os.umask(0o077), timeout=120)
+    """`python -m nv_esm.train export ARGS` under umask 077 (forked: `forked_ranks`)."""
+    return forked_ranks.run("nv_esm.train.loop:main", ["export", *args], timeout=120, umask=0o077)
 
 
 @pytest.mark.slow

@@ -680,12 +680,18 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
 
 
 def token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, check: bool = True
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    check: bool = True,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy of per-token `logits [..., C]` against `labels` (the shape of the tokens; -100 ignored).
-    Padding (`attention_mask` 0) has no prediction here (its logits are zeros: the layers never run it), so a label
-    there other than -100 raises ValueError instead of silently differing from transformers, which scores the
-    padding token's logits (`check`: `config.check_inputs`, one device sync)."""
+    """The loss of the per-token heads (masked LM, token classification): cross-entropy of `logits [..., C]`, in
+    fp32, against `labels` (the shape of the tokens; -100 ignored), averaged over the labelled tokens (`reduction`
+    "mean", transformers' loss) or summed ("sum": the trainer adds micro-batches and validation batches). Padding
+    (`attention_mask` 0) has no prediction here (its logits are zeros: the layers never run it), so a label there
+    other than -100 raises ValueError instead of silently differing from transformers, which scores the padding
+    token's logits (`check`: `config.check_inputs`, one device sync)."""
     labels = labels.to(logits.device)
     if attention_mask is not None and attention_mask.shape == labels.shape:
         padded_labels = ((attention_mask.to(labels.device) != 0) | (labels == -100)).all()
@@ -694,7 +700,34 @@ def token_loss(
             "data collators write -100 there)."
         )
         raise_on_failed_checks([(padded_labels, message)], check)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction=reduction)
+
+
+def sequence_problem_type(config: NVEsmConfig, labels: torch.Tensor) -> str:
+    """transformers' rule for a sequence head: `config.problem_type` where set, else "regression" for one label,
+    "single_label_classification" for integer labels and "multi_label_classification" for float ones."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+
+
+def sequence_loss(
+    logits: torch.Tensor, labels: torch.Tensor, config: NVEsmConfig, reduction: str = "mean"
+) -> torch.Tensor:
+    """The loss of the sequence head's `logits [N, num_labels]` against `labels` (`[N]` class ids or targets, or
+    `[N, num_labels]` floats), by `sequence_problem_type`: squared error, cross-entropy or binary cross-entropy with
+    logits, averaged (`reduction` "mean", transformers' loss) or summed ("sum")."""
+    labels = labels.to(logits.device)
+    problem_type = sequence_problem_type(config, labels)
+    if problem_type == "regression":
+        if config.num_labels == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze(), reduction=reduction)
+        return F.mse_loss(logits, labels, reduction=reduction)
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1), reduction=reduction)
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
 
 
 class NVEsmForTokenClassification(NVEsmPreTrainedModel):
@@ -763,28 +796,14 @@ class NVEsmForSequenceClassification(NVEsmPreTrainedModel):
         proteins and each protein's first token is its `<cls>`."""
         outputs = self.esm(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)
         logits = self.classifier(first_token_states(outputs.last_hidden_state, outputs.cu_seq_lens, attention_mask))
-        loss = None if labels is None else self._loss(logits, labels.to(logits.device))
+        loss = None
+        if labels is not None:
+            self.config.problem_type = sequence_problem_type(self.config, labels)  # saved with the model, as theirs
+            loss = sequence_loss(logits, labels, self.config)
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
         return output if wants_dict(return_dict, self.config) else output.to_tuple()
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """transformers' rule: regression for one label, single-label CE for integer labels, else multi-label BCE."""
-        if self.config.problem_type is None:
-            if self.num_labels == 1:
-                self.config.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                self.config.problem_type = "single_label_classification"
-            else:
-                self.config.problem_type = "multi_label_classification"
-        if self.config.problem_type == "regression":
-            return (
-                F.mse_loss(logits.squeeze(), labels.squeeze()) if self.num_labels == 1 else F.mse_loss(logits, labels)
-            )
-        if self.config.problem_type == "single_label_classification":
-            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
-        return F.binary_cross_entropy_with_logits(logits, labels)
 
 
 def _whole_number(name: str, value: Any) -> int:
@@ -804,6 +823,9 @@ __all__ = [
     "pack_proteins",
     "protein_residues",
     "resolve_backend",
+    "sequence_loss",
+    "sequence_problem_type",
+    "token_loss",
     # imported here only so that every sibling file is a direct relative import of this one (see the imports)
     "ContextParallelLayout",
     "PackedSequences",

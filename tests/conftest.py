@@ -262,18 +262,21 @@ def make_hf_model(shape: str = "tiny", seed: int = 0, **config: object) -> EsmFo
     return model
 
 
-def make_head_models(hf_class: type, nv_class: type, seed: int, **overrides: object) -> tuple:
+def make_head_models(hf_class: type, nv_class: type, seed: int, num_labels: int = 2, **overrides: object) -> tuple:
     """A transformers head model (`EsmForSequenceClassification` / `EsmForTokenClassification`, eval, random
-    encoder and classifier weights) and the NVEsm model of `nv_class` holding the same weights (the encoder through
-    the converter; the heads have the same names), PyTorch backend unless overridden."""
+    encoder and classifier weights, `num_labels` outputs) and the NVEsm model of `nv_class` holding the same
+    weights (the encoder through the converter; the heads have the same names), PyTorch backend unless
+    overridden."""
     mlm = make_hf_model("wide_heads", seed=seed)
+    mlm.config.num_labels = num_labels
     hf_model = hf_class(mlm.config).eval()
     hf_model.esm.load_state_dict(mlm.esm.state_dict(), strict=True)
     torch.manual_seed(seed + 1)
     for parameter in hf_model.classifier.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     overrides.setdefault("backend", "torch")
-    nv_model = nv_class(nv_config_from_hf(hf_model.config.to_dict(), **overrides)).eval()
+    labelled = nv_config_from_hf(hf_model.config.to_dict(), "sequence_classification", **overrides)  # its labels
+    nv_model = nv_class(labelled).eval()
     encoder = {k: v for k, v in hf_to_nv_state_dict(mlm.state_dict(), nv_model.config).items() if k.startswith("esm.")}
     heads = {k: v for k, v in hf_model.state_dict().items() if not k.startswith("esm.")}
     nv_model.load_state_dict(encoder | heads, strict=True)

@@ -19,11 +19,28 @@ import forked_ranks
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import EsmForSequenceClassification, EsmForTokenClassification
 
-from conftest import ATOL_FP32, ROOT, TINY_CHECKPOINT, max_abs_diff
-from modeling_nv_esm import NVEsmForMaskedLM, NVEsmForTokenClassification
-from nv_esm import trace_summary
+from conftest import (
+    ATOL_FP32,
+    ROOT,
+    TINY_CHECKPOINT,
+    make_head_models,
+    make_hf_model,
+    make_nv_model,
+    max_abs_diff,
+    pad_batch,
+    random_lengths,
+    random_proteins,
+)
+from modeling_nv_esm import (
+    NVEsmForMaskedLM,
+    NVEsmForSequenceClassification,
+    NVEsmForTokenClassification,
+)
+from nv_esm import data, trace_summary
 from nv_esm.conversion import convert_nv_to_hf
+from nv_esm.data import pad_proteins
 from nv_esm.hub_folder import REMOTE_CODE_FILES
 from nv_esm.plots import training_curves
 from nv_esm.train import loop
@@ -81,6 +98,42 @@ def losses(out: Path) -> dict[int, float]:
 def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", str(config), "--data", str(DEMO_FASTA), "--steps", str(steps), "--token-budget", "1024",
             "--max-length", "254", "--lr", "3e-3", "--seed", "3", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("task, num_labels", [("mlm", 0), ("token", 3), ("sequence", 3), ("sequence", 1)])
+def test_the_trainers_summed_loss_is_transformers_head_loss(task: str, num_labels: int) -> None:
+    """`loop.summed_loss` over a packed micro-batch, divided by its label count, is the loss transformers' head of
+    the same weights gives for the same proteins right-padded (fp32): the trainer sums the heads' own losses. The
+    proteins have random lengths, one of length 1; sequence labels are class ids, or float targets for one label."""
+    generator = torch.Generator().manual_seed(11)
+    lengths = random_lengths(generator, 6, longest=40)
+    proteins = random_proteins(lengths, seed=12, mask_fraction=0.3)
+    if task == "mlm":
+        hf_model = make_hf_model("tiny", seed=13)
+        nv_model = make_nv_model(hf_model)
+    else:
+        hf_class, nv_class = {
+            "token": (EsmForTokenClassification, NVEsmForTokenClassification),
+            "sequence": (EsmForSequenceClassification, NVEsmForSequenceClassification),
+        }[task]
+        hf_model, nv_model = make_head_models(hf_class, nv_class, seed=13, num_labels=num_labels)
+    if task == "sequence" and num_labels == 1:
+        labels = torch.randn(len(proteins), generator=generator)
+    elif task == "sequence":
+        labels = torch.randint(0, num_labels, (len(proteins),), generator=generator)
+    else:  # per token: -100 where not scored (MLM: the unmasked tokens)
+        classes = num_labels or hf_model.config.vocab_size
+        labels = [torch.randint(0, classes, (len(p),), generator=generator) for p in proteins]
+        labels = [torch.where(torch.rand(len(p), generator=generator) < 0.5, -100, t) for p, t in zip(proteins, labels)]
+    packed_labels = labels if task == "sequence" else [t.tolist() for t in labels]
+    batch = data.pack_batch([p.tolist() for p in proteins], packed_labels)
+    input_ids, attention_mask = pad_batch(proteins)
+    padded_labels = labels if task == "sequence" else pad_proteins(labels, -100)["input_ids"]
+    with torch.no_grad():
+        expected = hf_model(input_ids=input_ids, attention_mask=attention_mask, labels=padded_labels).loss
+        summed = loop.summed_loss(nv_model, batch, task, nv_model.config)
+    count = batch.labels.numel() if task == "sequence" else int((batch.labels != -100).sum())
+    assert count and summed.item() / count == pytest.approx(expected.item(), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from configuration_nv_esm import NVEsmConfig
+from modeling_nv_esm import sequence_loss, token_loss
 from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
@@ -55,15 +55,14 @@ from nv_esm.train.resume import check_resume, parse_command_line, resume_setting
 from nv_esm.train.validation import evaluate, validation_stream
 
 
-def summed_loss(model: nn.Module, batch: PackedBatch, task: str) -> torch.Tensor:
+def summed_loss(model: nn.Module, batch: PackedBatch, task: str, nv_config: NVEsmConfig) -> torch.Tensor:
     """Sum (not mean) of the per-label losses of a micro-batch, a scalar; the caller divides by the step's label
-    count. Cross-entropy over token logits `[1, T, V]` (mlm, token) or protein logits `[N, C]` (sequence), or the
-    squared error of `[N, 1]` predictions against float labels `[N]` (sequence regression)."""
+    count. The head's own loss (`token_loss` for token logits `[1, T, V]` of mlm and token, `sequence_loss` by the
+    config's problem type for protein logits `[N, C]`), in fp32."""
     logits = model(**batch.model_inputs()).logits.float()
-    labels = batch.labels.to(logits.device)
-    if task == "sequence" and labels.is_floating_point():
-        return F.mse_loss(logits.squeeze(-1), labels, reduction="sum")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    if task == "sequence":
+        return sequence_loss(logits, batch.labels, nv_config, reduction="sum")
+    return token_loss(logits, batch.labels, reduction="sum")
 
 
 def learning_rate_factor(step: int, settings: OptimizerConfig) -> float:
@@ -98,7 +97,7 @@ def train_step(
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce the gradients after the last one only
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         with forward_context(config.parallel, world):
-            loss = summed_loss(model, batch.to(world.device), config.model.task)
+            loss = summed_loss(model, batch.to(world.device), config.model.task, nv_config)
         (loss * scale).backward()
         loss_sum += loss.detach()
     complete_gradients(model, world)

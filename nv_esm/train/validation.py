@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from modeling_nv_esm import token_loss
 from nv_esm.alphabet import CLS, EOS
 from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, pack_batch
 from nv_esm.rank_statistics import auroc, spearman
@@ -146,7 +147,7 @@ def _scored(
         logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         masked = labels != IGNORE_INDEX
         logits, labels = logits[masked], labels[masked]
-        loss = F.cross_entropy(logits, labels, reduction="sum")
+        loss = token_loss(logits, labels, reduction="sum")  # the head's loss, as training sums it
         correct = (logits.argmax(-1) == labels).sum()
         return torch.stack([loss.double(), correct.double(), masked.sum().double()])
     if task == "token":

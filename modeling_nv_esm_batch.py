@@ -99,12 +99,15 @@ class PackedSequences:
         num_tokens: int,
         padded_shape: tuple[int, int],
         token_index: torch.Tensor | None = None,
+        sequence_index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         self.cu_seq_lens = cu_seq_lens
         self.max_length = max_length
         self.num_tokens = num_tokens
         self.padded_shape = padded_shape
-        self._token_index = token_index
+        # the per-token indices, each computed once (on first use, or given by whoever computed it already)
+        self._token_index, self._sequence_index, self._positions = token_index, sequence_index, positions
 
     @classmethod
     def from_attention_mask(cls, attention_mask: torch.Tensor, max_length: int) -> PackedSequences:
@@ -115,17 +118,24 @@ class PackedSequences:
         return cls(cu_seq_lens, max_length, token_index.numel(), tuple(attention_mask.shape), token_index)
 
     @classmethod
-    def right_padded(cls, cu_seq_lens: torch.Tensor, max_length: int, num_tokens: int) -> PackedSequences:
-        """Describe packed proteins whose padded view is `[N, max_length]`, each protein at the start of its row."""
-        return cls(cu_seq_lens.to(torch.int32), max_length, num_tokens, (cu_seq_lens.numel() - 1, max_length))
+    def right_padded(
+        cls,
+        cu_seq_lens: torch.Tensor,
+        max_length: int,
+        num_tokens: int,
+        sequence_index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> PackedSequences:
+        """Describe packed proteins whose padded view is `[N, max_length]`, each protein at the start of its row
+        (`sequence_index`, `positions`: the per-token indices, where the caller has computed them)."""
+        shape = (cu_seq_lens.numel() - 1, max_length)
+        return cls(cu_seq_lens.to(torch.int32), max_length, num_tokens, shape, None, sequence_index, positions)
 
     @property
     def token_index(self) -> torch.Tensor:
         """`[T]` int64; index of each packed token in the flattened padded view `[B * S]` (computed on first use)."""
         if self._token_index is None:
-            sequence_index = sequence_index_of_tokens(self.cu_seq_lens, self.num_tokens)
-            position = positions_in_proteins(self.cu_seq_lens, self.num_tokens, sequence_index)
-            self._token_index = sequence_index * self.max_length + position
+            self._token_index = self.sequence_index * self.max_length + self.positions
         return self._token_index
 
     @property
@@ -135,13 +145,20 @@ class PackedSequences:
 
     @property
     def sequence_index(self) -> torch.Tensor:
-        """`[T]` the protein each packed token belongs to."""
-        return self.token_index // self.padded_shape[1]
+        """`[T]` the protein each packed token belongs to (computed on first use)."""
+        if self._sequence_index is None:
+            if self._token_index is not None:  # a padded input's layout: its row
+                self._sequence_index = self._token_index // self.padded_shape[1]
+            else:
+                self._sequence_index = sequence_index_of_tokens(self.cu_seq_lens, self.num_tokens)
+        return self._sequence_index
 
     @property
     def positions(self) -> torch.Tensor:
-        """`[T]` each packed token's position in its protein (0 at its first token)."""
-        return positions_in_proteins(self.cu_seq_lens, self.num_tokens, self.sequence_index)
+        """`[T]` each packed token's position in its protein, 0 at its first token (computed on first use)."""
+        if self._positions is None:
+            self._positions = positions_in_proteins(self.cu_seq_lens, self.num_tokens, self.sequence_index)
+        return self._positions
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """`[B, S, ...]` -> `[T, ...]`, keeping only the tokens."""
@@ -444,13 +461,15 @@ class InputBatch:
             checks.append(
                 (longest <= int(max_length), f"max_length_q ({max_length}) is shorter than the longest protein.")
             )
-        if position_ids is not None and cu_seq_lens_q is not None:
-            expected = positions_in_proteins(cu_seq_lens, num_tokens)
-            checks.append(((position_ids.reshape(-1) == expected).all(), "position_ids disagree with cu_seq_lens_q."))
+        sequence_index = positions = None
+        if position_ids is not None and cu_seq_lens_q is not None:  # the indices computed here serve the run too
+            sequence_index = sequence_index_of_tokens(cu_seq_lens, num_tokens)
+            positions = positions_in_proteins(cu_seq_lens, num_tokens, sequence_index)
+            checks.append(((position_ids.reshape(-1) == positions).all(), "position_ids disagree with cu_seq_lens_q."))
         raise_on_failed_checks(checks, config.check_inputs)
         max_length = int(longest) if max_length is None else max_length
         _warn_if_longer_than_trained(config, max_length)
-        packed = PackedSequences.right_padded(cu_seq_lens, max_length, num_tokens)
+        packed = PackedSequences.right_padded(cu_seq_lens, max_length, num_tokens, sequence_index, positions)
         return cls(True, lengths.float(), packed)
 
 

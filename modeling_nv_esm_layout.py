@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
+    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
     from .modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
-    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences, positions_in_proteins
+    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
     from modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
 
 RotaryTable = Callable[[int], torch.Tensor]  # length -> `[length, head_dim]` float32 angles (`NVEsmRotaryEmbedding`)
@@ -276,9 +276,7 @@ class PackedRun(RunLayout):
         }
 
     def make_qkv_rotation(self) -> QKVRotation | None:
-        return QKVRotation.of(
-            self.rotary_angles, lambda: positions_in_proteins(self.packed.cu_seq_lens, self.packed.num_tokens)
-        )
+        return QKVRotation.of(self.rotary_angles, lambda: self.packed.positions)
 
     @classmethod
     def of(

@@ -26,7 +26,7 @@ from conftest import (
     random_padded_batch,
     random_proteins,
 )
-from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification
+from modeling_nv_esm import NVEsmForSequenceClassification, NVEsmForTokenClassification, pack_proteins
 
 MAX_TOKENS = 1026
 
@@ -159,3 +159,37 @@ def test_classification_heads_give_each_protein_its_own_outputs(hf_class, nv_cla
                     logits[row] if hf_class is EsmForSequenceClassification else logits[row, attention_mask[row].bool()]
                 )
                 assert max_abs_diff(ours, alone) <= ATOL_FP32, (attn_input_format, row)
+
+
+@pytest.mark.parametrize("inputs", ["packed", "padded"])
+@pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
+def test_the_per_token_indices_are_computed_once_a_forward(monkeypatch, inputs, attn_input_format):
+    """A token's protein (`sequence_index_of_tokens`) and its position in it (`positions_in_proteins`) are computed
+    once per training forward and backward, packed or padded input, and every module below reads them."""
+    import modeling_nv_esm_batch
+    import modeling_nv_esm_layout
+    import modeling_nv_esm_parallel
+
+    calls = {"sequence_index_of_tokens": 0, "positions_in_proteins": 0}
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    for module in (modeling_nv_esm_batch, modeling_nv_esm_layout, modeling_nv_esm_parallel):
+        for name in calls:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+    model = make_nv_model(make_hf_model("tiny", seed=41), attn_input_format=attn_input_format).train()
+    generator = torch.Generator().manual_seed(42)
+    proteins = random_proteins(random_lengths(generator, 5), seed=43)
+    if inputs == "packed":
+        batch = pack_proteins(proteins)
+    else:
+        input_ids, attention_mask = random_padded_batch(proteins, "both", "wider", generator)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    model(**batch).logits.sum().backward()
+    assert calls == {"sequence_index_of_tokens": 1, "positions_in_proteins": 1}

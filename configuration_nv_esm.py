@@ -37,6 +37,7 @@ LOAD_TIME_OPTIONS = (
     "check_inputs",
     "cuda_graphs",
     "offload_activations",
+    "offloaded_layers",
     "max_protein_length",
 )
 
@@ -149,10 +150,15 @@ class NVEsmConfig(PretrainedConfig):
             backward starts). Less GPU memory for activations, at the cost of host-device traffic. Such calls run
             eagerly (no CUDA graphs); each must be followed by its backward before the next. Not with gradient
             checkpointing (it would offload nothing: refused).
+        offloaded_layers: With `offload_activations`, how many layers, from the first, keep their saved tensors in
+            host memory (default None: all but the last). Layer i's copy must have finished before layer
+            i + num_hidden_layers - offloaded_layers runs, so fewer offloaded layers leave the copies that much
+            compute to overlap, and keep that many layers' activations on the GPU.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`, `max_protein_length`) describe the machine
+    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`, `offloaded_layers`, `max_protein_length`)
+    describe the machine
     and the run, not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them
     (written by an older version) is read without them, with a warning for values other than the defaults. Pass them to
     `from_pretrained`.
@@ -191,6 +197,7 @@ class NVEsmConfig(PretrainedConfig):
         check_inputs: bool = True,
         cuda_graphs: bool = True,
         offload_activations: bool = False,
+        offloaded_layers: int | None = None,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -223,6 +230,7 @@ class NVEsmConfig(PretrainedConfig):
         self.check_inputs = check_inputs
         self.cuda_graphs = cuda_graphs
         self.offload_activations = offload_activations
+        self.offloaded_layers = offloaded_layers
         self.tie_word_embeddings = tie_word_embeddings
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
@@ -329,6 +337,15 @@ class NVEsmConfig(PretrainedConfig):
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offloaded_layers is not None:
+            layers = self.offloaded_layers
+            if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < self.num_hidden_layers:
+                raise ValueError(
+                    f"offloaded_layers must be None or a layer count in [1, {self.num_hidden_layers - 1}] (all but "
+                    f"the last at most), got {layers!r}"
+                )
+            if not self.offload_activations:
+                raise ValueError("offloaded_layers counts the layers that offload_activations offloads: set both.")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if name == "bos_token_id" and value is None:  # transformers' ESM configs write None: <cls> is not used

@@ -89,9 +89,11 @@ class ActivationOffload(FreshWhenCopied):
         self.sync: Callable[[torch.Tensor], torch.Tensor] | None = None  # each layer's output passes through it
         self.awaiting_backward = False
 
-    def build(self, num_layers: int) -> None:
-        """Offload every layer but the last. TE then finishes copying layer i out before layer i + 1 runs and
-        copies it back when layer i's backward starts (no overlap with compute)."""
+    def build(self, num_layers: int, offloaded_layers: int | None) -> None:
+        """Offload the first `offloaded_layers` of `num_layers` (None: every layer but the last). TE copies layer i
+        out while the next layers run, finishing before layer i + num_layers - offloaded_layers (every layer but
+        the last: before layer i + 1, no overlap with compute), and copies it back while the later layers'
+        backward runs."""
         if not transformer_engine_available():
             raise ImportError(f"offload_activations uses Transformer Engine's offloading. {TE_INSTALL_HINT}")
         offloading = importlib.import_module("transformer_engine.pytorch.cpu_offload")
@@ -100,8 +102,9 @@ class ActivationOffload(FreshWhenCopied):
                 "offload_activations needs Transformer Engine's offloading of any saved tensor (TE 2.20's default; "
                 "not the NVTE_CPU_OFFLOAD_V1=1 code path, which offloads only what TE modules mark)."
             )
+        offloaded = num_layers - 1 if offloaded_layers is None else offloaded_layers
         self.context, self.sync = import_transformer_engine().get_cpu_offload_context(
-            enabled=True, num_layers=num_layers - 1, model_layers=num_layers
+            enabled=True, num_layers=offloaded, model_layers=num_layers
         )
 
     def forward_done(self, output: torch.Tensor) -> None:
@@ -419,7 +422,7 @@ class NVEsmEncoder(nn.Module):
                 f"{hidden_states.device.type}. Load it with offload_activations=False."
             )
         if self._offload.context is None:
-            self._offload.build(len(self.layers))
+            self._offload.build(len(self.layers), self.config.offloaded_layers)
         return self._offload
 
     def run_layer(self, layer: nn.Module, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:

@@ -255,12 +255,14 @@ def check_graphs(out: Path, shape: str, steps: int, budget: int) -> dict:
 
 
 def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> dict:
-    """Activation offloading (`--offload-activations`) against the default (CUDA graphs on one GPU), eager and
-    activation checkpointing, same init and data on `gpus` GPUs: losses, tokens/s and peak memory per rank
-    (expandable segments, as `fit`). A variant that failed (e.g. out of memory) is listed under "failed". (The
+    """Activation offloading (`--offload-activations`, all layers but the last, and the first quarter and half of
+    them: `--offloaded-layers`) against the default (CUDA graphs on one GPU), eager and activation checkpointing,
+    same init and data on `gpus` GPUs: losses, tokens/s and peak memory per rank (expandable segments, as `fit`).
+    A variant that failed (e.g. out of memory) is listed under "failed". (The
     first H100 run, bench/results/offload_h100_2026-11-23/, also ran offloading with checkpointing: it offloaded
     nothing, and the recipe now refuses it.)"""
     config = write_config(out, shape)
+    layers = ESM2_SHAPES[shape]["num_hidden_layers"]
     allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "2", "--lr", "1e-4"]
     common += ["--log-every", "1", "--no-checkpoint"]
@@ -268,6 +270,10 @@ def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> 
         "default": [],
         "eager": ["--no-cuda-graphs"],
         "offload": ["--offload-activations"],
+        **{
+            f"offload_{part}": ["--offload-activations", "--offloaded-layers", str(layers * fraction // 4)]
+            for part, fraction in (("quarter", 1), ("half", 2))
+        },
         "checkpointing": ["--activation-checkpointing"],
     }
     records, failed = {}, []

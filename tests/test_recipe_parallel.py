@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from test_recipe_train import losses, mlm_args, run_recipe, train_here
 
+import modeling_nv_esm_encoder as encoder_module
 from conftest import make_hf_model, make_nv_model, pack_batch, random_proteins
 from nv_esm.train.config import parse_config
 
@@ -240,6 +243,35 @@ def test_activation_offloading_is_refused_off_the_gpu(tiny_config: Path, tmp_pat
         offloading(**batch, labels=batch["input_ids"])
     copied = copy.deepcopy(offloading)  # the context (a CUDA stream) is not copied; nor is the waiting state
     assert copied.esm.encoder._offload.context is None and not copied.esm.encoder._offload.awaiting_backward
+
+
+def test_offloaded_layers_sets_how_many_layers_offload(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--offloaded-layers N` (the model's `offloaded_layers`) offloads the first N layers, at most all but the last,
+    and only with `--offload-activations`; the model hands N to Transformer Engine's offload context (None: all but
+    the last). tests/test_gpu.py checks the gradients of such a run on the GPU."""
+    alone = train_here(*mlm_args(tiny_config, 2, "--offloaded-layers", "1"), out=tmp_path / "alone")
+    assert alone.returncode == 1 and "--offloaded-layers counts the layers that --offload-activations" in alone.stderr
+    too_many = train_here(*mlm_args(tiny_config, 2, "--offload-activations", "--offloaded-layers", "2"), out=tmp_path)
+    assert too_many.returncode == 1 and "this model has 2 layers, and the last one" in too_many.stderr
+    hf = make_hf_model("wide_heads", seed=5)  # 3 layers
+    for value, message in ((3, "offloaded_layers must be None or a layer count in .1, 2."), (0, "in .1, 2."),
+                           (True, "in .1, 2."), (1.0, "in .1, 2."), (2, "set both")):  # fmt: skip
+        offload = value != 2
+        with pytest.raises(ValueError, match=message):
+            make_nv_model(hf, offload_activations=offload, offloaded_layers=value)
+
+    asked = []
+    engine = types.SimpleNamespace(get_cpu_offload_context=lambda **kwargs: (asked.append(kwargs), (None, None))[1])
+    offloading = types.SimpleNamespace(DefaultOffloadSynchronizer=object, NVTE_CPU_OFFLOAD_V1=False)
+    monkeypatch.setattr(encoder_module, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(encoder_module, "import_transformer_engine", lambda: engine)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cpu_offload", offloading)
+    for offloaded_layers in (None, 1, 2):
+        model = make_nv_model(hf, offload_activations=True, offloaded_layers=offloaded_layers)
+        model.esm.encoder._offload.build(len(model.esm.encoder.layers), model.config.offloaded_layers)
+    assert [(kwargs["num_layers"], kwargs["model_layers"]) for kwargs in asked] == [(2, 3), (1, 3), (2, 3)]
 
 
 def test_activation_offloading_with_checkpointing_is_refused(tiny_config: Path, tmp_path: Path) -> None:

@@ -206,6 +206,11 @@ class ParallelConfig:
         "keep every layer's saved activations (but the last layer's) in pinned host memory between forward "
         "and backward (Transformer Engine's offloading; GPUs only, not with --activation-checkpointing)",
     )
+    offloaded_layers: int = option(  # the model's `offloaded_layers` (0: None)
+        0,
+        "with --offload-activations: offload only the first N layers (0: all but the last); the copies then "
+        "overlap the compute of the other layers, which keep their activations on the GPU",
+    )
     keep_gathered: bool = option(
         False,
         "keep layers gathered between forward and backward (FSDP2 "
@@ -367,6 +372,7 @@ class TrainConfig:
             "clip_grad": self.optimizer.clip_grad,
             "weight_decay": self.optimizer.weight_decay,
             "profile_steps": self.logging.profile_steps,
+            "offloaded_layers": self.parallel.offloaded_layers,
         }
         for name, value in at_least_zero.items():
             if not value >= 0:
@@ -411,6 +417,8 @@ class TrainConfig:
             raise ValueError(f"--val-every must be at least 0, got {validation.every}.")
         if validation.every and not validation.enabled:
             raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
+        if self.parallel.offloaded_layers and not self.parallel.offload_activations:
+            raise ValueError("--offloaded-layers counts the layers that --offload-activations offloads: give both.")
         refuse_option_combinations(self.parallel, self.model.lora_rank)
         parallel = self.parallel
         if parallel.data_parallel == "replicate":

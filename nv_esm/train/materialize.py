@@ -78,13 +78,18 @@ def activation_bytes_per_token(config: TrainConfig, nv_config: NVEsmConfig, devi
     """A lower bound of the bytes that a token of a micro-batch on `device` keeps for the backward: in each layer
     its two layer norms' inputs and outputs, q, k, v and the attention output (7 x hidden values) and the MLP's
     two hidden activations (2 x intermediate), in the compute dtype (1 byte with --fp8), over the `--tp` x `--cp`
-    ranks that share a token (each layer's input only, and one layer's whole set, with --activation-checkpointing
-    or --offload-activations); and for MLM the fp32 logits, their log-softmax and its gradient (3 x vocabulary)."""
+    ranks that share a token (each layer's input only, and one layer's whole set, with --activation-checkpointing;
+    with --offload-activations, the whole set of the layers not offloaded and the input of the others); and for MLM
+    the fp32 logits, their log-softmax and its gradient (3 x vocabulary)."""
     hidden, layers = nv_config.hidden_size, nv_config.num_hidden_layers
     one_layer = 7 * hidden + 2 * nv_config.intermediate_size
     parallel = config.parallel
-    kept = hidden * layers + one_layer if parallel.activation_checkpointing or parallel.offload_activations else None
-    values = kept if kept is not None else one_layer * layers
+    values = one_layer * layers
+    if parallel.activation_checkpointing:
+        values = hidden * layers + one_layer
+    elif parallel.offload_activations:
+        offloaded = parallel.offloaded_layers or layers - 1
+        values = hidden * offloaded + one_layer * (layers - offloaded)
     itemsize = 1 if config.model.fp8 != "off" else compute_dtype(parallel, device).itemsize
     logits = 3 * nv_config.vocab_size * 4 if config.model.task == "mlm" else 0
     return (values * itemsize + logits) // (parallel.tp * parallel.cp)

@@ -171,9 +171,16 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.offload_activations:
+        layers = model.config.num_hidden_layers
+        if settings.offloaded_layers >= layers:
+            raise ValueError(
+                f"--offloaded-layers {settings.offloaded_layers}: this model has {layers} layers, and the last one "
+                f"is never offloaded (at most {layers - 1})."
+            )
         if world.device.type != "cuda":
             raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
         model.config.offload_activations = True
+        model.config.offloaded_layers = settings.offloaded_layers or None
     if world.tp_size > 1:
         model.enable_tensor_parallel(world.mesh.get_group("tp"))
     if world.cp_size > 1:

@@ -38,6 +38,7 @@ LOAD_TIME_OPTIONS = (
     "cuda_graphs",
     "offload_activations",
     "offloaded_layers",
+    "recompute_mlp",
     "max_protein_length",
 )
 
@@ -154,11 +155,16 @@ class NVEsmConfig(PretrainedConfig):
             host memory (default None: all but the last). Layer i's copy must have finished before layer
             i + num_hidden_layers - offloaded_layers runs, so fewer offloaded layers leave the copies that much
             compute to overlap, and keep that many layers' activations on the GPU.
+        recompute_mlp: Training forwards keep only each layer's MLP input and recompute its LayerNorm, fc1 and
+            GELU in the backward (Transformer Engine's selective checkpointing of `LayerNormMLP`, TE >= 2.11; fc2
+            is not recomputed; the PyTorch twin recomputes the whole MLP): most of a layer's activation memory
+            (the two `intermediate_size` activations) for about one fc1 GEMM more per layer. Not with gradient
+            checkpointing, which recomputes the whole layer anyway.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`, `offloaded_layers`, `max_protein_length`)
-    describe the machine
+    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`, `offloaded_layers`, `recompute_mlp`,
+    `max_protein_length`) describe the machine
     and the run, not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them
     (written by an older version) is read without them, with a warning for values other than the defaults. Pass them to
     `from_pretrained`.
@@ -198,6 +204,7 @@ class NVEsmConfig(PretrainedConfig):
         cuda_graphs: bool = True,
         offload_activations: bool = False,
         offloaded_layers: int | None = None,
+        recompute_mlp: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -231,6 +238,7 @@ class NVEsmConfig(PretrainedConfig):
         self.cuda_graphs = cuda_graphs
         self.offload_activations = offload_activations
         self.offloaded_layers = offloaded_layers
+        self.recompute_mlp = recompute_mlp
         self.tie_word_embeddings = tie_word_embeddings
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
@@ -333,6 +341,7 @@ class NVEsmConfig(PretrainedConfig):
             "check_inputs",
             "cuda_graphs",
             "offload_activations",
+            "recompute_mlp",
             "tie_word_embeddings",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -229,11 +229,19 @@ class NVEsmLayerNormMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, eps: float, tensor_parallel: RankGroup | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        eps: float,
+        tensor_parallel: RankGroup | None = None,
+        recompute: bool = False,
     ) -> None:
+        """`recompute` (`config.recompute_mlp`): with gradients, keep only the input and run the MLP again in the
+        backward (`torch.utils.checkpoint`; TE's `LayerNormMLP(checkpoint=True)` skips fc2 there)."""
         super().__init__()
         self.eps = eps
         self.tensor_parallel = tensor_parallel
+        self.recompute = recompute
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
         self.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size))
         self.fc1_weight = nn.Parameter(torch.empty(intermediate_size, hidden_size))
@@ -242,6 +250,11 @@ class NVEsmLayerNormMLP(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._mlp, x, use_reentrant=False)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tensor_parallel
         if tp is None:
             return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
@@ -296,7 +309,11 @@ class NVEsmTorchLayer(nn.Module):
         self.self_attention = NVEsmSelfAttention(config, tensor_parallel)
         size = 1 if tensor_parallel is None else tensor_parallel.size
         self.layernorm_mlp = NVEsmLayerNormMLP(
-            config.hidden_size, config.intermediate_size // size, config.layer_norm_eps, tensor_parallel
+            config.hidden_size,
+            config.intermediate_size // size,
+            config.layer_norm_eps,
+            tensor_parallel,
+            recompute=config.recompute_mlp,
         )
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         attention = self.self_attention
@@ -344,7 +361,11 @@ def te_layer_class() -> type[nn.Module]:
             if not any(has_active_adapters_in(folder) for folder in folders):
                 return super().forward(inp, *args, **kwargs)
             gelu_tanh = functools.partial(F.gelu, approximate="tanh")
-            output = mlp_with_updates(self, inp, gelu_tanh, add_fc2_bias=not self.return_bias)
+            unfused = functools.partial(mlp_with_updates, self, activation=gelu_tanh, add_fc2_bias=not self.return_bias)
+            if getattr(self, "checkpoint", False) and torch.is_grad_enabled():  # `recompute_mlp`, as TE's fused path
+                output = torch.utils.checkpoint.checkpoint(unfused, inp, use_reentrant=False)
+            else:
+                output = unfused(inp)
             return (output, self.fc2_bias) if self.return_bias else output
 
     split_along_dim = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim
@@ -379,6 +400,9 @@ def te_layer_class() -> type[nn.Module]:
             # Unquantized GEMMs: fc1's bias and GELU in its cuBLASLt epilogue (and GELU's derivative in fc2's
             # backward one) instead of TE's separate bias + GELU kernel, which reads and writes fc1's output again.
             self.layernorm_mlp.bias_gelu_nvfusion = False
+            if config.recompute_mlp and not hasattr(self.layernorm_mlp, "checkpoint"):
+                raise ImportError("recompute_mlp needs TE >= 2.11 (LayerNormMLP(checkpoint=True)); upgrade it.")
+            self.layernorm_mlp.checkpoint = config.recompute_mlp  # TE's selective checkpointing: fc1, GELU again
             add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
 
         def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]

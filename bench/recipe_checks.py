@@ -256,7 +256,8 @@ def check_graphs(out: Path, shape: str, steps: int, budget: int) -> dict:
 
 def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> dict:
     """Activation offloading (`--offload-activations`, all layers but the last, and the first quarter and half of
-    them: `--offloaded-layers`) against the default (CUDA graphs on one GPU), eager and activation checkpointing,
+    them: `--offloaded-layers`) against the default (CUDA graphs on one GPU), eager, activation checkpointing and
+    `--recompute-mlp`,
     same init and data on `gpus` GPUs: losses, tokens/s and peak memory per rank (expandable segments, as `fit`).
     A variant that failed (e.g. out of memory) is listed under "failed". (The
     first H100 run, bench/results/offload_h100_2026-11-23/, also ran offloading with checkpointing: it offloaded
@@ -275,6 +276,7 @@ def check_offload(out: Path, shape: str, steps: int, budget: int, gpus: int) -> 
             for part, fraction in (("quarter", 1), ("half", 2))
         },
         "checkpointing": ["--activation-checkpointing"],
+        "recompute_mlp": ["--recompute-mlp"],
     }
     records, failed = {}, []
     for name, extra in variants.items():

@@ -285,3 +285,45 @@ def test_activation_offloading_with_checkpointing_is_refused(tiny_config: Path, 
     batch = pack_batch(random_proteins([30, 1, 64], seed=6, mask_fraction=0.15))
     with pytest.raises(ValueError, match="offloads nothing"):
         model(**batch, labels=batch["input_ids"])
+
+
+def test_recompute_mlp_keeps_less_for_the_backward_and_changes_no_gradient(tiny_config: Path, tmp_path: Path) -> None:
+    """`recompute_mlp` (`--recompute-mlp`): a training forward saves fewer bytes for the backward (the MLP keeps its
+    input only), and the loss and every gradient equal the plain model's (fp32: the same operations, run again);
+    the recipe refuses it with --activation-checkpointing (the whole layer is recomputed there).
+    tests/test_gpu.py checks TE's selective checkpointing the same way."""
+    hf = make_hf_model("wide_heads", seed=7)
+    plain, recomputing = make_nv_model(hf).train(), make_nv_model(hf, recompute_mlp=True).train()
+    assert all(layer.layernorm_mlp.recompute for layer in recomputing.esm.encoder.layers)
+    batch = pack_batch(random_proteins([40, 1, 77, 12], seed=8, mask_fraction=0.2))
+    saved, loss_values = {}, {}
+    for name, model in (("plain", plain), ("recomputing", recomputing)):
+        sizes = []
+
+        def pack(tensor: torch.Tensor, sizes: list = sizes) -> torch.Tensor:
+            sizes.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        saved[name], loss_values[name] = sum(sizes), loss.item()
+    assert saved["recomputing"] < 0.8 * saved["plain"], saved
+    assert loss_values["recomputing"] == pytest.approx(loss_values["plain"], rel=1e-6)
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputing.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    refused = train_here(*mlm_args(tiny_config, 2, "--recompute-mlp", "--activation-checkpointing"), out=tmp_path)
+    assert refused.returncode == 1 and "--recompute-mlp recomputes the MLP of layers that" in refused.stderr
+
+
+@pytest.mark.slow
+def test_the_recipe_with_recompute_mlp_trains_to_the_same_losses(tiny_config: Path, tmp_path: Path) -> None:
+    """`--recompute-mlp` on 2 ranks (whole models): the losses of the run without it (fp32: within 1e-5)."""
+    for name, extra in (("plain", ()), ("recomputing", ("--recompute-mlp",))):
+        run_recipe(tmp_path / name, *mlm_args(tiny_config, 4, "--no-export", "--log-every", "1", *extra))
+    expected, actual = losses(tmp_path / "plain"), losses(tmp_path / "recomputing")
+    assert sorted(actual) == sorted(expected) == [1, 2, 3, 4]
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=1e-5), step

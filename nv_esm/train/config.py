@@ -201,6 +201,11 @@ class ParallelConfig:
     activation_checkpointing: bool = option(
         False, "recompute each layer in the backward instead of keeping its activations"
     )
+    recompute_mlp: bool = option(  # the model's `recompute_mlp`
+        False,
+        "keep only each layer's MLP input and recompute its LayerNorm, fc1 and GELU in the backward (TE's selective "
+        "checkpointing): most of the activation memory for one fc1 GEMM per layer; not with --activation-checkpointing",
+    )
     offload_activations: bool = option(  # the model's `offload_activations`
         False,
         "keep every layer's saved activations (but the last layer's) in pinned host memory between forward "
@@ -417,6 +422,11 @@ class TrainConfig:
             raise ValueError(f"--val-every must be at least 0, got {validation.every}.")
         if validation.every and not validation.enabled:
             raise ValueError("--val-every needs a validation set: --val-data or --val-fraction.")
+        if self.parallel.recompute_mlp and self.parallel.activation_checkpointing:
+            raise ValueError(
+                "--recompute-mlp recomputes the MLP of layers that --activation-checkpointing recomputes whole: "
+                "give one of them."
+            )
         if self.parallel.offloaded_layers and not self.parallel.offload_activations:
             raise ValueError("--offloaded-layers counts the layers that --offload-activations offloads: give both.")
         refuse_option_combinations(self.parallel, self.model.lora_rank)

@@ -77,13 +77,15 @@ def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.de
 def activation_bytes_per_token(config: TrainConfig, nv_config: NVEsmConfig, device: torch.device) -> int:
     """A lower bound of the bytes that a token of a micro-batch on `device` keeps for the backward: in each layer
     its two layer norms' inputs and outputs, q, k, v and the attention output (7 x hidden values) and the MLP's
-    two hidden activations (2 x intermediate), in the compute dtype (1 byte with --fp8), over the `--tp` x `--cp`
-    ranks that share a token (each layer's input only, and one layer's whole set, with --activation-checkpointing;
-    with --offload-activations, the whole set of the layers not offloaded and the input of the others); and for MLM
-    the fp32 logits, their log-softmax and its gradient (3 x vocabulary)."""
+    two hidden activations (2 x intermediate; 6 x hidden in all with --recompute-mlp), in the compute dtype (1
+    byte with --fp8), over the `--tp` x `--cp` ranks that share a token (each layer's input only, and one layer's
+    whole set, with --activation-checkpointing; with --offload-activations, the whole set of the layers not
+    offloaded and the input of the others); and for MLM the fp32 logits, their log-softmax and its gradient (3 x
+    vocabulary)."""
     hidden, layers = nv_config.hidden_size, nv_config.num_hidden_layers
-    one_layer = 7 * hidden + 2 * nv_config.intermediate_size
     parallel = config.parallel
+    # with --recompute-mlp, the MLP keeps its input only (its LayerNorm output and two activations are recomputed)
+    one_layer = 6 * hidden if parallel.recompute_mlp else 7 * hidden + 2 * nv_config.intermediate_size
     values = one_layer * layers
     if parallel.activation_checkpointing:
         values = hidden * layers + one_layer
@@ -152,7 +154,9 @@ def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dis
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:
     """The model of `nv_config` for `config.model.task` (with LoRA adapters if asked), parallelized
-    (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank."""
+    (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank. `--recompute-mlp`
+    is the model's load-time option `recompute_mlp`, which its layers read when they are built."""
+    nv_config.recompute_mlp = config.parallel.recompute_mlp
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model.task](nv_config)
     if config.model.lora_rank:

@@ -158,8 +158,8 @@ class NVEsmConfig(PretrainedConfig):
         recompute_mlp: Training forwards keep only each layer's MLP input and recompute its LayerNorm, fc1 and
             GELU in the backward (Transformer Engine's selective checkpointing of `LayerNormMLP`, TE >= 2.11; fc2
             is not recomputed; the PyTorch twin recomputes the whole MLP): most of a layer's activation memory
-            (the two `intermediate_size` activations) for about one fc1 GEMM more per layer. Not with gradient
-            checkpointing, which recomputes the whole layer anyway.
+            (the two `intermediate_size` activations) for about one fc1 GEMM more per layer. Redundant with
+            gradient checkpointing, which recomputes the whole layer (`nv-esm train` refuses the pair).
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -32,6 +33,7 @@ PRELOADED = ("nv_esm.train.loop",)
 # torchrun's grace between the SIGTERM and the SIGKILL of the ranks it stops after one failed
 STOP_GRACE_SECONDS = 30.0
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def run(
@@ -132,8 +134,18 @@ def _rank_env(request: dict, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent ends (Linux's PR_SET_PDEATHSIG), so that neither the
+    server (its parent: the test process) nor a run's ranks (theirs: the server) outlive what started them."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent ended before the request took effect
+        os._exit(1)
+
+
 def _child(request: dict, rank: int, port: int) -> int:
     """In the forked process: its environment, working folder and output files, then the target's exit status."""
+    _die_with_parent()
     os.environ.clear()
     os.environ.update(_rank_env(request, rank, port))
     os.chdir(request["cwd"])
@@ -151,10 +163,8 @@ def _child(request: dict, rank: int, port: int) -> int:
         status = getattr(importlib.import_module(module), function)(request["argv"])
     except SystemExit as exit_:
         status = exit_.code
-    except BaseException:  # what an uncaught exception does to a process: its traceback, status 1
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # what an uncaught exception does to a process: `sys.excepthook` (a library's too), 1
+        sys.excepthook(*sys.exc_info())
         status = 1
     if status is None or isinstance(status, int):
         return status or 0
@@ -199,6 +209,7 @@ def _wait(children: dict[int, int], deadline: float) -> tuple[int, bool]:
 
 
 def _serve() -> None:
+    _die_with_parent()
     for name in PRELOADED:
         importlib.import_module(name)
     for line in sys.stdin:

@@ -167,8 +167,7 @@ def test_two_ranks_report_a_bad_record_once(tmp_path, tiny_config):
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if "nv-esm train: error" in line]
     assert len(ours) == 1 and "bad.fasta, record 6: the sequence: 'J' at residue 4" in ours[0], done.stderr[-3000:]
-    assert not any(line.startswith("[rank") for line in done.stderr.splitlines())  # no worker traceback (torchrun
-    # itself still reports the failed worker)
+    assert "Traceback" not in done.stderr  # no worker traceback (the forked ranks print one as an interpreter does)
 
 
 def flip_4_kib(path: Path) -> None:

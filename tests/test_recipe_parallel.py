@@ -320,10 +320,15 @@ def test_recompute_mlp_keeps_less_for_the_backward_and_changes_no_gradient(tiny_
 
 @pytest.mark.slow
 def test_the_recipe_with_recompute_mlp_trains_to_the_same_losses(tiny_config: Path, tmp_path: Path) -> None:
-    """`--recompute-mlp` on 2 ranks (whole models): the losses of the run without it (fp32: within 1e-5)."""
-    for name, extra in (("plain", ()), ("recomputing", ("--recompute-mlp",))):
+    """`--recompute-mlp` on 2 ranks, whole models and FSDP2 shards (the recompute gathers nothing again: it runs
+    inside the layer's backward): the losses of the run without it (fp32: within 1e-5)."""
+    recompute = ("--recompute-mlp",)
+    runs = {"plain": (), "recomputing": recompute, "sharded": (*recompute, "--data-parallel", "shard")}
+    for name, extra in runs.items():
         run_recipe(tmp_path / name, *mlm_args(tiny_config, 4, "--no-export", "--log-every", "1", *extra))
-    expected, actual = losses(tmp_path / "plain"), losses(tmp_path / "recomputing")
-    assert sorted(actual) == sorted(expected) == [1, 2, 3, 4]
-    for step in expected:
-        assert actual[step] == pytest.approx(expected[step], rel=1e-5), step
+    expected = losses(tmp_path / "plain")
+    for name in ("recomputing", "sharded"):
+        actual = losses(tmp_path / name)
+        assert sorted(actual) == sorted(expected) == [1, 2, 3, 4], name
+        for step in expected:
+            assert actual[step] == pytest.approx(expected[step], rel=1e-5), (name, step)

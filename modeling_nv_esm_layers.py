@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -221,6 +222,13 @@ class NVEsmLinear(nn.Module):
         return fused_module_repr(self, "proj")
 
 
+def recomputed(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """`function(x)`; with `recompute` and gradients, run again in the backward instead of keeping activations."""
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(function, x, use_reentrant=False)
+    return function(x)
+
+
 class NVEsmLayerNormMLP(nn.Module):
     """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`.
 
@@ -236,8 +244,7 @@ class NVEsmLayerNormMLP(nn.Module):
         tensor_parallel: RankGroup | None = None,
         recompute: bool = False,
     ) -> None:
-        """`recompute` (`config.recompute_mlp`): with gradients, keep only the input and run the MLP again in the
-        backward (`torch.utils.checkpoint`; TE's `LayerNormMLP(checkpoint=True)` skips fc2 there)."""
+        """`recompute` (`config.recompute_mlp`): `recomputed` (TE's `LayerNormMLP(checkpoint=True)` skips fc2)."""
         super().__init__()
         self.eps = eps
         self.tensor_parallel = tensor_parallel
@@ -250,9 +257,7 @@ class NVEsmLayerNormMLP(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._mlp, x, use_reentrant=False)
-        return self._mlp(x)
+        return recomputed(self._mlp, x, self.recompute)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tensor_parallel
@@ -362,10 +367,7 @@ def te_layer_class() -> type[nn.Module]:
                 return super().forward(inp, *args, **kwargs)
             gelu_tanh = functools.partial(F.gelu, approximate="tanh")
             unfused = functools.partial(mlp_with_updates, self, activation=gelu_tanh, add_fc2_bias=not self.return_bias)
-            if getattr(self, "checkpoint", False) and torch.is_grad_enabled():  # `recompute_mlp`, as TE's fused path
-                output = torch.utils.checkpoint.checkpoint(unfused, inp, use_reentrant=False)
-            else:
-                output = unfused(inp)
+            output = recomputed(unfused, inp, getattr(self, "checkpoint", False))  # `recompute_mlp`, as TE's path
             return (output, self.fc2_bias) if self.return_bias else output
 
     split_along_dim = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim

@@ -151,14 +151,18 @@ def _child(request: dict, rank: int, port: int) -> int:
     os.chdir(request["cwd"])
     if request["umask"] is not None:
         os.umask(request["umask"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), fd)
-    sys.argv = [request["target"].partition(":")[0], *request["argv"]]
+    for fd, path, flags in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+    ):
+        opened = os.open(path, flags, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    module, _, function = request["target"].partition(":")
+    sys.argv = [module, *request["argv"]]
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    module, _, function = request["target"].partition(":")
     try:
         status = getattr(importlib.import_module(module), function)(request["argv"])
     except SystemExit as exit_:

@@ -114,7 +114,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path, tiny_config,
     out = tmp_path / "run"
     command = [sys.executable, "-m", "nv_esm.train", "--backend", "torch", "--out", str(out)]
     command += mlm_args(tiny_config, 10_000, "--log-every", "1", "--no-export")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **forked_ranks.SERVER_ENV}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + TIMEOUT
     while not (out / "metrics.jsonl").exists() or len(records(out)) < 3:

@@ -16,6 +16,7 @@ import termios
 import time
 from pathlib import Path
 
+import forked_ranks
 import pytest
 import torch
 from safetensors import safe_open
@@ -24,7 +25,7 @@ from test_recipe_train import export_command, mlm_args, run_recipe
 
 from nv_esm.train.checkpoint import damage
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+ENV = {**os.environ, **forked_ranks.SERVER_ENV}  # the environment of every test run of the trainer
 
 
 def start(out: Path, *args: str, **popen: object) -> subprocess.Popen:

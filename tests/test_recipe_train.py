@@ -40,7 +40,6 @@ from modeling_nv_esm import (
 )
 from nv_esm import data, trace_summary
 from nv_esm.conversion import convert_nv_to_hf
-from nv_esm.data import pad_proteins
 from nv_esm.hub_folder import REMOTE_CODE_FILES
 from nv_esm.plots import training_curves
 from nv_esm.train import loop
@@ -128,7 +127,7 @@ def test_the_trainers_summed_loss_is_transformers_head_loss(task: str, num_label
     packed_labels = labels if task == "sequence" else [t.tolist() for t in labels]
     batch = data.pack_batch([p.tolist() for p in proteins], packed_labels)
     input_ids, attention_mask = pad_batch(proteins)
-    padded_labels = labels if task == "sequence" else pad_proteins(labels, -100)["input_ids"]
+    padded_labels = labels if task == "sequence" else data.pad_proteins(labels, -100)["input_ids"]
     with torch.no_grad():
         expected = hf_model(input_ids=input_ids, attention_mask=attention_mask, labels=padded_labels).loss
         summed = loop.summed_loss(nv_model, batch, task, nv_model.config)

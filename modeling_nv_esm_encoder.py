@@ -218,6 +218,8 @@ class NVEsmEncoder(nn.Module):
             raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
         hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed)
         states = self.graphs.run(self, hidden_states, layout) if layout.static_shape else None
+        if hidden_states.requires_grad:
+            self.graphs.last_training_call_replayed = states is not None
         if states is not None:
             return layout.to_input(states), None
         all_hidden_states = [hidden_states] if output_hidden_states else None
@@ -257,11 +259,13 @@ class NVEsmEncoder(nn.Module):
         layout: RunLayout,
         all_hidden_states: list | None = None,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
+        backward_events: list | None = None,
     ) -> torch.Tensor:
         """The layers and the final LayerNorm on states in the run layout (inside `fp8_region`): what an eager call
         runs and what each CUDA graph holds (`StaticShapeLayers`). Each rank runs its tokens (`own_tokens`), and
         every output is gathered back (`all_tokens`) before the LayerNorm."""
-        states = self.run_layers(layout.own_tokens(hidden_states), layout, all_hidden_states, attention_sink)
+        own_tokens = layout.own_tokens(hidden_states)
+        states = self.run_layers(own_tokens, layout, all_hidden_states, attention_sink, backward_events)
         if all_hidden_states is not None:
             all_hidden_states[1:] = [layout.all_tokens(h) for h in all_hidden_states[1:]]
         return self.emb_layer_norm_after(layout.all_tokens(states))
@@ -272,12 +276,17 @@ class NVEsmEncoder(nn.Module):
         layout: RunLayout,
         all_hidden_states: list | None = None,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
+        backward_events: list | None = None,
     ) -> torch.Tensor:
         """The layers alone, appending each layer's output to `all_hidden_states` and handing each layer's attention
-        probabilities to `attention_sink`."""
+        probabilities to `attention_sink`. With `backward_events` (a training graph's capture), layer i's backward
+        records event i once it is done: when the gradient of the layer's input is complete, after its weight
+        gradients (TE computes them in the same backward calls, on the same stream)."""
         offload = self.activation_offload(hidden_states)
         try:
             for index, layer in enumerate(self.layers):
+                if backward_events is not None and hidden_states.requires_grad:
+                    hidden_states.register_hook(lambda grad, event=backward_events[index]: event.record())
                 if attention_sink is not None:
                     attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
                 with self.layer_precision(index), offload.context if offload else contextlib.nullcontext():
@@ -440,7 +449,7 @@ class NVEsmEncoder(nn.Module):
         the graphs when the parameters changed), not inside
         `torch.compile`, another CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a
         process group of several ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to
-        `main_grad` instead).
+        `main_grad` instead) unless `config.gradients_reduced_after_backward` says the caller averages `.grad` itself.
 
         Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
         would overwrite memory that backward reads. (A training forward must be followed by its backward; an
@@ -458,7 +467,9 @@ class NVEsmEncoder(nn.Module):
             )
         if output_hidden_states or self.training != torch.is_grad_enabled():
             return False
-        if self.training and (self.gradient_checkpointing or self.config.offload_activations or several_ranks()):
+        if self.training and (self.gradient_checkpointing or self.config.offload_activations):
+            return False
+        if self.training and several_ranks() and not self.config.gradients_reduced_after_backward:
             return False
         if (
             torch.compiler.is_compiling()

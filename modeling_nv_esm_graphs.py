@@ -76,10 +76,12 @@ class StaticShapeLayers(nn.Module):
     is set directly, as `.train()` would also switch the encoder's layers.
     """
 
-    def __init__(self, encoder: nn.Module, max_length: int) -> None:
+    def __init__(self, encoder: nn.Module, max_length: int, backward_events: list | None = None) -> None:
+        """`backward_events`: per layer, a CUDA event its backward records once done (training graphs)."""
         super().__init__()
         self.encoder = encoder
         self.max_length = max_length
+        self.backward_events = backward_events
 
     def forward(
         self, hidden_states: torch.Tensor, cu_seq_lens: torch.Tensor, rotary_angles: torch.Tensor
@@ -87,7 +89,8 @@ class StaticShapeLayers(nn.Module):
         """`[T, hidden]` packed states with `cu_seq_lens [slots + 1]` and `rotary_angles [max_length, head_dim]`."""
         num_tokens = hidden_states.shape[0]
         packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, num_tokens)
-        return self.encoder.body(hidden_states, PackedRun(packed, rotary_angles, num_tokens))
+        run = PackedRun(packed, rotary_angles, num_tokens)
+        return self.encoder.body(hidden_states, run, backward_events=self.backward_events)
 
 
 def host_shape(
@@ -150,6 +153,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._parameter_storage: tuple[tuple[int, bool], ...] = ()
         self._awaiting_backward = False
         self._weights: list[nn.Parameter] | None = None  # GEMM weights with a main_grad (training graphs)
+        self._backward_events: list[Any] | None = None  # per layer, recorded by training replays' backward
+        self.last_training_call_replayed = False  # set by the encoder at every training call
         self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
         self._warm_up_in_pool = True  # off for good once a warm-up in the pool left tensors there
 
@@ -163,6 +168,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._pool = None
         self._awaiting_backward = False
         self._weights = None
+        self._backward_events = None
+        self.last_training_call_replayed = False
         self._out_of_memory = False
 
     def awaiting_backward(self) -> bool:
@@ -241,6 +248,34 @@ class StaticShapeGraphs(FreshWhenCopied):
             self._parameter_storage = storage
         return True
 
+    def replayed_layer_gradients(self, encoder: nn.Module) -> list[tuple[Any, torch.Tensor]] | None:
+        """For a data-parallel caller that reduces gradients itself (`gradients_reduced_after_backward`), to start
+        on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer
+        (in `encoder.layers` order) the CUDA event that replay's backward records once the layer's weight gradients
+        are complete, and those gradients (`main_grad`, which is each GEMM weight's `.grad`) as one flat view; the
+        views of consecutive layers are adjacent in one buffer. None when the last training call ran eagerly or the
+        gradients are not laid out so (other dtypes, a `.grad` that is not the `main_grad`). The layers' other
+        parameters (LayerNorms, biases) get their gradients after the graph, as ordinary `.grad`s."""
+        if not self.last_training_call_replayed or self._weights is None or self._backward_events is None:
+            return None
+        per_layer = _layer_weights(encoder)
+        weights = [weight for layer in per_layer for weight in layer]
+        if not weights or any(weight.grad is not getattr(weight, "main_grad", None) for weight in weights):
+            return None
+        flat = weights[0].main_grad._base
+        if flat is None:
+            return None
+        offset, views = weights[0].main_grad.storage_offset() - flat.storage_offset(), []
+        for layer in per_layer:
+            first = offset
+            for weight in layer:
+                grad = weight.main_grad
+                if grad._base is not flat or grad.storage_offset() - flat.storage_offset() != offset:
+                    return None
+                offset += grad.numel()
+            views.append(flat[first:offset])
+        return list(zip(self._backward_events, views))
+
     def _free_after_out_of_memory(self, encoder: nn.Module) -> None:
         """Drop every graph, the pool and the `main_grad` buffers (`.grad` keeps one it accumulates into)."""
         self.clear()
@@ -264,7 +299,10 @@ class StaticShapeGraphs(FreshWhenCopied):
         te = import_transformer_engine()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        layers = StaticShapeLayers(encoder, packed.max_length)
+        training = hidden_states.requires_grad
+        if training and self._backward_events is None:
+            self._backward_events = [torch.cuda.Event(external=True) for _ in encoder.layers]
+        layers = StaticShapeLayers(encoder, packed.max_length, self._backward_events if training else None)
         layers.training = encoder.training
         sample = (
             hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
@@ -277,7 +315,6 @@ class StaticShapeGraphs(FreshWhenCopied):
         started = time.perf_counter()
         parameters = list(encoder.parameters())
         grads = [parameter.grad for parameter in parameters]  # TE does not put them back if capture fails
-        training = hidden_states.requires_grad
         weights = _graph_weights(encoder) if training else []
         accumulated = _main_grads_in_use(weights)  # TE's warm-up steps add to main_grad; restored after capture
         routed = training and self._warm_up_in_pool and any(graph is not None for graph in self._graphs.values())
@@ -456,21 +493,44 @@ def _expandable_segments() -> Any:
         set_allocator("expandable_segments:False")
 
 
+def _layer_weights(encoder: nn.Module) -> list[list[nn.Parameter]]:
+    """Per layer, the GEMM weights of its TE modules that get gradients (QKV, projection, fc1, fc2)."""
+    return [
+        [
+            parameter
+            for module in layer.modules()
+            if hasattr(module, "fuse_wgrad_accumulation")
+            for name, parameter in module.named_parameters(recurse=False)
+            if name in ("weight", "fc1_weight", "fc2_weight") and parameter.requires_grad
+        ]
+        for layer in encoder.layers
+    ]
+
+
 def _graph_weights(encoder: nn.Module, create: bool = True) -> list[nn.Parameter]:
-    """The GEMM weights of the TE layers that get gradients (QKV, projection, fc1, fc2), each given a `main_grad`
-    (`create`), or those that have one (not `create`)."""
-    weights = []
-    for module in encoder.layers.modules():
-        if hasattr(module, "fuse_wgrad_accumulation"):
-            for name, parameter in module.named_parameters(recurse=False):
-                if name in ("weight", "fc1_weight", "fc2_weight") and parameter.requires_grad:
-                    weights.append(parameter)
+    """The GEMM weights of the TE layers that get gradients, each given a `main_grad` (`create`), or those that
+    have one (not `create`). New `main_grad`s are views of one zeroed buffer, in layer order, when the weights
+    share a dtype and device (`replayed_layer_gradients` hands out each layer's part), else tensors of their own."""
+    weights = [weight for layer in _layer_weights(encoder) for weight in layer]
     if not create:
         return [weight for weight in weights if hasattr(weight, "main_grad")]
-    for weight in weights:
+
+    def fits(weight: nn.Parameter) -> bool:
         main_grad = getattr(weight, "main_grad", None)
         layout = (weight.shape, weight.dtype, weight.device)
-        if not isinstance(main_grad, torch.Tensor) or (main_grad.shape, main_grad.dtype, main_grad.device) != layout:
+        return isinstance(main_grad, torch.Tensor) and (main_grad.shape, main_grad.dtype, main_grad.device) == layout
+
+    if all(map(fits, weights)):
+        return weights
+    if len({(weight.dtype, weight.device) for weight in weights}) == 1 and all(
+        type(weight.data) is torch.Tensor for weight in weights
+    ):
+        flat = torch.zeros(sum(weight.numel() for weight in weights), dtype=weights[0].dtype, device=weights[0].device)
+        for weight, piece in zip(weights, flat.split([weight.numel() for weight in weights])):
+            weight.main_grad = piece.view(weight.shape)
+        return weights
+    for weight in weights:
+        if not fits(weight):
             weight.main_grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
     return weights
 

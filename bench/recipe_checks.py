@@ -96,7 +96,7 @@ def throughput(records: list[dict]) -> dict:
     return dict(
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in timed),
-        mfu=statistics.median(r["mfu"] for r in timed),
+        mfu=statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,  # None on CPU
         max_memory_gb=max(r.get("max_memory_gb", 0.0) for r in timed),  # absent on the CPU
     )
 
@@ -309,16 +309,19 @@ def compare_runs(out: Path, tag: str, config: Path, runs: dict, common: list[str
     (e.g. out of memory) is listed under "failed". Per run: tokens/s (per GPU), MFU, peak memory per rank, and the
     largest relative loss difference to its reference run."""
     allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    records, failed = {}, []
+    records, failed, seconds = {}, [], {}
     for name, (gpus, extra, _) in runs.items():
         run = out / f"{tag}_{name}"
+        started = time.perf_counter()
         try:
             launch(run, gpus, config, *common, *extra, env=allocator, data=data)
         except RuntimeError:
             failed.append(name)
             continue
+        finally:
+            seconds[name] = round(time.perf_counter() - started, 1)
         records[name] = metrics(run)
-    result: dict = {"failed": failed}
+    result: dict = {"failed": failed, "wall_seconds": seconds}
     for name, (gpus, extra, reference) in runs.items():
         if name not in records:
             continue
@@ -353,44 +356,58 @@ def check_layouts(out: Path, shape: str, steps: int, budget: int) -> dict:
     return dict(shape=shape, steps=steps, token_budget=budget, **compared)
 
 
-def check_scale(out: Path, shape: str, steps: int, budgets: list[int], gpus: int, layouts: list[str]) -> dict:
+# The data-parallel layouts `scale` compares: recipe options of each.
+LAYOUTS = {
+    "replicate": ["--data-parallel", "replicate"],
+    "shard": ["--data-parallel", "shard"],
+    "hsdp": ["--data-parallel", "shard", "--dp-replicate", "2"],  # 2 replica groups, each sharding over the rest
+}
+
+
+def check_scale(
+    out: Path, shape: str, steps: int, budgets: list[int], gpus: list[int], layouts: list[str], *extra: str
+) -> dict:
     """Weak scaling of the data-parallel layouts: per budget (tokens per micro-batch and GPU), the 1-GPU default
-    (CUDA graphs) and each of `layouts` (`--data-parallel` values) on `gpus` GPUs, one micro-batch per GPU and
-    step, `steps` steps (the first `WARMUP_STEPS` untimed). Per run: tokens/s per GPU, its ratio to the 1-GPU run,
-    MFU, peak memory per rank and, where the data agree (a 2-GPU step sees 2 micro-batches), losses as they are."""
+    (CUDA graphs) and each of `layouts` (`LAYOUTS`) on each number of `gpus`, one micro-batch per GPU and step,
+    `steps` steps (the first `WARMUP_STEPS` untimed), all with the recipe options `extra`. Per run: tokens/s per
+    GPU, its ratio to the 1-GPU run, MFU, peak memory per rank and, where the data agree (a 2-GPU step sees 2
+    micro-batches), losses as they are."""
     results = {}
     for budget in budgets:
         common = ["--steps", str(steps), "--token-budget", str(budget), "--warmup-steps", "5", "--lr", "2e-4"]
-        common += ["--log-every", "5", "--no-checkpoint"]
+        common += ["--log-every", "5", "--no-checkpoint", *extra]
         runs = {"one_gpu": (1, [], None)}
-        runs.update({layout: (gpus, ["--data-parallel", layout], None) for layout in layouts})
+        runs.update({f"{layout}_{n}gpu": (n, LAYOUTS[layout], None) for n in gpus for layout in layouts})
         compared = compare_runs(out, f"scale_{shape}_{budget}", write_config(out, shape), runs, common)
         one = compared.get("one_gpu")
-        for layout in layouts:
-            if one and layout in compared:
-                entry = compared[layout]
+        for name in runs:
+            if one and name in compared and name != "one_gpu":
+                entry = compared[name]
                 entry["per_gpu_vs_one_gpu"] = entry["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
         results[str(budget)] = compared
-    return dict(shape=shape, steps=steps, gpus=gpus, budgets=results)
+    return dict(shape=shape, steps=steps, gpus=gpus, options=list(extra), budgets=results)
 
 
-def check_long(out: Path, shape: str, steps: int, lengths: list[int]) -> dict:
-    """Context parallelism on long proteins: per length, one protein per step of `length` tokens on 1 GPU and
-    with `--cp 2` on 2 GPUs (the same protein each step: losses must agree), and the 2-GPU run with activation
-    checkpointing for when the 1-GPU run does not fit."""
+def check_long(out: Path, shape: str, steps: int, lengths: list[int], cps: list[int], *extra: str) -> dict:
+    """Context parallelism on long proteins: per length, one protein per step of `length` tokens on 1 GPU (eager,
+    as context-parallel ranks run) and with `--cp C` on C GPUs for each C of `cps` (the same protein each step:
+    losses must agree), all with the recipe options `extra`. A run that does not fit (one GPU, say) is listed
+    under "failed"; each run's ratio of whole-job tokens/s to the 1-GPU run's is `speedup_vs_one_gpu`."""
     results = {}
     for length in lengths:
         data = write_long_proteins(out, length, count=steps + 2)
         common = ["--steps", str(steps), "--token-budget", str(length), "--max-length", str(length - 2)]
-        common += ["--warmup-steps", "2", "--lr", "1e-4", "--log-every", "1", "--no-checkpoint"]
-        runs = {
-            "one_gpu": (1, ["--no-cuda-graphs"], None),
-            "cp": (2, ["--cp", "2"], "one_gpu"),
-            "cp_checkpointing": (2, ["--cp", "2", "--activation-checkpointing"], "one_gpu"),
-        }
+        common += ["--warmup-steps", "2", "--lr", "1e-4", "--log-every", "1", "--no-checkpoint", *extra]
+        runs = {"one_gpu": (1, ["--no-cuda-graphs"], None)}
+        runs.update({f"cp{cp}": (cp, ["--cp", str(cp)], "one_gpu") for cp in cps})
         config = write_config(out, shape)
-        results[str(length)] = compare_runs(out, f"long_{shape}_{length}", config, runs, common, data=data)
-    return dict(shape=shape, steps=steps, lengths=results)
+        compared = compare_runs(out, f"long_{shape}_{length}", config, runs, common, data=data)
+        one = compared.get("one_gpu")
+        for name in runs:
+            if one and name in compared and name != "one_gpu":
+                compared[name]["speedup_vs_one_gpu"] = compared[name]["tokens_per_s"] / one["tokens_per_s"]
+        results[str(length)] = compared
+    return dict(shape=shape, steps=steps, options=list(extra), lengths=results)
 
 
 def main() -> None:
@@ -400,7 +417,9 @@ def main() -> None:
         choices=("scaling", "weak", "resume", "fp8", "profile", "fit", "graphs", "offload", "layouts", "long", "scale"),
     )
     parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768], help="scale: tokens per GPU")
-    parser.add_argument("--layouts", nargs="+", default=["replicate", "shard"], help="scale: --data-parallel values")
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["replicate", "shard"], help="scale")
+    parser.add_argument("--cps", type=int, nargs="+", default=[2], help="long: --cp values (GPUs per run)")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="scale, long: more recipe options")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="long: protein lengths")
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
@@ -411,8 +430,9 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--gpus", type=int, default=2, help="fp8, offload: GPUs per run")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="fp8, offload: GPUs per run; scale: each")
     args = parser.parse_args()
+    gpus = args.gpus[0]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.check == "scaling":
         result = check_scaling(args.out, args.shape or "650M", args.steps or 50, args.budget)
@@ -428,24 +448,25 @@ def main() -> None:
     elif args.check == "graphs":
         result = check_graphs(args.out, args.shape or "650M", args.steps or 40, args.budget)
     elif args.check == "offload":
-        result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, args.gpus)
+        result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, gpus)
     elif args.check == "profile":
         result = check_profile(args.out, args.shape or "650M", args.budget)
     elif args.check == "layouts":
         result = check_layouts(args.out, args.shape or "650M", args.steps or 24, args.budget)
     elif args.check == "scale":
-        result = check_scale(args.out, args.shape or "650M", args.steps or 50, args.budgets, args.gpus, args.layouts)
+        shape, steps = args.shape or "650M", args.steps or 50
+        result = check_scale(args.out, shape, steps, args.budgets, args.gpus, args.layouts, *args.extra)
     elif args.check == "long":
-        result = check_long(args.out, args.shape or "650M", args.steps or 20, args.lengths)
+        result = check_long(args.out, args.shape or "650M", args.steps or 20, args.lengths, args.cps, *args.extra)
     else:
-        result = check_fp8(args.out, args.shape or "150M", args.steps or 200, args.gpus)
-    name = args.check + ("_fp8" if args.fp8 else "") + (f"_{args.gpus}gpu" if args.check in ("fp8", "offload") else "")
+        result = check_fp8(args.out, args.shape or "150M", args.steps or 200, gpus)
+    name = args.check + ("_fp8" if args.fp8 else "") + (f"_{gpus}gpu" if args.check in ("fp8", "offload") else "")
     if args.check == "weak":
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":
         name = f"fit_{result['shape']}_{args.budget}"
     if args.check == "scale":
-        name = f"scale_{result['shape']}_{args.gpus}gpu"
+        name = f"scale_{result['shape']}_{'_'.join(map(str, args.budgets))}"
     if args.check in ("layouts", "long"):
         name = f"{args.check}_{result['shape']}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))

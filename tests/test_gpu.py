@@ -357,10 +357,11 @@ def test_activation_offloading_moves_saved_tensors_to_the_host_and_changes_no_gr
 
 
 def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
-    """`recompute_mlp=True` (TE's `LayerNormMLP(checkpoint=True)`), fp32 training forward and backward, eager (a
-    graph's memory pool would hide what a forward keeps): less GPU memory held between forward and backward, the
-    same loss, gradients within 1e-3 relative (cuDNN's attention backward accumulates with atomics, as in the
-    offloading test)."""
+    """`recompute_mlp=True` (TE's `LayerNormMLP(checkpoint=True)`), training forward and backward of fp32 weights
+    under bf16 autocast, eager (a graph's memory pool would hide what a forward keeps): less GPU memory held
+    between forward and backward, the same loss, gradients within 1e-2 relative (bf16 compute; cuDNN's attention
+    backward accumulates with atomics, as in the offloading test). Not fp32 compute: TE's fp32 attention is the
+    unfused kernel, whose saved probabilities (proteins x heads x length^2) outweigh the MLP's activations."""
     plain = te_model(hf_fp32, torch.float32, cuda_graphs=False)
     recomputing = te_model(hf_fp32, torch.float32, cuda_graphs=False, recompute_mlp=True)
     assert all(layer.layernorm_mlp.checkpoint for layer in recomputing.esm.encoder.layers)
@@ -371,7 +372,8 @@ def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
         model.train()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        loss = model(**packed, labels=packed["input_ids"]).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**packed, labels=packed["input_ids"]).loss
         saved[model is recomputing] = torch.cuda.memory_allocated() - before  # what the forward keeps for backward
         loss.backward()
         losses.append(loss.item())
@@ -379,7 +381,7 @@ def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     for (name, a), (_, b) in zip(plain.named_parameters(), recomputing.named_parameters()):
         if a.grad is not None:
-            assert relative_error(b.grad, a.grad) <= 1e-3, name
+            assert relative_error(b.grad, a.grad) <= 1e-2, name
 
 
 def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32, tmp_path):

@@ -288,13 +288,17 @@ def test_a_capture_out_of_memory_frees_the_graphs_and_runs_eagerly(hf_fp32, monk
 
 
 def test_graphs_stay_off_where_a_replay_would_be_wrong(hf_fp32, monkeypatch):
-    """Training under a process group of several ranks (DDP waits for each weight's gradient), inside another
-    capture, and in an `nn.DataParallel` replica: eager."""
+    """Training under a process group of several ranks (DDP waits for each weight's gradient) unless the caller
+    averages `.grad` itself after the backward (`gradients_reduced_after_backward`), inside another capture, and in
+    an `nn.DataParallel` replica: eager."""
     graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
     encoder = graphed.esm.encoder
     assert encoder.uses_cuda_graphs(output_hidden_states=False)
     monkeypatch.setattr("modeling_nv_esm_encoder.several_ranks", lambda: True)
     assert not encoder.uses_cuda_graphs(output_hidden_states=False)
+    encoder.config.gradients_reduced_after_backward = True
+    assert encoder.uses_cuda_graphs(output_hidden_states=False)
+    encoder.config.gradients_reduced_after_backward = False
     graphed.eval()
     with torch.no_grad():
         assert encoder.uses_cuda_graphs(output_hidden_states=False)  # inference graphs do not involve the ranks
@@ -472,3 +476,96 @@ def test_a_routed_warm_up_that_fails_drops_the_graphs(hf_fp32, monkeypatch):
     assert list(graphs.values()) == [None]  # the first shape's graph dropped, the second runs eagerly
     train_side_by_side(eager, graphed, [LARGE], seed=270)  # captured again, first in a new pool
     assert sum(graph is not None for graph in graphs.values()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="whole models on 2 ranks: NCCL, one GPU per rank")
+def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses(tmp_path):
+    """`nv-esm train --data-parallel replicate` on 2 GPUs (NCCL): the ranks capture and replay training graphs
+    (`gradients_reduced_after_backward`) and their losses follow the eager run's on the same data (bf16: each step
+    within `LOSS_RTOL`, the first steps alike in both, so a gradient left out of the all-reduce shows)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, SHAPES
+
+    config = tmp_path / "config.json"  # ESM-2 8M's shape, random weights
+    config.write_text(json.dumps({**json.loads((ROOT / "config.json").read_text()), **SHAPES["esm2_8M"]}))
+
+    def train(name: str, *extra: str) -> tuple[list[float], str]:
+        out = tmp_path / name
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+        command += [str(ROOT / "recipes" / "train.py"), "--config", str(config), "--out", str(out)]
+        command += ["--data", str(ROOT / "recipes" / "demo_data" / "demo.fasta"), "--steps", "8", "--lr", "1e-3"]
+        command += ["--token-budget", "2048", "--max-length", "254", "--data-parallel", "replicate", "--no-export"]
+        command += ["--no-checkpoint", "--log-every", "1", *extra]
+        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "info"}
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [record["loss"] for record in records if "loss" in record], result.stdout + result.stderr
+
+    graphed, graphed_log = train("graphed")
+    eager, eager_log = train("eager", "--no-cuda-graphs")
+    assert "Captured CUDA graphs for" in graphed_log and "Captured CUDA graphs" not in eager_log
+    assert len(graphed) == len(eager) == 8
+    for step, (a, b) in enumerate(zip(eager, graphed)):
+        assert abs(a - b) <= LOSS_RTOL * a, (step, a, b)
+
+
+def check_overlapped_average(rank: int, port: int, results: dict) -> None:
+    """Rank `rank` of 2 (NCCL): the gradients `average_gradients` reduces while a replayed backward still runs
+    equal those reduced after it, though the GPU sleeps before that backward (a reduction that did not wait for
+    the graph's events would read unfinished gradients)."""
+    import os
+
+    import torch.distributed as dist
+    from test_tensor_parallel import leave_without_teardown
+
+    from nv_esm.train.parallel import all_reduce_gradients, average_gradients
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (before cuDNN loads)
+
+        model = make_nv_model(make_hf_model("esm2_8M", seed=200), backend="te", cuda_graphs=True)
+        model.config.gradients_reduced_after_backward = True
+        model = model.to(CUDA).train()
+        batch = packed_on_gpu(batches(seed=300 + rank, count=1)[0])  # each rank its own proteins
+        averaged = []
+        for overlapped in (False, True, True):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**batch, labels=batch["input_ids"]).loss
+            torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the backward starts
+            loss.backward()
+            if overlapped:
+                layers = model.esm.encoder.graphs.replayed_layer_gradients(model.esm.encoder)
+                assert layers is not None and len(layers) == model.config.num_hidden_layers
+                average_gradients(model, 2)
+            else:
+                all_reduce_gradients([p for p in model.parameters() if p.grad is not None], 2)
+            averaged.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        results[rank] = max(
+            relative_error(grads[name], averaged[0][name]) for grads in averaged[1:] for name in averaged[0]
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    leave_without_teardown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 ranks over NCCL: one GPU per rank")
+def test_gradients_averaged_during_a_replayed_backward_equal_those_averaged_after_it() -> None:
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import free_port
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(check_overlapped_average, args=(free_port(), results), nprocs=2)
+        results = dict(results)
+    print(f"\n[overlapped gradient average, 2 ranks] largest relative difference {results}")
+    assert len(results) == 2 and all(error <= 1e-5 for error in results.values())

@@ -250,8 +250,11 @@ def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_
             fields, 4
         )
     tiny = json.loads(Path(tiny_config).read_text())
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    budget = memory // independent_bytes_per_token(tiny, 4) + 1
+    if torch.cuda.is_available():  # the run trains on the GPU, in bf16
+        memory, itemsize = torch.cuda.get_device_properties(0).total_memory, 2
+    else:
+        memory, itemsize = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 4
+    budget = memory // independent_bytes_per_token(tiny, itemsize) + 1
     done = train_here(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
     one_line_error(done, f"--token-budget {budget}: a micro-batch keeps at least")
 

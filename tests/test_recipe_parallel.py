@@ -214,6 +214,27 @@ def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pyt
         assert not materialize.data_parallel_layout(config, nv_config, alone).replicated
 
 
+def test_ranks_holding_whole_models_replay_training_graphs() -> None:
+    """Ranks holding whole models average `.grad` themselves after the step's backwards (`complete_gradients`), so
+    the trainer builds their model with `gradients_reduced_after_backward` (training forwards replay CUDA graphs on
+    several ranks); FSDP2 shards are built without it."""
+    from configuration_nv_esm import NVEsmConfig
+    from nv_esm.train import materialize
+    from nv_esm.train.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+    from nv_esm.train.parallel import Dist
+
+    config = TrainConfig(
+        ModelConfig(), DataConfig(files=[], token_budget=1000), OptimizerConfig(steps=1), out=Path("x")
+    )
+    for replicated in (True, False):
+        nv_config = NVEsmConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, backend="torch"
+        )
+        world = Dist(0, 1, torch.device("cpu"), None, replicated=replicated)
+        model = materialize.build_model(config, nv_config, world)
+        assert model.config.gradients_reduced_after_backward is replicated
+
+
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,11 +246,16 @@ def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(
         config.validate()
 
 
-def test_activation_offloading_is_refused_off_the_gpu(tiny_config: Path, tmp_path: Path) -> None:
-    """`--offload-activations` (the model's `offload_activations`) moves GPU activations to host memory: on CPU the
-    recipe refuses it before training, and the model refuses a training forward (eval forwards do not offload)."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the recipe trains on the GPU here, where it offloads")
+def test_the_recipe_refuses_activation_offloading_off_the_gpu(tiny_config: Path, tmp_path: Path) -> None:
+    """`--offload-activations` moves GPU activations to host memory: on CPU the recipe refuses it before training."""
     refused = train_here(*mlm_args(tiny_config, 2, "--offload-activations"), out=tmp_path / "run")
     assert refused.returncode != 0 and "--offload-activations moves activations from GPU to host" in refused.stderr
+
+
+def test_the_model_refuses_activation_offloading_off_the_gpu() -> None:
+    """The model's `offload_activations` refuses a training forward on CPU tensors (eval forwards do not
+    offload)."""
     hf = make_hf_model("tiny", seed=5)
     offloading, plain = make_nv_model(hf, offload_activations=True), make_nv_model(hf)
     batch = pack_batch(random_proteins([30, 1, 64], seed=6, mask_fraction=0.15))

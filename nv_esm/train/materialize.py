@@ -155,8 +155,11 @@ def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dis
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:
     """The model of `nv_config` for `config.model.task` (with LoRA adapters if asked), parallelized
     (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank. `--recompute-mlp`
-    is the model's load-time option `recompute_mlp`, which its layers read when they are built."""
+    is the model's load-time option `recompute_mlp`, which its layers read when they are built. Ranks holding whole
+    models average `.grad` after the step's backwards (`complete_gradients`), so their training forwards may replay
+    CUDA graphs (`gradients_reduced_after_backward`)."""
     nv_config.recompute_mlp = config.parallel.recompute_mlp
+    nv_config.gradients_reduced_after_backward = world.replicated
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model.task](nv_config)
     if config.model.lora_rank:

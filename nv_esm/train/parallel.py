@@ -256,9 +256,9 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
     (`NVEsmEncoder.partial_gradients`). With `--cp`, FSDP2 averaged them over the "cp" ranks, where their sum is
     the gradient: they are multiplied by C. With `--tp` ("tp" is not in FSDP2's mesh), they are summed over the
     group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already. Ranks holding
-    whole models first average all gradients over the ranks (`all_reduce_gradients`), as FSDP2 would."""
+    whole models first average all gradients over the ranks (`average_gradients`), as FSDP2 would."""
     if world.replicated:
-        all_reduce_gradients([p for p in model.parameters() if p.grad is not None], world.world_size)
+        average_gradients(model, world.world_size)
     if world.ranks_per_batch == 1:
         return
     for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):
@@ -270,8 +270,51 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
             encoder.reduce_partial_gradients()
 
 
-# Bytes of gradients in one all-reduce of `all_reduce_gradients` (two in flight: one copied while one is reduced).
+# Bytes of gradients in one all-reduce of `average_gradients` (two in flight: one copied while one is reduced).
 GRADIENT_BUCKET_BYTES = 256 << 20
+
+
+def average_gradients(model: nn.Module, world_size: int) -> None:
+    """Average every `.grad` of `model` (a whole model on each rank) over the ranks, as FSDP2's reduction does
+    (fp32 sums divided by `world_size`). When the step's last backward replayed a CUDA graph, the layers' weight
+    gradients are reduced while that backward still runs: from the last layer down, in buckets of about
+    `GRADIENT_BUCKET_BYTES` of adjacent layers, each all-reduced in place on a side stream as soon as the graph
+    records that its lowest layer's backward is done (`StaticShapeGraphs.replayed_layer_gradients`). The other
+    gradients (embeddings, heads, LayerNorms, biases, or all of them after an eager backward) follow in
+    `all_reduce_gradients`. Nothing here waits for the GPU."""
+    overlapped: set[int] = set()
+    side = None
+    for encoder in (module for module in model.modules() if hasattr(module, "graphs")):
+        layers = encoder.graphs.replayed_layer_gradients(encoder)
+        if not layers:
+            continue
+        # The side stream does not wait for the current one, which holds the whole backward: each event is recorded
+        # inside it, after everything queued before the replay (the buffers' zeroing, the previous step's uses).
+        side = side or torch.cuda.Stream()
+        bucket: list[tuple[Any, torch.Tensor]] = []
+        for event, view in reversed(layers):
+            bucket.append((event, view))
+            if sum(v.nbytes for _, v in bucket) >= GRADIENT_BUCKET_BYTES or view is layers[0][1]:
+                _all_reduce_when_recorded(bucket, side, world_size)
+                bucket = []
+        for parameter in encoder.parameters():
+            if parameter.grad is not None and parameter.grad is getattr(parameter, "main_grad", None):
+                overlapped.add(id(parameter))
+    all_reduce_gradients([p for p in model.parameters() if p.grad is not None and id(p) not in overlapped], world_size)
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
+
+
+def _all_reduce_when_recorded(bucket: list[tuple[Any, torch.Tensor]], side: Any, world_size: int) -> None:
+    """On stream `side`: wait for the event of the bucket's last (lowest) layer, then all-reduce the layers'
+    adjacent flat views as one view and divide it by `world_size`, in place."""
+    event, lowest = bucket[-1]
+    start = lowest.storage_offset() - lowest._base.storage_offset()
+    flat = lowest._base[start : start + sum(view.numel() for _, view in bucket)]
+    with torch.cuda.stream(side):
+        side.wait_event(event)
+        dist.all_reduce(flat, async_op=True).wait()  # the side stream waits for the reduction (the host does not)
+        flat.div_(world_size)
 
 
 def all_reduce_gradients(parameters: list[nn.Parameter], world_size: int) -> None:

@@ -407,6 +407,13 @@ class NVEsmModel(NVEsmPreTrainedModel):
         (the fused kernels form none): memory grows with N x heads x L^2 per layer.
         """
         check_extra_inputs(kwargs, self.config.check_inputs)
+        if getattr(self, "_is_replica", False) and (cu_seq_lens_q is not None or cu_seq_lens_k is not None):
+            raise ValueError(
+                "nn.DataParallel (what transformers' Trainer uses on several GPUs when the script is not started by "
+                "torchrun or accelerate launch) cuts every input along its first dimension, which a packed batch (one "
+                "row with cu_seq_lens) does not have. Start the script with `torchrun --nproc-per-node N` or "
+                "`accelerate launch` (one process per GPU), or run it on one GPU (CUDA_VISIBLE_DEVICES=0)."
+            )
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )

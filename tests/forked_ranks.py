@@ -49,7 +49,18 @@ def run(
     first failed rank's, else 0). `env` replaces the process's environment (default: this one's, with
     `SERVER_ENV`); `umask` is the processes' (default: the server's). stdout and stderr hold what every process
     printed, as under torchrun. Raises `subprocess.TimeoutExpired` after `timeout` seconds (the processes are
-    killed)."""
+    killed). Ranks whose rendezvous port was taken between its probe and their bind (EADDRINUSE, before the run
+    touched anything: a concurrent test took it) are run again, up to twice."""
+    for _ in range(2):
+        done = _run_once(target, argv, ranks, env, timeout, umask)
+        if not (ranks and done.returncode != 0 and "EADDRINUSE" in done.stderr):
+            return done
+    return _run_once(target, argv, ranks, env, timeout, umask)
+
+
+def _run_once(
+    target: str, argv: list[str], ranks: int, env: dict[str, str] | None, timeout: float, umask: int | None
+) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="forked_ranks_") as folder:
         stdout, stderr = Path(folder) / "stdout", Path(folder) / "stderr"
         request = {

@@ -33,6 +33,7 @@ FP32_ATOL = 1e-2
 BF16_ATOL = 0.1
 LOSS_RTOL = 1e-2
 GRAD_RTOL = 5e-2  # relative L2 error of each gradient, graphs vs eager, both bf16 autocast
+OVERLAP_RTOL = 1e-2  # averaged gradients of two replays of one batch (check_overlapped_average)
 
 
 @pytest.fixture(scope="module")
@@ -478,6 +479,7 @@ def test_a_routed_warm_up_that_fails_drops_the_graphs(hf_fp32, monkeypatch):
     assert sum(graph is not None for graph in graphs.values()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="whole models on 2 ranks: NCCL, one GPU per rank")
 def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses(tmp_path):
     """`nv-esm train --data-parallel replicate` on 2 GPUs (NCCL): the ranks capture and replay training graphs
@@ -516,8 +518,10 @@ def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses
 
 def check_overlapped_average(rank: int, port: int, results: dict) -> None:
     """Rank `rank` of 2 (NCCL): the gradients `average_gradients` reduces while a replayed backward still runs
-    equal those reduced after it, though the GPU sleeps before that backward (a reduction that did not wait for
-    the graph's events would read unfinished gradients)."""
+    equal those reduced after it, though the GPU sleeps before that backward: within `OVERLAP_RTOL`, as two
+    replays of the same batch differ (cuDNN's attention backward accumulates with atomics: 6.5e-4 on an H100). A
+    reduction that did not wait for the graph's events would read the zeroed buffers and leave each rank its own
+    gradient, half the other rank's batch away (relative errors of order 1)."""
     import os
 
     import torch.distributed as dist
@@ -568,4 +572,4 @@ def test_gradients_averaged_during_a_replayed_backward_equal_those_averaged_afte
         mp.spawn(check_overlapped_average, args=(free_port(), results), nprocs=2)
         results = dict(results)
     print(f"\n[overlapped gradient average, 2 ranks] largest relative difference {results}")
-    assert len(results) == 2 and all(error <= 1e-5 for error in results.values())
+    assert len(results) == 2 and all(error <= OVERLAP_RTOL for error in results.values())

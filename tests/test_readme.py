@@ -121,6 +121,11 @@ def test_the_readme_snippets_run_as_written(tmp_path, monkeypatch):
     assert len(scores) == len((ROOT / "examples" / "gfp_mutants.csv").read_text().splitlines())
     blocks = readme_blocks("python")
     assert len(blocks) >= 4
+    # As run on one device: with several GPUs in one process, Trainer would use nn.DataParallel, which the model
+    # refuses for packed batches (tests/test_user_messages.py); the README says to start it with torchrun there.
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: min(self._n_gpu, 1)))
     namespace: dict = {}
     for number, block in enumerate(blocks, 1):
         try:

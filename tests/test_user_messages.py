@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForMaskedLM
 
-from conftest import make_hf_model, make_nv_model
+from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
 
 
 @contextmanager
@@ -108,3 +108,16 @@ def test_lora_on_a_fused_module_names_the_projections_to_target(target, instead)
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=[target]))
     assert f"fused: LoRA targets {instead}, not this module" in str(refusal.value)
     assert "fused" not in repr(model.lm_head.decoder)  # the LM head's LayerNorm + Linear is no layer's fused module
+
+
+def test_a_packed_batch_in_a_data_parallel_replica_is_refused_with_what_to_do_instead() -> None:
+    """`nn.DataParallel` (transformers' Trainer on several GPUs in one process) cuts every input along dim 0, which
+    a packed batch does not have: its replicas refuse one, naming torchrun; padded batches split by rows work."""
+    model = make_nv_model(make_hf_model("tiny", seed=21))
+    proteins = random_proteins([12, 1, 30], seed=22)
+    for module in model.modules():
+        module._is_replica = True  # what nn.DataParallel's replicate() sets on every module of a replica
+    with pytest.raises(ValueError, match=r"nn.DataParallel .* `torchrun --nproc-per-node N`"):
+        model(**pack_batch(proteins))
+    input_ids, attention_mask = pad_batch(proteins)
+    assert model(input_ids=input_ids, attention_mask=attention_mask).logits.shape[:2] == input_ids.shape

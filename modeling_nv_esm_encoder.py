@@ -244,8 +244,8 @@ class NVEsmEncoder(nn.Module):
             return PaddedRun.of(hidden_states, batch, rotary, fp8)
         multiple = FP8_TOKEN_MULTIPLE if fp8 else 1
         if self.context_parallel is not None:
-            self.backend.check_context_parallel_dtype(hidden_states)
             layout = ContextParallelLayout.of(batch.run_packing, self.context_parallel, multiple, rotary, batch)
+            self.backend.check_context_parallel(hidden_states, layout.shortest_protein)
             return hidden_states, layout
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel

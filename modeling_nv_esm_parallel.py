@@ -152,6 +152,26 @@ class TensorParallelRun(PackedRun):
         return gather_tokens(states, self.tp, replicated=True)
 
 
+# The shortest protein (tokens, with <cls> and <eos>) Transformer Engine's context-parallel attention takes: on 2
+# H100s (TE 2.20.2, cuDNN's fused attention, its only backend there) proteins of 3 to 39 tokens came out wrong, those
+# of 66 to 1,028 right (bench/cp_modes.py, bench/results/scale_h100x4_650M_2026-11-27/). The twin takes any length.
+TE_CONTEXT_PARALLEL_MIN_TOKENS = 66
+
+
+def refuse_short_proteins(shortest_protein: int) -> None:
+    """ValueError when TE's context-parallel layers would get a batch whose shortest protein (`shortest_protein`
+    tokens) is under `TE_CONTEXT_PARALLEL_MIN_TOKENS`."""
+    if shortest_protein >= TE_CONTEXT_PARALLEL_MIN_TOKENS:
+        return
+    raise ValueError(
+        f"context parallelism on Transformer Engine: this batch holds a protein of {shortest_protein} tokens; TE's "
+        "context-parallel attention gave wrong outputs for proteins this short (2 H100s: proteins of 3 to 39 tokens "
+        f"off by up to 2.8 in the logits; {TE_CONTEXT_PARALLEL_MIN_TOKENS} tokens and longer right). Context "
+        f"parallelism is for long proteins: leave out those under {TE_CONTEXT_PARALLEL_MIN_TOKENS - 2} residues, or "
+        "run them without it."
+    )
+
+
 class ContextParallelLayout(PackedRun):
     """Where each token of a packed batch runs under context parallelism, Transformer Engine's THD layout: every
     protein is padded to a multiple of `2 * size` tokens and cut into `2 * size` chunks; rank r runs chunks r and
@@ -170,6 +190,7 @@ class ContextParallelLayout(PackedRun):
         local: the packing of this rank's tokens (each protein's two chunks side by side).
         padded: the packing of the padded batch.
         key_mask: `[N, max_length]` True for the real tokens of each padded protein.
+        shortest_protein: the token count of the batch's shortest protein (not counting a dummy one).
     """
 
     def __init__(
@@ -188,7 +209,9 @@ class ContextParallelLayout(PackedRun):
         local: PackedSequences,
         padded: PackedSequences,
         key_mask: torch.Tensor,
+        shortest_protein: int,
     ) -> None:
+        self.shortest_protein = shortest_protein
         self.cp, self.cu_seq_lens, self.cu_seq_lens_padded, self.max_length = (
             cp,
             cu_seq_lens,
@@ -228,12 +251,13 @@ class ContextParallelLayout(PackedRun):
         batch: InputBatch | None = None,
     ) -> ContextParallelLayout:
         """The layout of `packed` (real proteins); the padded token count is also rounded up to a multiple of
-        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count). `rotary`
+        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count and the shortest
+        protein's). `rotary`
         gives the angles (None: no layer runs it, e.g. in tests of the layout alone)."""
         unit, device = 2 * cp.size, packed.cu_seq_lens.device
         lengths = packed.cu_seq_lens.diff().long()
         padded_lengths = (lengths + unit - 1) // unit * unit
-        num_padded = int(padded_lengths.sum())
+        num_padded, shortest_protein = torch.stack([padded_lengths.sum(), lengths.min()]).tolist()
         multiple = math.lcm(unit, token_multiple * cp.size)
         max_length = -(-packed.max_length // unit) * unit
         if num_padded % multiple:
@@ -269,6 +293,7 @@ class ContextParallelLayout(PackedRun):
             local=PackedSequences.right_padded(cu_seq_lens_padded // cp.size, max_length // cp.size, num_local),
             padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
             key_mask=torch.arange(max_length, device=device) < lengths[:, None],
+            shortest_protein=shortest_protein,
         )
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:

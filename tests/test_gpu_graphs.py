@@ -494,16 +494,24 @@ def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses
 
     config = tmp_path / "config.json"  # ESM-2 8M's shape, random weights
     config.write_text(json.dumps({**json.loads((ROOT / "config.json").read_text()), **SHAPES["esm2_8M"]}))
+    # recipes/train.py with the graphs module's INFO records shown (its logger is not under "transformers")
+    recipe = tmp_path / "train_logging_captures.py"
+    recipe.write_text(
+        "import logging, runpy, sys\n"
+        "logging.basicConfig()\n"
+        "logging.getLogger('modeling_nv_esm_graphs').setLevel(logging.INFO)\n"
+        f"sys.argv[0] = {str(ROOT / 'recipes' / 'train.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
 
     def train(name: str, *extra: str) -> tuple[list[float], str]:
         out = tmp_path / name
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
-        command += [str(ROOT / "recipes" / "train.py"), "--config", str(config), "--out", str(out)]
+        command += [str(recipe), "--config", str(config), "--out", str(out)]
         command += ["--data", str(ROOT / "recipes" / "demo_data" / "demo.fasta"), "--steps", "8", "--lr", "1e-3"]
         command += ["--token-budget", "2048", "--max-length", "254", "--data-parallel", "replicate", "--no-export"]
         command += ["--no-checkpoint", "--log-every", "1", *extra]
-        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "info"}
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, env=os.environ, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [record["loss"] for record in records if "loss" in record], result.stdout + result.stderr

@@ -268,3 +268,17 @@ def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
     each layer's arguments, dataclasses included; the run layout is a plain object, so its float32 rotary angles
     reach every layer unchanged (cast to bf16 they were off by up to 2 radians at position 600)."""
     mp.spawn(check_fsdp_rank, args=(free_port(),), nprocs=RANKS)
+
+
+def test_te_context_parallel_refuses_proteins_its_attention_gets_wrong() -> None:
+    """Transformer Engine's context-parallel attention gave wrong outputs for short proteins on 2 H100s
+    (bench/cp_modes.py): its backend refuses a batch whose shortest protein has fewer than
+    `TE_CONTEXT_PARALLEL_MIN_TOKENS`, naming the length; the PyTorch twin takes any length."""
+    from modeling_nv_esm_layers import BACKEND_OBJECTS
+    from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS
+
+    states = torch.zeros(4, 8, dtype=torch.bfloat16)
+    BACKEND_OBJECTS["te"].check_context_parallel(states, TE_CONTEXT_PARALLEL_MIN_TOKENS)
+    with pytest.raises(ValueError, match="holds a protein of 65 tokens; .* leave out those under 64 residues"):
+        BACKEND_OBJECTS["te"].check_context_parallel(states, TE_CONTEXT_PARALLEL_MIN_TOKENS - 1)
+    BACKEND_OBJECTS["torch"].check_context_parallel(states, 3)

@@ -158,13 +158,13 @@ class TensorParallelRun(PackedRun):
 TE_CONTEXT_PARALLEL_MIN_TOKENS = 66
 
 
-def refuse_short_proteins(shortest_protein: int) -> None:
-    """ValueError when TE's context-parallel layers would get a batch whose shortest protein (`shortest_protein`
-    tokens) is under `TE_CONTEXT_PARALLEL_MIN_TOKENS`."""
+def refuse_short_proteins(shortest_protein: int, holder: str = "this batch") -> None:
+    """ValueError when TE's context-parallel layers would get a batch (`holder`, for the message) whose shortest
+    protein (`shortest_protein` tokens) is under `TE_CONTEXT_PARALLEL_MIN_TOKENS`."""
     if shortest_protein >= TE_CONTEXT_PARALLEL_MIN_TOKENS:
         return
     raise ValueError(
-        f"context parallelism on Transformer Engine: this batch holds a protein of {shortest_protein} tokens; TE's "
+        f"context parallelism on Transformer Engine: {holder} holds a protein of {shortest_protein} tokens; TE's "
         "context-parallel attention gave wrong outputs for proteins this short (2 H100s: proteins of 3 to 39 tokens "
         f"off by up to 2.8 in the logits; {TE_CONTEXT_PARALLEL_MIN_TOKENS} tokens and longer right). Context "
         f"parallelism is for long proteins: leave out those under {TE_CONTEXT_PARALLEL_MIN_TOKENS - 2} residues, or "

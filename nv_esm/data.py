@@ -250,6 +250,13 @@ class _PackedStream:
         offsets = self._offsets
         return sum(min(end - start + 2, self.max_length) for start, end in zip(offsets[:-1], offsets[1:]))
 
+    def shortest_tokens(self) -> int | None:
+        """Tokens of the stream's shortest protein in a batch (residues, <cls> and <eos>, at most `max_length`); None
+        for an empty stream."""
+        offsets = self._offsets
+        lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+        return min(min(lengths) + 2, self.max_length) if lengths else None
+
     def _finish_loading(self, source: str) -> None:
         if not self._parts and not self.allow_empty:
             raise ValueError(

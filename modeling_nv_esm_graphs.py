@@ -248,6 +248,11 @@ class StaticShapeGraphs(FreshWhenCopied):
             self._parameter_storage = storage
         return True
 
+    def layer_weights(self, encoder: nn.Module) -> list[list[nn.Parameter]]:
+        """Per layer of `encoder`, the GEMM weights of its TE modules that get gradients (QKV, projection, fc1,
+        fc2): those a training replay writes to `main_grad`; none on the PyTorch twin."""
+        return _layer_weights(encoder)
+
     def replayed_layer_gradients(self, encoder: nn.Module) -> list[tuple[Any, torch.Tensor]] | None:
         """For a data-parallel caller that reduces gradients itself (`gradients_reduced_after_backward`), to start
         on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer

@@ -358,3 +358,69 @@ def test_the_recipe_with_recompute_mlp_trains_to_the_same_losses(tiny_config: Pa
         assert sorted(actual) == sorted(expected) == [1, 2, 3, 4], name
         for step in expected:
             assert actual[step] == pytest.approx(expected[step], rel=1e-5), (name, step)
+
+
+def test_replayed_and_eager_backwards_issue_the_same_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks holding whole models may differ in how their last backward ran (one replayed a CUDA graph, another
+    fell back to eager after a failed capture): `average_gradients` plans its collectives from the weights alone,
+    so both issue the same all-reduces (element counts, dtypes, order), and the eager one averages every gradient,
+    a missing one as zeros. Layer buckets run from the last layer down, about `GRADIENT_BUCKET_BYTES` each."""
+    from nv_esm.train import parallel
+
+    monkeypatch.setattr(parallel, "GRADIENT_BUCKET_BYTES", 4 * 300)  # 300 fp32 values
+    sizes = [[50, 70], [50, 70], [], [50, 70], [50, 70], [50, 70]]  # a layer without GEMM weights in the middle
+    layers = [[torch.nn.Parameter(torch.randn(n)) for n in layer] for layer in sizes]
+    flat = torch.zeros(sum(map(sum, sizes)))
+
+    class Graphs:
+        replayed = False
+
+        def layer_weights(self, encoder: torch.nn.Module) -> list:
+            return layers
+
+        def replayed_layer_gradients(self, encoder: torch.nn.Module) -> list | None:
+            if not self.replayed:
+                return None
+            views, start = [], 0
+            for layer in layers:
+                views.append(flat[start : start + sum(w.numel() for w in layer)])
+                start += views[-1].numel()
+            return [(None, view) for view in views]
+
+    encoder = torch.nn.Module()
+    encoder.weights = torch.nn.ParameterList([w for layer in layers for w in layer])
+    encoder.graphs = Graphs()
+    model = torch.nn.Module()
+    model.encoder, model.bias = encoder, torch.nn.Parameter(torch.randn(7))
+    calls: list = []
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: object) -> types.SimpleNamespace:  # one rank: the sum is itself
+        calls.append((tensor.numel(), tensor.dtype))
+        return types.SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(
+        parallel,
+        "_all_reduce_when_recorded",
+        lambda bucket, side, n: calls.append((sum(v.numel() for _, v in bucket), flat.dtype)),
+    )
+    monkeypatch.setattr(parallel.torch.cuda, "Stream", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(
+        parallel.torch.cuda, "current_stream", lambda: types.SimpleNamespace(wait_stream=lambda s: None)
+    )
+    schedules = {}
+    for replayed in (False, True):
+        encoder.graphs.replayed = replayed
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        layers[0][1].grad = None  # unused on this rank: averaged as zeros
+        calls.clear()
+        parallel.average_gradients(model, world_size=2)
+        schedules[replayed] = list(calls)
+        if not replayed:
+            assert torch.equal(layers[0][1].grad, torch.zeros(70)) and torch.equal(
+                layers[5][0].grad, torch.full((50,), 0.5)
+            )
+            assert torch.equal(model.bias.grad, torch.full((7,), 0.5))
+    # buckets of layers 5-4-3 (360 values), then 1-0 (240); then the bias
+    assert schedules[False] == schedules[True] == [(360, torch.float32), (240, torch.float32), (7, torch.float32)]

@@ -270,39 +270,59 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
             encoder.reduce_partial_gradients()
 
 
-# Bytes of gradients in one all-reduce of `average_gradients` (two in flight: one copied while one is reduced).
+# About the bytes of gradients in one all-reduce: `average_gradients`' layer buckets, `all_reduce_gradients`' buckets.
 GRADIENT_BUCKET_BYTES = 256 << 20
 
 
 def average_gradients(model: nn.Module, world_size: int) -> None:
     """Average every `.grad` of `model` (a whole model on each rank) over the ranks, as FSDP2's reduction does
-    (fp32 sums divided by `world_size`). When the step's last backward replayed a CUDA graph, the layers' weight
-    gradients are reduced while that backward still runs: from the last layer down, in buckets of about
-    `GRADIENT_BUCKET_BYTES` of adjacent layers, each all-reduced in place on a side stream as soon as the graph
-    records that its lowest layer's backward is done (`StaticShapeGraphs.replayed_layer_gradients`). The other
-    gradients (embeddings, heads, LayerNorms, biases, or all of them after an eager backward) follow in
-    `all_reduce_gradients`. Nothing here waits for the GPU."""
-    overlapped: set[int] = set()
+    (fp32 sums divided by `world_size`), right after the step's last backward (nothing may touch `.grad` in
+    between). The layers' GEMM weight gradients go in buckets of about `GRADIENT_BUCKET_BYTES` of adjacent layers,
+    from the last layer down, one all-reduce each, planned from the weights alone (`_layer_buckets`), so every rank
+    issues the same collectives whether its backward replayed a CUDA graph or ran eagerly. After a replay each
+    bucket is reduced in place while the backward still runs: on a side stream, once the graph records that the
+    bucket's lowest layer is done (`StaticShapeGraphs.replayed_layer_gradients`); after an eager backward, when
+    it is done. The other gradients (embeddings, heads, LayerNorms, biases) follow in `all_reduce_gradients`.
+    Nothing here waits for the GPU."""
+    covered: set[int] = set()
     side = None
     for encoder in (module for module in model.modules() if hasattr(module, "graphs")):
-        layers = encoder.graphs.replayed_layer_gradients(encoder)
-        if not layers:
-            continue
-        # The side stream does not wait for the current one, which holds the whole backward: each event is recorded
-        # inside it, after everything queued before the replay (the buffers' zeroing, the previous step's uses).
-        side = side or torch.cuda.Stream()
-        bucket: list[tuple[Any, torch.Tensor]] = []
-        for event, view in reversed(layers):
-            bucket.append((event, view))
-            if sum(v.nbytes for _, v in bucket) >= GRADIENT_BUCKET_BYTES or view is layers[0][1]:
-                _all_reduce_when_recorded(bucket, side, world_size)
-                bucket = []
-        for parameter in encoder.parameters():
-            if parameter.grad is not None and parameter.grad is getattr(parameter, "main_grad", None):
-                overlapped.add(id(parameter))
-    all_reduce_gradients([p for p in model.parameters() if p.grad is not None and id(p) not in overlapped], world_size)
+        layers = encoder.graphs.layer_weights(encoder)
+        replayed = encoder.graphs.replayed_layer_gradients(encoder)
+        for bucket in _layer_buckets(layers):
+            weights = [weight for index in bucket for weight in layers[index]]
+            covered.update(map(id, weights))
+            if replayed is None:
+                for weight in weights:  # the same elements on every rank (a replay's main_grad holds zeros there)
+                    if weight.grad is None:
+                        weight.grad = torch.zeros_like(weight)
+                _all_reduce_together([weight.grad for weight in weights], world_size)
+                continue
+            # The side stream does not wait for the current one, which holds the whole backward: each event is
+            # recorded inside it, after everything queued before the replay (zeroing the buffers, the last step).
+            side = side or torch.cuda.Stream()
+            _all_reduce_when_recorded([replayed[index] for index in bucket], side, world_size)
+    rest = [p for p in model.parameters() if p.grad is not None and id(p) not in covered]
+    all_reduce_gradients(rest, world_size)
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
+
+
+def _layer_buckets(layers: list[list[nn.Parameter]]) -> list[list[int]]:
+    """Layer indices in buckets of about `GRADIENT_BUCKET_BYTES` of weights, from the last layer down (each bucket
+    from its highest layer to its lowest); layers without weights are left out."""
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    size = 0
+    for index in reversed(range(len(layers))):
+        if not layers[index]:
+            continue
+        bucket.append(index)
+        size += sum(weight.numel() * weight.element_size() for weight in layers[index])
+        if size >= GRADIENT_BUCKET_BYTES:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return [*buckets, bucket] if bucket else buckets
 
 
 def _all_reduce_when_recorded(bucket: list[tuple[Any, torch.Tensor]], side: Any, world_size: int) -> None:
@@ -315,6 +335,15 @@ def _all_reduce_when_recorded(bucket: list[tuple[Any, torch.Tensor]], side: Any,
         side.wait_event(event)
         dist.all_reduce(flat, async_op=True).wait()  # the side stream waits for the reduction (the host does not)
         flat.div_(world_size)
+
+
+def _all_reduce_together(grads: list[torch.Tensor], world_size: int) -> None:
+    """Average `grads` over the ranks in one all-reduce of their concatenation, copied back."""
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    flat.div_(world_size)
+    pieces = flat.split([grad.numel() for grad in grads])
+    torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(pieces, grads)])
 
 
 def all_reduce_gradients(parameters: list[nn.Parameter], world_size: int) -> None:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling_nv_esm import token_loss
-from nv_esm.alphabet import CLS, EOS
-from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, pack_batch
+from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS
+from nv_esm.alphabet import CLS, EOS, MASK
+from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, PackedBatch, pack_batch
 from nv_esm.rank_statistics import auroc, spearman
 from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
 from nv_esm.train.config import TrainConfig
@@ -80,6 +81,13 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
     return stream
 
 
+def filler_batch() -> PackedBatch:
+    """An unscored batch (`evaluate`): one protein of <cls>, <mask>s and <eos>, every label ignored, as long as
+    Transformer Engine's context-parallel layers take (they refuse shorter proteins)."""
+    tokens = [CLS, *[MASK] * (TE_CONTEXT_PARALLEL_MIN_TOKENS - 2), EOS]
+    return pack_batch([tokens], [[IGNORE_INDEX] * len(tokens)])
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, stream: MLMStream | ClassificationStream, config: TrainConfig, world: Dist
@@ -93,7 +101,7 @@ def evaluate(
     own = stream.one_pass_length()
     count = torch.tensor([own], device=world.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    filler = pack_batch([[CLS, EOS]], [[IGNORE_INDEX, IGNORE_INDEX]])  # one protein of <cls> and <eos>
+    filler = filler_batch()
     batches = itertools.chain(zip(stream.one_pass(), itertools.repeat(False)), [(filler, True)] * (count.item() - own))
     scored = []
     with _validation_mode(model, fp8=config.model.fp8 != "off"):

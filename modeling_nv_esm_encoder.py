@@ -42,6 +42,7 @@ try:
         RankGroup,
         TensorParallelRun,
         is_sharded,
+        refuse_short_proteins,
         several_ranks,
         tensor_parallel_split_dim,
     )
@@ -71,6 +72,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         RankGroup,
         TensorParallelRun,
         is_sharded,
+        refuse_short_proteins,
         several_ranks,
         tensor_parallel_split_dim,
     )
@@ -244,8 +246,9 @@ class NVEsmEncoder(nn.Module):
             return PaddedRun.of(hidden_states, batch, rotary, fp8)
         multiple = FP8_TOKEN_MULTIPLE if fp8 else 1
         if self.context_parallel is not None:
+            self.backend.check_context_parallel_dtype(hidden_states)
             layout = ContextParallelLayout.of(batch.run_packing, self.context_parallel, multiple, rotary, batch)
-            self.backend.check_context_parallel(hidden_states, layout.shortest_protein)
+            refuse_short_proteins(layout.shortest_protein, self.backend.name)
             return hidden_states, layout
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel

@@ -253,25 +253,24 @@ class StaticShapeGraphs(FreshWhenCopied):
         fc2): those a training replay writes to `main_grad`; none on the PyTorch twin."""
         return _layer_weights(encoder)
 
-    def replayed_layer_gradients(self, encoder: nn.Module) -> list[tuple[Any, torch.Tensor]] | None:
+    def replayed_layer_gradients(self, layers: list[list[nn.Parameter]]) -> list[tuple[Any, torch.Tensor]] | None:
         """For a data-parallel caller that reduces gradients itself (`gradients_reduced_after_backward`), to start
-        on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer
-        (in `encoder.layers` order) the CUDA event that replay's backward records once the layer's weight gradients
-        are complete, and those gradients (`main_grad`, which is each GEMM weight's `.grad`) as one flat view; the
-        views of consecutive layers are adjacent in one buffer. None when the last training call ran eagerly or the
-        gradients are not laid out so (other dtypes, a `.grad` that is not the `main_grad`). The layers' other
-        parameters (LayerNorms, biases) get their gradients after the graph, as ordinary `.grad`s."""
+        on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer of
+        `layers` (`layer_weights`, in `encoder.layers` order) the CUDA event that replay's backward records once the
+        layer's weight gradients are complete, and those gradients (`main_grad`, which is each GEMM weight's `.grad`)
+        as one flat view; the views of consecutive layers are adjacent in one buffer. None when the last training
+        call ran eagerly or the gradients are not laid out so (other dtypes, a `.grad` that is not the `main_grad`).
+        The layers' other parameters (LayerNorms, biases) get their gradients after the graph, as ordinary `.grad`s."""
         if not self.last_training_call_replayed or self._weights is None or self._backward_events is None:
             return None
-        per_layer = _layer_weights(encoder)
-        weights = [weight for layer in per_layer for weight in layer]
+        weights = [weight for layer in layers for weight in layer]
         if not weights or any(weight.grad is not getattr(weight, "main_grad", None) for weight in weights):
             return None
         flat = weights[0].main_grad._base
         if flat is None:
             return None
         offset, views = weights[0].main_grad.storage_offset() - flat.storage_offset(), []
-        for layer in per_layer:
+        for layer in layers:
             first = offset
             for weight in layer:
                 grad = weight.main_grad

@@ -31,7 +31,7 @@ try:
         with_qkv_updates,
         with_update,
     )
-    from .modeling_nv_esm_parallel import RankGroup, gather_tokens, refuse_short_proteins, scatter_tokens
+    from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
     from modeling_nv_esm_kernels import rotate_qk
@@ -45,7 +45,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         with_qkv_updates,
         with_update,
     )
-    from modeling_nv_esm_parallel import RankGroup, gather_tokens, refuse_short_proteins, scatter_tokens
+    from modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -600,8 +600,8 @@ class TorchBackend(str):
     def join_context_parallel(self, layers: nn.ModuleList, context_parallel: Any) -> None:
         """Let `layers` exchange keys and values over `context_parallel` (the twin gathers them in its layout)."""
 
-    def check_context_parallel(self, hidden_states: torch.Tensor, shortest_protein: int) -> None:
-        """ValueError if context-parallel attention cannot run this batch (compute dtype, shortest protein)."""
+    def check_context_parallel_dtype(self, hidden_states: torch.Tensor) -> None:
+        """Raise ValueError if context-parallel attention cannot run in the layers' compute dtype."""
 
 
 class TEBackend(TorchBackend):
@@ -665,12 +665,11 @@ class TEBackend(TorchBackend):
                 context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
             )
 
-    def check_context_parallel(self, hidden_states: torch.Tensor, shortest_protein: int) -> None:
-        refuse_short_proteins(shortest_protein)
+    def check_context_parallel_dtype(self, hidden_states: torch.Tensor) -> None:
         if runs_in_fp32(hidden_states):
             raise ValueError(
-                "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention kernels"
-                " take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under torch.autocast."
+                "context parallelism on Transformer Engine needs 16-bit layers (its context-parallel attention "
+                "kernels take bf16 or fp16): cast the model (model.to(torch.bfloat16)) or run under torch.autocast."
             )
 
 

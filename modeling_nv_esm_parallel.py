@@ -158,10 +158,11 @@ class TensorParallelRun(PackedRun):
 TE_CONTEXT_PARALLEL_MIN_TOKENS = 66
 
 
-def refuse_short_proteins(shortest_protein: int, holder: str = "this batch") -> None:
-    """ValueError when TE's context-parallel layers would get a batch (`holder`, for the message) whose shortest
-    protein (`shortest_protein` tokens) is under `TE_CONTEXT_PARALLEL_MIN_TOKENS`."""
-    if shortest_protein >= TE_CONTEXT_PARALLEL_MIN_TOKENS:
+def refuse_short_proteins(shortest_protein: int, backend: str, holder: str = "this batch") -> None:
+    """ValueError when context-parallel layers of `backend` ("te" or "torch") would get a batch (`holder`, for the
+    message) whose shortest protein (`shortest_protein` tokens) they get wrong: Transformer Engine's, under
+    `TE_CONTEXT_PARALLEL_MIN_TOKENS`; the twin takes any length."""
+    if backend != "te" or shortest_protein >= TE_CONTEXT_PARALLEL_MIN_TOKENS:
         return
     raise ValueError(
         f"context parallelism on Transformer Engine: {holder} holds a protein of {shortest_protein} tokens; TE's "

@@ -337,6 +337,15 @@ def compare_runs(out: Path, tag: str, config: Path, runs: dict, common: list[str
     return result
 
 
+def add_ratio_to_one_gpu(compared: dict, key: str, metric: str) -> None:
+    """Give each run of `compared` (`compare_runs`' result) but "one_gpu" its `metric` over the "one_gpu" run's, as
+    `key`; nothing when the one-GPU run failed."""
+    one = compared.get("one_gpu")
+    for name, entry in compared.items():
+        if one and name != "one_gpu" and isinstance(entry, dict) and metric in entry:
+            entry[key] = entry[metric] / one[metric]
+
+
 def check_layouts(out: Path, shape: str, steps: int, budget: int) -> dict:
     """Each scale-out option at 2-way on 2 GPUs against the run it must equal (same init and data): hybrid sharding
     and activation offloading against the flat 2-GPU run; tensor and context parallelism (the two ranks share
@@ -379,11 +388,7 @@ def check_scale(
         runs = {"one_gpu": (1, [], None)}
         runs.update({f"{layout}_{n}gpu": (n, LAYOUTS[layout], None) for n in gpus for layout in layouts})
         compared = compare_runs(out, f"scale_{shape}_{budget}", write_config(out, shape), runs, common)
-        one = compared.get("one_gpu")
-        for name in runs:
-            if one and name in compared and name != "one_gpu":
-                entry = compared[name]
-                entry["per_gpu_vs_one_gpu"] = entry["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+        add_ratio_to_one_gpu(compared, "per_gpu_vs_one_gpu", "tokens_per_s_per_gpu")
         results[str(budget)] = compared
     return dict(shape=shape, steps=steps, gpus=gpus, options=list(extra), budgets=results)
 
@@ -402,10 +407,7 @@ def check_long(out: Path, shape: str, steps: int, lengths: list[int], cps: list[
         runs.update({f"cp{cp}": (cp, ["--cp", str(cp)], "one_gpu") for cp in cps})
         config = write_config(out, shape)
         compared = compare_runs(out, f"long_{shape}_{length}", config, runs, common, data=data)
-        one = compared.get("one_gpu")
-        for name in runs:
-            if one and name in compared and name != "one_gpu":
-                compared[name]["speedup_vs_one_gpu"] = compared[name]["tokens_per_s"] / one["tokens_per_s"]
+        add_ratio_to_one_gpu(compared, "speedup_vs_one_gpu", "tokens_per_s")
         results[str(length)] = compared
     return dict(shape=shape, steps=steps, options=list(extra), lengths=results)
 

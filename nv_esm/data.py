@@ -247,15 +247,12 @@ class _PackedStream:
     @property
     def tokens_per_pass(self) -> int:
         """Tokens of one pass over the stream's proteins, cropped to `max_length`."""
-        offsets = self._offsets
-        return sum(min(end - start + 2, self.max_length) for start, end in zip(offsets[:-1], offsets[1:]))
+        return sum(map(self._length, range(len(self))))
 
     def shortest_tokens(self) -> int | None:
         """Tokens of the stream's shortest protein in a batch (residues, <cls> and <eos>, at most `max_length`); None
         for an empty stream."""
-        offsets = self._offsets
-        lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
-        return min(min(lengths) + 2, self.max_length) if lengths else None
+        return min(map(self._length, range(len(self))), default=None)
 
     def _finish_loading(self, source: str) -> None:
         if not self._parts and not self.allow_empty:

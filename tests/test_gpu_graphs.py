@@ -558,7 +558,8 @@ def check_overlapped_average(rank: int, port: int, results: dict) -> None:
             torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the backward starts
             loss.backward()
             if overlapped:
-                layers = model.esm.encoder.graphs.replayed_layer_gradients(model.esm.encoder)
+                graphs = model.esm.encoder.graphs
+                layers = graphs.replayed_layer_gradients(graphs.layer_weights(model.esm.encoder))
                 assert layers is not None and len(layers) == model.config.num_hidden_layers
                 average_gradients(model, 2)
             else:

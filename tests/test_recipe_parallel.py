@@ -378,7 +378,7 @@ def test_replayed_and_eager_backwards_issue_the_same_all_reduces(monkeypatch: py
         def layer_weights(self, encoder: torch.nn.Module) -> list:
             return layers
 
-        def replayed_layer_gradients(self, encoder: torch.nn.Module) -> list | None:
+        def replayed_layer_gradients(self, weights: list) -> list | None:
             if not self.replayed:
                 return None
             views, start = [], 0

@@ -272,13 +272,11 @@ def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
 
 def test_te_context_parallel_refuses_proteins_its_attention_gets_wrong() -> None:
     """Transformer Engine's context-parallel attention gave wrong outputs for short proteins on 2 H100s
-    (bench/cp_modes.py): its backend refuses a batch whose shortest protein has fewer than
-    `TE_CONTEXT_PARALLEL_MIN_TOKENS`, naming the length; the PyTorch twin takes any length."""
-    from modeling_nv_esm_layers import BACKEND_OBJECTS
-    from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS
+    (bench/cp_modes.py): for its layers `refuse_short_proteins` refuses a batch whose shortest protein has fewer
+    than `TE_CONTEXT_PARALLEL_MIN_TOKENS`, naming the length; the PyTorch twin takes any length."""
+    from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS, refuse_short_proteins
 
-    states = torch.zeros(4, 8, dtype=torch.bfloat16)
-    BACKEND_OBJECTS["te"].check_context_parallel(states, TE_CONTEXT_PARALLEL_MIN_TOKENS)
+    refuse_short_proteins(TE_CONTEXT_PARALLEL_MIN_TOKENS, "te")
     with pytest.raises(ValueError, match="holds a protein of 65 tokens; .* leave out those under 64 residues"):
-        BACKEND_OBJECTS["te"].check_context_parallel(states, TE_CONTEXT_PARALLEL_MIN_TOKENS - 1)
-    BACKEND_OBJECTS["torch"].check_context_parallel(states, 3)
+        refuse_short_proteins(TE_CONTEXT_PARALLEL_MIN_TOKENS - 1, "te")
+    refuse_short_proteins(3, "torch")

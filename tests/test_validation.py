@@ -351,4 +351,4 @@ def test_the_filler_batch_scores_nothing_and_is_long_enough_for_te_context_paral
     filler = filler_batch()
     assert filler.num_proteins == 1 and bool((filler.labels == IGNORE_INDEX).all())
     assert int(filler.cu_seq_lens[-1]) == TE_CONTEXT_PARALLEL_MIN_TOKENS == filler.num_tokens
-    refuse_short_proteins(filler.num_tokens)
+    refuse_short_proteins(filler.num_tokens, "te")

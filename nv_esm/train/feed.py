@@ -60,16 +60,16 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
 def refuse_short_proteins_for_context_parallel(
     streams: list[MLMStream | ClassificationStream], world: Dist, backend: str, source: str
 ) -> None:
-    """With `--cp` on Transformer Engine, refuse (on every rank, before the model loads) data holding a protein
-    shorter than TE's context-parallel attention takes (`refuse_short_proteins`): the ranks agree on the shortest
-    protein of all their `streams` (an all-reduce), so all of them stop with the same one-line error rather than
-    the ranks of the one micro-batch that holds it, mid-run."""
-    if world.cp_size == 1 or backend != "te":
+    """With `--cp`, refuse (on every rank, before the model loads) data holding a protein shorter than the layers
+    of `backend` take (`refuse_short_proteins`: Transformer Engine's): the ranks agree on the shortest protein of
+    all their `streams` (an all-reduce), so all of them stop with the same one-line error rather than the ranks of
+    the one micro-batch that holds it, mid-run."""
+    if world.cp_size == 1:
         return
     own = [tokens for tokens in (stream.shortest_tokens() for stream in streams) if tokens is not None]
     shortest = torch.tensor([min(own, default=2**62)], device=world.device)
     dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
-    refuse_short_proteins(int(shortest), holder=source)
+    refuse_short_proteins(int(shortest), backend, holder=source)
 
 
 def warn_if_skipped(stream: MLMStream | ClassificationStream, world: Dist, source: str = "--data") -> None:

@@ -288,7 +288,7 @@ def average_gradients(model: nn.Module, world_size: int) -> None:
     side = None
     for encoder in (module for module in model.modules() if hasattr(module, "graphs")):
         layers = encoder.graphs.layer_weights(encoder)
-        replayed = encoder.graphs.replayed_layer_gradients(encoder)
+        replayed = encoder.graphs.replayed_layer_gradients(layers)
         for bucket in _layer_buckets(layers):
             weights = [weight for index in bucket for weight in layers[index]]
             covered.update(map(id, weights))
@@ -340,10 +340,7 @@ def _all_reduce_when_recorded(bucket: list[tuple[Any, torch.Tensor]], side: Any,
 def _all_reduce_together(grads: list[torch.Tensor], world_size: int) -> None:
     """Average `grads` over the ranks in one all-reduce of their concatenation, copied back."""
     flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat)
-    flat.div_(world_size)
-    pieces = flat.split([grad.numel() for grad in grads])
-    torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(pieces, grads)])
+    _copy_back(grads, flat, dist.all_reduce(flat, async_op=True), world_size)
 
 
 def all_reduce_gradients(parameters: list[nn.Parameter], world_size: int) -> None:

@@ -83,7 +83,7 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
 
 def filler_batch() -> PackedBatch:
     """An unscored batch (`evaluate`): one protein of <cls>, <mask>s and <eos>, every label ignored, as long as
-    Transformer Engine's context-parallel layers take (they refuse shorter proteins)."""
+    Transformer Engine's context-parallel layers take (`refuse_short_proteins`)."""
     tokens = [CLS, *[MASK] * (TE_CONTEXT_PARALLEL_MIN_TOKENS - 2), EOS]
     return pack_batch([tokens], [[IGNORE_INDEX] * len(tokens)])
 

@@ -42,7 +42,6 @@ try:
         RankGroup,
         TensorParallelRun,
         is_sharded,
-        refuse_short_proteins,
         several_ranks,
         tensor_parallel_split_dim,
     )
@@ -72,7 +71,6 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         RankGroup,
         TensorParallelRun,
         is_sharded,
-        refuse_short_proteins,
         several_ranks,
         tensor_parallel_split_dim,
     )
@@ -247,9 +245,9 @@ class NVEsmEncoder(nn.Module):
         multiple = FP8_TOKEN_MULTIPLE if fp8 else 1
         if self.context_parallel is not None:
             self.backend.check_context_parallel_dtype(hidden_states)
-            layout = ContextParallelLayout.of(batch.run_packing, self.context_parallel, multiple, rotary, batch)
-            refuse_short_proteins(layout.shortest_protein, self.backend.name)
-            return hidden_states, layout
+            return hidden_states, ContextParallelLayout.of(
+                batch.run_packing, self.context_parallel, multiple, rotary, batch
+            )
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel
             return TensorParallelRun.of(hidden_states, batch, rotary, multiple * tp.size, tp=tp)
@@ -347,8 +345,8 @@ class NVEsmEncoder(nn.Module):
 
     def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
         """Run each batch's layers across the ranks of `context_parallel`: each rank runs its chunks of every
-        protein (`ContextParallelLayout`) and attention exchanges keys and values (Transformer Engine's ring of
-        point-to-point transfers on the TE backend, an all-gather in the twin), so a protein too long for one GPU
+        protein (`ContextParallelLayout`) and attention exchanges their tokens (on Transformer Engine an all-to-all
+        or an all-gather, `ContextParallel.te_exchange`; an all-gather in the twin), so a protein too long for one GPU
         runs on several. Every rank keeps whole weights and gets the whole batch's outputs. Packed (THD) layers
         only. Raises ValueError for what it does not support: padded layers, dropout, tensor parallelism, LoRA
         adapters, activation offloading, a second call."""

@@ -606,7 +606,7 @@ class TorchBackend(str):
 
 class TEBackend(TorchBackend):
     """Transformer Engine's `TransformerLayer` (`make_te_layer`) on CUDA: FP8 recipes, weights held in FP8, CUDA
-    graphs, TE's checkpointing and context-parallel ring."""
+    graphs, TE's checkpointing and context-parallel attention."""
 
     runs_fp8 = True
     runs_cuda_graphs = True
@@ -659,11 +659,10 @@ class TEBackend(TorchBackend):
         return import_transformer_engine().autocast(enabled=False)
 
     def join_context_parallel(self, layers: nn.ModuleList, context_parallel: Any) -> None:
-        stream = torch.cuda.Stream()
+        stream, ranks = torch.cuda.Stream(), list(context_parallel.ranks)
         for layer in layers:
-            layer.set_context_parallel_group(
-                context_parallel.group, list(context_parallel.ranks), stream, cp_comm_type="p2p"
-            )
+            exchange = context_parallel.te_exchange(layer.self_attention.num_attention_heads_per_partition)
+            layer.set_context_parallel_group(context_parallel.group, ranks, stream, cp_comm_type=exchange)
 
     def check_context_parallel_dtype(self, hidden_states: torch.Tensor) -> None:
         if runs_in_fp32(hidden_states):

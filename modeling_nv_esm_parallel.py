@@ -126,7 +126,7 @@ def scatter_tokens(x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Ten
 class ContextParallel(RankGroup):
     """A context-parallel group: each of its `size` ranks runs the layers on part of every protein's tokens
     (`ContextParallelLayout`) and exchanges keys and values with the others in attention. `ranks`: the group's
-    global ranks (Transformer Engine's ring needs them)."""
+    global ranks (Transformer Engine's attention needs them)."""
 
     ranks: tuple[int, ...] = ()
 
@@ -135,6 +135,15 @@ class ContextParallel(RankGroup):
         distributed = torch.distributed
         ranks = tuple(distributed.get_process_group_ranks(group))
         return cls(group, len(ranks), distributed.get_rank(group), ranks)
+
+    def te_exchange(self, heads: int) -> str:
+        """How Transformer Engine's attention (`cp_comm_type`), with `heads` heads per rank, shares the tokens: "a2a"
+        (an all-to-all gives each rank whole proteins for `heads / size` heads) where the heads divide among the
+        ranks, else "all_gather" (every rank gathers all keys and values). Not TE's ring ("p2p"): on 2 and 4 H200s
+        (TE 2.20.2, bench/cp_modes.py, bench/results/cp_comm_h200x4_2026-11-27/) it gave logits up to 3 off for
+        proteins of 1 to 3 tokens, where both of these were right for every length; at 32k tokens (650M, forward
+        and backward) a2a took 0.98 / 0.51 s on 2 / 4 ranks, all_gather 0.96 / 0.54, the ring 0.95 / 0.61."""
+        return "a2a" if heads % self.size == 0 else "all_gather"
 
 
 class TensorParallelRun(PackedRun):
@@ -150,27 +159,6 @@ class TensorParallelRun(PackedRun):
 
     def all_tokens(self, states: torch.Tensor) -> torch.Tensor:
         return gather_tokens(states, self.tp, replicated=True)
-
-
-# The shortest protein (tokens, with <cls> and <eos>) Transformer Engine's context-parallel attention takes: on 2
-# H100s (TE 2.20.2, cuDNN's fused attention, its only backend there) proteins of 3 to 39 tokens came out wrong, those
-# of 66 to 1,028 right (bench/cp_modes.py, bench/results/scale_h100x4_650M_2026-11-27/). The twin takes any length.
-TE_CONTEXT_PARALLEL_MIN_TOKENS = 66
-
-
-def refuse_short_proteins(shortest_protein: int, backend: str, holder: str = "this batch") -> None:
-    """ValueError when context-parallel layers of `backend` ("te" or "torch") would get a batch (`holder`, for the
-    message) whose shortest protein (`shortest_protein` tokens) they get wrong: Transformer Engine's, under
-    `TE_CONTEXT_PARALLEL_MIN_TOKENS`; the twin takes any length."""
-    if backend != "te" or shortest_protein >= TE_CONTEXT_PARALLEL_MIN_TOKENS:
-        return
-    raise ValueError(
-        f"context parallelism on Transformer Engine: {holder} holds a protein of {shortest_protein} tokens; TE's "
-        "context-parallel attention gave wrong outputs for proteins this short (2 H100s: proteins of 3 to 39 tokens "
-        f"off by up to 2.8 in the logits; {TE_CONTEXT_PARALLEL_MIN_TOKENS} tokens and longer right). Context "
-        f"parallelism is for long proteins: leave out those under {TE_CONTEXT_PARALLEL_MIN_TOKENS - 2} residues, or "
-        "run them without it."
-    )
 
 
 class ContextParallelLayout(PackedRun):
@@ -191,7 +179,6 @@ class ContextParallelLayout(PackedRun):
         local: the packing of this rank's tokens (each protein's two chunks side by side).
         padded: the packing of the padded batch.
         key_mask: `[N, max_length]` True for the real tokens of each padded protein.
-        shortest_protein: the token count of the batch's shortest protein (not counting a dummy one).
     """
 
     def __init__(
@@ -210,9 +197,7 @@ class ContextParallelLayout(PackedRun):
         local: PackedSequences,
         padded: PackedSequences,
         key_mask: torch.Tensor,
-        shortest_protein: int,
     ) -> None:
-        self.shortest_protein = shortest_protein
         self.cp, self.cu_seq_lens, self.cu_seq_lens_padded, self.max_length = (
             cp,
             cu_seq_lens,
@@ -252,13 +237,12 @@ class ContextParallelLayout(PackedRun):
         batch: InputBatch | None = None,
     ) -> ContextParallelLayout:
         """The layout of `packed` (real proteins); the padded token count is also rounded up to a multiple of
-        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count and the shortest
-        protein's). `rotary`
+        `token_multiple * size` (FP8), with a dummy protein. One device sync (the padded token count). `rotary`
         gives the angles (None: no layer runs it, e.g. in tests of the layout alone)."""
         unit, device = 2 * cp.size, packed.cu_seq_lens.device
         lengths = packed.cu_seq_lens.diff().long()
         padded_lengths = (lengths + unit - 1) // unit * unit
-        num_padded, shortest_protein = torch.stack([padded_lengths.sum(), lengths.min()]).tolist()
+        num_padded = int(padded_lengths.sum())
         multiple = math.lcm(unit, token_multiple * cp.size)
         max_length = -(-packed.max_length // unit) * unit
         if num_padded % multiple:
@@ -294,7 +278,6 @@ class ContextParallelLayout(PackedRun):
             local=PackedSequences.right_padded(cu_seq_lens_padded // cp.size, max_length // cp.size, num_local),
             padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
             key_mask=torch.arange(max_length, device=device) < lengths[:, None],
-            shortest_protein=shortest_protein,
         )
 
     def own_tokens(self, states: torch.Tensor) -> torch.Tensor:
@@ -313,7 +296,7 @@ class ContextParallelLayout(PackedRun):
 
     def attention_view(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> AttentionView:
         """This rank's queries `[N, heads, L / size, d]` and every rank's keys and values `[N, heads, L, d]`
-        (all-gathered: simpler than Transformer Engine's ring, the same result)."""
+        (all-gathered, as Transformer Engine does where the heads do not divide among the ranks)."""
         qkv = qkv.view(qkv.shape[0], num_heads, 3, head_dim)
         keys_values = gather_tokens(qkv[:, :, 1:].contiguous(), self.cp)[self.from_rank_order]
         key, value = self.padded.unpack(keys_values).permute(0, 2, 1, 3, 4).unbind(3)

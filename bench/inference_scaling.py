@@ -76,6 +76,9 @@ def main() -> None:
     parser.add_argument("--mutants", type=int, default=5000)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--shard-size", type=int, default=250)
+    parser.add_argument("--jobs", nargs="+", choices=("embed", "score"), default=["embed", "score"])
+    parser.add_argument("--tag", default="", help="added to the result names (e.g. for --extra runs)")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more options for both commands")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,24 +98,23 @@ def main() -> None:
                     str(out),
                     "--mutants",
                     str(mutants),
-                    "--shard-size",
-                    "250",
                 ],  # fmt: skip
             ),
         }
-        for name, (total, argv) in jobs.items():
+        for name in args.jobs:
+            total, argv = jobs[name]
             for gpus in args.gpus:
-                tag = f"{name}_{gpus}gpu"
+                tag = f"{name}{args.tag}_{gpus}gpu"
                 output = work / (f"{tag}.csv" if name == "score" else tag)
-                shards = ["--shard-size", str(args.shard_size), "--no-progress"]
+                shards = ["--shard-size", str(args.shard_size), "--no-progress", *args.extra]
                 run = run_command(gpus, [*argv(output), *shards], args.out / f"{tag}.log")
                 run["units_per_s"] = total / run["seconds"]
-                one = results["runs"].get(f"{name}_1gpu")
+                one = results["runs"].get(f"{name}{args.tag}_1gpu")
                 if one:
                     run["speedup_vs_one_gpu"] = run["units_per_s"] / one["units_per_s"]
                 results["runs"][tag] = run
                 print(tag, json.dumps(run), flush=True)
-    (args.out / f"inference_scaling_{args.shape}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"inference_scaling_{args.shape}{args.tag}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

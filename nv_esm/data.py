@@ -249,11 +249,6 @@ class _PackedStream:
         """Tokens of one pass over the stream's proteins, cropped to `max_length`."""
         return sum(map(self._length, range(len(self))))
 
-    def shortest_tokens(self) -> int | None:
-        """Tokens of the stream's shortest protein in a batch (residues, <cls> and <eos>, at most `max_length`); None
-        for an empty stream."""
-        return min(map(self._length, range(len(self))), default=None)
-
     def _finish_loading(self, source: str) -> None:
         if not self._parts and not self.allow_empty:
             raise ValueError(

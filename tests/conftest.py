@@ -255,9 +255,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_hf_model(shape: str = "tiny", seed: int = 0, **config: object) -> EsmForMaskedLM:
-    """A transformers ESM-2 model with random weights, in eval mode, fp32."""
+    """A transformers ESM-2 model of `shape` (its fields overridden by `config`) with random weights, eval, fp32."""
     torch.manual_seed(seed)
-    model = EsmForMaskedLM(esm2_config(**SHAPES[shape], **config)).eval()
+    model = EsmForMaskedLM(esm2_config(**{**SHAPES[shape], **config})).eval()  # `config` overrides the shape
     randomize_(model, seed)
     return model
 

@@ -270,13 +270,15 @@ def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
     mp.spawn(check_fsdp_rank, args=(free_port(),), nprocs=RANKS)
 
 
-def test_te_context_parallel_refuses_proteins_its_attention_gets_wrong() -> None:
-    """Transformer Engine's context-parallel attention gave wrong outputs for short proteins on 2 H100s
-    (bench/cp_modes.py): for its layers `refuse_short_proteins` refuses a batch whose shortest protein has fewer
-    than `TE_CONTEXT_PARALLEL_MIN_TOKENS`, naming the length; the PyTorch twin takes any length."""
-    from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS, refuse_short_proteins
+def test_te_context_parallel_shares_tokens_all_to_all_where_the_heads_divide_else_gathers_them() -> None:
+    """Transformer Engine's context-parallel attention exchange (`ContextParallel.te_exchange`): an all-to-all over
+    heads where each rank's heads divide among the group's ranks, else an all-gather of keys and values; never TE's
+    ring, which got proteins of 1 to 3 tokens wrong (bench/cp_modes.py; the GPU test runs both exchanges)."""
+    from modeling_nv_esm_parallel import ContextParallel
 
-    refuse_short_proteins(TE_CONTEXT_PARALLEL_MIN_TOKENS, "te")
-    with pytest.raises(ValueError, match="holds a protein of 65 tokens; .* leave out those under 64 residues"):
-        refuse_short_proteins(TE_CONTEXT_PARALLEL_MIN_TOKENS - 1, "te")
-    refuse_short_proteins(3, "torch")
+    def exchange(size: int, heads: int) -> str:
+        return ContextParallel(None, size, 0, tuple(range(size))).te_exchange(heads)
+
+    assert [exchange(size, 20) for size in (2, 4, 5, 8)] == ["a2a", "a2a", "a2a", "all_gather"]
+    assert [exchange(size, 40) for size in (8, 16)] == ["a2a", "all_gather"]
+    assert exchange(2, 5) == "all_gather"

@@ -341,14 +341,10 @@ def test_a_rank_without_validation_records_runs_filler_forwards(nv_tiny: Path, t
     assert empty.returncode != 0 and "validation set (the --val-fraction records) is empty" in empty.stderr
 
 
-def test_the_filler_batch_scores_nothing_and_is_long_enough_for_te_context_parallelism() -> None:
-    """Ranks with fewer validation batches run `filler_batch`: every label ignored, and its protein as long as TE's
-    context-parallel layers take (a 2-token filler was refused there, stopping some ranks at the first validation)."""
-    from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS, refuse_short_proteins
+def test_the_filler_batch_scores_nothing() -> None:
+    """Ranks with fewer validation batches run `filler_batch`: one protein, every label ignored."""
     from nv_esm.data import IGNORE_INDEX
     from nv_esm.train.validation import filler_batch
 
     filler = filler_batch()
     assert filler.num_proteins == 1 and bool((filler.labels == IGNORE_INDEX).all())
-    assert int(filler.cu_seq_lens[-1]) == TE_CONTEXT_PARALLEL_MIN_TOKENS == filler.num_tokens
-    refuse_short_proteins(filler.num_tokens, "te")

@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from modeling_nv_esm_parallel import refuse_short_proteins
 from nv_esm.data import (
     Batches,
     ClassificationStream,
@@ -55,21 +53,6 @@ def make_batches(config: TrainConfig, world: Dist) -> tuple[Batches, dict[str, A
     _warn_if_repeated(batches, data.token_budget, world)
     warn_if_skipped(streams[0], world)
     return batches, label_fields(streams[0])
-
-
-def refuse_short_proteins_for_context_parallel(
-    streams: list[MLMStream | ClassificationStream], world: Dist, backend: str, source: str
-) -> None:
-    """With `--cp`, refuse (on every rank, before the model loads) data holding a protein shorter than the layers
-    of `backend` take (`refuse_short_proteins`: Transformer Engine's): the ranks agree on the shortest protein of
-    all their `streams` (an all-reduce), so all of them stop with the same one-line error rather than the ranks of
-    the one micro-batch that holds it, mid-run."""
-    if world.cp_size == 1:
-        return
-    own = [tokens for tokens in (stream.shortest_tokens() for stream in streams) if tokens is not None]
-    shortest = torch.tensor([min(own, default=2**62)], device=world.device)
-    dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
-    refuse_short_proteins(int(shortest), backend, holder=source)
 
 
 def warn_if_skipped(stream: MLMStream | ClassificationStream, world: Dist, source: str = "--data") -> None:

@@ -40,7 +40,7 @@ from nv_esm.train.checkpoint import (
 )
 from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, option_values
 from nv_esm.train.export import describe, export, export_main
-from nv_esm.train.feed import DataFeed, make_batches, refuse_short_proteins_for_context_parallel
+from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.lora import lora_fields
 from nv_esm.train.materialize import build_model, check_token_budget, data_parallel_layout, model_config
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
@@ -143,10 +143,6 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     torch.manual_seed(config.seed + world.rank)
     batches, labels = make_batches(config, world)
     validation = validation_stream(config, world, batches)
-    refuse_short_proteins_for_context_parallel(batches.streams, world, architecture.backend, "--data")
-    refuse_short_proteins_for_context_parallel(
-        [validation] if validation else [], world, architecture.backend, "the validation set"
-    )
     nv_config = model_config(config.model, labels, world.device, config.data.max_length)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():

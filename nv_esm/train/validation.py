@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling_nv_esm import token_loss
-from modeling_nv_esm_parallel import TE_CONTEXT_PARALLEL_MIN_TOKENS
-from nv_esm.alphabet import CLS, EOS, MASK
+from nv_esm.alphabet import CLS, EOS
 from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, PackedBatch, pack_batch
 from nv_esm.rank_statistics import auroc, spearman
 from nv_esm.train.checkpoint import fp8_scaling_state, set_fp8_scaling_state
@@ -82,10 +81,8 @@ def validation_stream(config: TrainConfig, world: Dist, training: Batches) -> ML
 
 
 def filler_batch() -> PackedBatch:
-    """An unscored batch (`evaluate`): one protein of <cls>, <mask>s and <eos>, every label ignored, as long as
-    Transformer Engine's context-parallel layers take (`refuse_short_proteins`)."""
-    tokens = [CLS, *[MASK] * (TE_CONTEXT_PARALLEL_MIN_TOKENS - 2), EOS]
-    return pack_batch([tokens], [[IGNORE_INDEX] * len(tokens)])
+    """An unscored batch (`evaluate`): one protein of <cls> and <eos>, both labels ignored."""
+    return pack_batch([[CLS, EOS]], [[IGNORE_INDEX, IGNORE_INDEX]])
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import NVEsmConfig
-    from .modeling_nv_esm_kernels import rotate_qk
+    from .modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, rotate_qk
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
@@ -34,7 +34,7 @@ try:
     from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
-    from modeling_nv_esm_kernels import rotate_qk
+    from modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, rotate_qk
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
@@ -421,6 +421,18 @@ def te_layer_class() -> type[nn.Module]:
             hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states, self.drop_path)
             mlp_output, mlp_bias = self.layernorm_mlp(hidden_states)
             return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states, self.drop_path)
+
+        def _bias_dropout_add(
+            self, hidden_state: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, drop_path: Any = None
+        ) -> torch.Tensor:
+            """`residual + (hidden_state + bias)` (`[..., hidden]`, bias `[hidden]`) where no dropout applies (ESM-2's
+            hidden dropout is 0, and none in eval mode): one Triton kernel (`add_bias_residual`), not TE's
+            `torch.compile`d function, which each new process compiles (seconds) and new shapes compile again. TE's
+            own with dropout, a drop path, no bias or no Triton."""
+            no_dropout = not self.training or self.hidden_dropout == 0
+            if drop_path is None and no_dropout and bias is not None and bias.numel() and TRITON_AVAILABLE:
+                return add_bias_residual(hidden_state, bias, residual)
+            return super()._bias_dropout_add(hidden_state, bias, residual, drop_path)
 
     classes = (NVEsmTELayerNormLinear, NVEsmTELinear, NVEsmTELayerNormMLP, NVEsmTEMultiheadAttention, NVEsmTELayer)
     for cls in classes:

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 try:
     from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
-    from .modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
+    from .modeling_nv_esm_kernels import TRITON_AVAILABLE
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch, PackedSequences
-    from modeling_nv_esm_kernels import ROTATE_QK_AVAILABLE
+    from modeling_nv_esm_kernels import TRITON_AVAILABLE
 
 RotaryTable = Callable[[int], torch.Tensor]  # length -> `[length, head_dim]` float32 angles (`NVEsmRotaryEmbedding`)
 
@@ -88,8 +88,8 @@ class QKVRotation:
     def of(cls, rotary_angles: torch.Tensor | None, positions: Callable[[], torch.Tensor]) -> QKVRotation | None:
         """The rotation of a run layout's tokens (`positions()`, called only when one is made), or None where TE's own
         attention block must rotate: no rotary table, a layout on the CPU (the twin's), or no Triton
-        (`ROTATE_QK_AVAILABLE`)."""
-        if rotary_angles is None or not (ROTATE_QK_AVAILABLE and rotary_angles.is_cuda):
+        (`TRITON_AVAILABLE`)."""
+        if rotary_angles is None or not (TRITON_AVAILABLE and rotary_angles.is_cuda):
             return None
         return cls(positions(), rotary_angles)
 

@@ -7,6 +7,11 @@ operations, possibly contracted into fused multiply-adds. bf16 and fp16 within o
 dtype, as the float32 results round at most one step apart (1e-6 more where the terms cancel). Random shapes: any
 head count (ESM-2's 20 is not a power of two), head dims 8..128 (24, of ESM-2 35M, is not one either), positions
 anywhere in the table, tokens of one protein or many.
+
+`add_bias_residual` (the layers' residual sum) against its twin on the GPU: the same float32 additions rounded
+once, so equal bit for bit; the bias gradient (a float32 sum over tokens, reduced in another order) within 1e-5
+relative plus one step of its dtype. And a Transformer Engine model's forward and backward compile nothing
+(`torch.compile` is what the kernel replaces).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import pytest
 import torch
 
 from conftest import GPU_MARKS
-from modeling_nv_esm_kernels import rotate_qk, rotate_qk_reference
+from modeling_nv_esm_kernels import add_bias_residual, add_bias_residual_reference, rotate_qk, rotate_qk_reference
 from modeling_nv_esm_layers import import_transformer_engine, transformer_engine_available
 from modeling_nv_esm_layout import QKVRotation, apply_rotary
 
@@ -90,6 +95,92 @@ def test_rotate_qk_matches_its_twin_forward_and_backward(shape, dtype):
         twin_source = qkv.detach().float().requires_grad_()  # a new leaf each time (fp32: .float() is qkv)
         rotate_qk_reference(twin_source, *args).backward(grad.float())
         within_a_step(source.grad, twin_source.grad.to(dtype), dtype)
+
+
+def test_add_bias_residual_twin_is_the_residual_sum():
+    generator = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(2, 5, 7, generator=generator), torch.randn(2, 5, 7, generator=generator)
+    bias = torch.randn(7, generator=generator)
+    torch.testing.assert_close(add_bias_residual_reference(x, bias, residual), residual + (x + bias), rtol=0, atol=0)
+    half = add_bias_residual_reference(x.bfloat16(), bias, residual.bfloat16())
+    assert half.dtype == torch.float32  # promoted, as torch's own sum: the bias is float32
+    assert add_bias_residual_reference(x.bfloat16(), bias.bfloat16(), residual.bfloat16()).dtype == torch.bfloat16
+
+
+ADD_SHAPES = [(0, 8), (1, 1280), (3, 7), (4099, 320), (2, 33, 480)]  # tokens ([B, S] or [T]), hidden
+ADD_DTYPES = [  # x and residual, bias
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", ADD_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("shape", ADD_SHAPES, ids=str)
+@GPU_MARKS[1]
+def test_add_bias_residual_matches_its_twin_forward_and_backward(shape, dtypes):
+    dtype, bias_dtype = dtypes
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, residual = (torch.randn(*shape, generator=generator).to("cuda", dtype) for _ in range(2))
+    bias = torch.randn(shape[-1], generator=generator).to("cuda", bias_dtype)
+    expected = add_bias_residual_reference(x, bias, residual)
+    with torch.no_grad():
+        assert torch.equal(add_bias_residual(x, bias, residual), expected)
+    strided = torch.randn(shape[-1], *shape[:-1], generator=generator).to("cuda", dtype).movedim(0, -1)
+    assert torch.equal(add_bias_residual(strided, bias, residual), add_bias_residual_reference(strided, bias, residual))
+
+    inputs = [t.clone().requires_grad_() for t in (x, bias, residual)]
+    twins = [t.clone().requires_grad_() for t in (x, bias, residual)]
+    out = add_bias_residual(*inputs)
+    assert torch.equal(out.detach(), expected)
+    grad = torch.randn(out.shape, generator=generator).to("cuda", out.dtype)
+    out.backward(grad)
+    add_bias_residual_reference(*twins).backward(grad)
+    for tensor, twin in zip(inputs, twins):
+        assert tensor.grad.dtype == tensor.dtype
+        bound = twin.grad.float().abs() * (1e-5 + torch.finfo(tensor.dtype).eps) + 1e-5 * max(1, out.numel()) ** 0.5
+        assert bool(((tensor.grad.float() - twin.grad.float()).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@GPU_MARKS[1]
+def test_add_bias_residual_refuses_what_it_cannot_add():
+    x = torch.zeros(4, 8, device="cuda")
+    with pytest.raises(ValueError, match="one shape"):
+        add_bias_residual(x, torch.zeros(8, device="cuda"), torch.zeros(4, 9, device="cuda"))
+    with pytest.raises(ValueError, match="bias \\[hidden\\]"):
+        add_bias_residual(x, torch.zeros(4, device="cuda"), x)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        add_bias_residual(x, torch.zeros(8), x)
+
+
+@pytest.mark.gpu
+@GPU_MARKS[1]
+def test_a_te_model_compiles_nothing_in_forward_and_backward():
+    """The residual sums run as `add_bias_residual`, not TE's `torch.compile`d function: no frame is compiled in a
+    training step (ESM-2's hidden dropout is 0) nor in eval, packed or padded."""
+    from torch._dynamo.utils import counters
+
+    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+
+    model = make_nv_model(make_hf_model("tiny", seed=2), backend="te", cuda_graphs=False).cuda()
+    proteins = random_proteins([1, 9, 40], seed=2)
+    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    input_ids, attention_mask = pad_batch(proteins)
+    padded = dict(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
+    torch._dynamo.reset()
+    before = counters["frames"]["total"]
+    model.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(**packed).logits.float().sum().backward()
+        model(**padded).logits.float().sum().backward()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(**packed)
+        model(**padded)
+    assert counters["frames"]["total"] == before
 
 
 def test_the_rotation_is_left_to_te_off_the_gpu():

@@ -117,8 +117,9 @@ def stand_in_mutants(wild_type: str, generator: random.Random) -> list[str]:
 
 def write_assays(columns: list[str], rows: list[dict[str, str]], folder: Path, seed: int) -> dict[str, list[str]]:
     """The reference's `rows` as `folder/reference.csv` and one stand-in assay per row in `folder/assays/`
-    (`mutant`, `mutated_sequence`, `DMS_score` ~ N(0, 1), `DMS_score_bin`: above the row's
-    `DMS_binarization_cutoff`, 0 where it has none); {DMS_id: its mutants}."""
+    (`mutant`, `mutated_sequence`, `DMS_score` ~ N(0, 1), `DMS_score_bin`: above 0, the scores' median: the row's
+    `DMS_binarization_cutoff` is on its assay's own scale, where N(0, 1) scores can all fall on one side);
+    {DMS_id: its mutants}."""
     generator = random.Random(seed)
     (folder / "assays").mkdir(parents=True)
     mutants_of = {}
@@ -126,10 +127,6 @@ def write_assays(columns: list[str], rows: list[dict[str, str]], folder: Path, s
         wild_type = row["target_seq"]
         mutants = stand_in_mutants(wild_type, generator)
         mutants_of[row["DMS_id"]] = mutants
-        try:
-            cutoff = float(row.get("DMS_binarization_cutoff") or 0)
-        except ValueError:
-            cutoff = 0.0
         with (folder / "assays" / row["DMS_filename"]).open("w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"])
@@ -137,7 +134,7 @@ def write_assays(columns: list[str], rows: list[dict[str, str]], folder: Path, s
                 position = int(mutant[1:-1]) - 1
                 score = generator.gauss(0, 1)
                 mutated = wild_type[:position] + mutant[-1] + wild_type[position + 1 :]
-                writer.writerow([mutant, mutated, repr(score), int(score > cutoff)])
+                writer.writerow([mutant, mutated, repr(score), int(score > 0)])
     with (folder / "reference.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, columns, lineterminator="\n")
         writer.writeheader()
@@ -194,16 +191,18 @@ class GpuMemoryPoll:
         return self.peak
 
 
-def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, variant: str) -> dict:
-    """Run `nv-esm proteingym` on the stand-in assays as a subprocess: wall seconds, its peak GPU memory and RSS."""
-    output = folder / f"out_{variant}"
-    command = [sys.executable, "-m", "nv_esm", "proteingym", str(checkpoint), str(folder / "reference.csv"),
+def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, variant: str, gpus: int = 1) -> dict:
+    """Run `nv-esm proteingym` on the stand-in assays as a subprocess (under torchrun on `gpus` GPUs where more
+    than one): wall seconds, its peak GPU memory (the most on one GPU) and RSS (the largest process's)."""
+    output = folder / (f"out_{variant}" if gpus == 1 else f"out_{variant}_{gpus}gpu")
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"] if gpus > 1 else []
+    command = [sys.executable, *launcher, "-m", "nv_esm", "proteingym", str(checkpoint), str(folder / "reference.csv"),
                str(folder / "assays"), str(output), "--methods", "masked-marginals", "--fp8", VARIANTS[variant],
                "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress",
                "--model-name", MODEL_NAME]  # fmt: skip
     if args.device_given:
         command += ["--device", args.device]
-    log = folder / f"log_{variant}.txt"
+    log = folder / f"log_{variant}_{gpus}gpu.txt"
     with log.open("w") as handle:
         poll = GpuMemoryPoll()
         start = time.perf_counter()
@@ -411,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-batch", type=int, default=16384)
     parser.add_argument("--checkpoint-cache", type=Path, help="keep the random checkpoint here, reuse it if there")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="the command on 1 and more GPUs (torchrun)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/proteingym_benchmark.json"))
     args = parser.parse_args(argv)
@@ -462,12 +462,16 @@ def run(args: argparse.Namespace, work: Path) -> None:
     summary["checkpoint_seconds"] = time.perf_counter() - started
     tokens = summary["workload"]["tokens"]
     for variant in args.variants:
-        result = time_command(args, checkpoint, work / "data", variant)
-        result["tokens_per_s"] = tokens / result["seconds"]
-        full = summary["full_reference_workload"]["tokens"]
-        result["projected_full_reference_seconds"] = full / result["tokens_per_s"]
-        summary["variants"][variant] = result
-        write(args.out, summary)  # after each step: a run cut short keeps what it measured
+        for gpus in args.gpus:
+            result = time_command(args, checkpoint, work / "data", variant, gpus)
+            result["tokens_per_s"] = tokens / result["seconds"]
+            full = summary["full_reference_workload"]["tokens"]
+            result["projected_full_reference_seconds"] = full / result["tokens_per_s"]
+            one = summary["variants"].get(variant)
+            if gpus > 1 and one:
+                result["speedup_vs_one_gpu"] = one["seconds"] / result["seconds"]
+            summary["variants"][variant if gpus == 1 else f"{variant}_{gpus}gpu"] = result
+            write(args.out, summary)  # after each step: a run cut short keeps what it measured
     summary["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     summary["versions"] = versions()
     write(args.out, summary)

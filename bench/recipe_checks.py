@@ -113,14 +113,15 @@ def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: s
     return dict(shape=shape, token_budget=budget, options=extra, one_gpu=one, two_gpus=two, efficiency=efficiency)
 
 
-def check_profile(out: Path, shape: str, budget: int) -> dict:
-    """Traces of 3 steps (after 10) on 1 and on 2 GPUs with `budget` tokens per GPU, summarised per rank."""
+def check_profile(out: Path, shape: str, budget: int, *extra: str) -> dict:
+    """Traces of 3 steps (after 10) on 1 and on 2 GPUs with `budget` tokens per GPU, summarised per rank; the 2-GPU
+    run with the recipe options `extra` too (e.g. `--data-parallel shard`)."""
     config = write_config(out, shape)
     summaries = {}
     for gpus in (1, 2):
-        run = out / f"profile_{shape}_{budget}_{gpus}gpu"
+        run = out / f"profile_{shape}_{budget}_{gpus}gpu{option_tag(extra) if gpus > 1 else ''}"
         common = ["--steps", "13", "--token-budget", str(budget), "--profile-steps", "3", "--no-checkpoint"]
-        launch(run, gpus, config, *common)
+        launch(run, gpus, config, *common, *(extra if gpus > 1 else ()))
         traces = sorted((run / "profile").glob("rank*.json.gz"))
         summaries[f"{gpus}gpu"] = [trace_summary.summarise(trace, top=12) for trace in traces]
     return dict(shape=shape, token_budget=budget, **summaries)
@@ -421,7 +422,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768], help="scale: tokens per GPU")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["replicate", "shard"], help="scale")
     parser.add_argument("--cps", type=int, nargs="+", default=[2], help="long: --cp values (GPUs per run)")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="scale, long: more recipe options")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="scale, long, profile: recipe options")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="long: protein lengths")
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
@@ -452,7 +453,7 @@ def main() -> None:
     elif args.check == "offload":
         result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, gpus)
     elif args.check == "profile":
-        result = check_profile(args.out, args.shape or "650M", args.budget)
+        result = check_profile(args.out, args.shape or "650M", args.budget, *args.extra)
     elif args.check == "layouts":
         result = check_layouts(args.out, args.shape or "650M", args.steps or 24, args.budget)
     elif args.check == "scale":

@@ -67,7 +67,7 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     assert agreement["ours_fp32_vs_transformers_fp32_max_abs_diff"] < 1e-4
     assert agreement["command_bf16_vs_api_max_abs_diff"] < 1e-4  # the command's file, packed otherwise
 
-    # the stand-in assays: ProteinGym's columns, one substitution at every position, the bins from the cutoff
+    # the stand-in assays: ProteinGym's columns, one substitution at every position, the bins above 0 (the median)
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from proteingym_benchmark import write_assays
 
@@ -84,4 +84,4 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
             position, letter = int(row["mutant"][1:-1]) - 1, row["mutant"][-1]
             assert row["mutant"][0] == wild_type[position] != letter and letter in STANDARD_AMINO_ACIDS
             assert row["mutated_sequence"] == wild_type[:position] + letter + wild_type[position + 1 :]
-            assert row["DMS_score_bin"] == str(int(float(row["DMS_score"]) > 0.1))
+            assert row["DMS_score_bin"] == str(int(float(row["DMS_score"]) > 0))

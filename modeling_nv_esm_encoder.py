@@ -1,5 +1,6 @@
 """`NVEsmEncoder`: the layers and the final LayerNorm, how a batch runs through them (eager or as CUDA graphs, FP8
-regions, tensor and context parallelism, activation checkpointing and offloading).
+regions, tensor and context parallelism, activation checkpointing and offloading), and the attention maps it hands
+out (`attention_probabilities`).
 
 Part of the model's Hub remote code: imports the siblings below it.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
@@ -23,7 +25,6 @@ try:
     from .modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
-        attention_probabilities,
         drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
@@ -34,7 +35,7 @@ try:
         transformer_engine_available,
     )
     from .modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
-    from .modeling_nv_esm_lora import has_active_adapters
+    from .modeling_nv_esm_lora import has_active_adapters, with_qkv_updates
     from .modeling_nv_esm_parallel import (
         TENSOR_PARALLEL_SPLITS,
         ContextParallel,
@@ -52,7 +53,6 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
-        attention_probabilities,
         drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
@@ -63,7 +63,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         transformer_engine_available,
     )
     from modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
-    from modeling_nv_esm_lora import has_active_adapters
+    from modeling_nv_esm_lora import has_active_adapters, with_qkv_updates
     from modeling_nv_esm_parallel import (
         TENSOR_PARALLEL_SPLITS,
         ContextParallel,
@@ -508,3 +508,29 @@ class NVEsmEncoder(nn.Module):
         if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
             return contextlib.nullcontext()
         return self.backend.high_precision()
+
+
+def attention_probabilities(
+    layer: nn.Module, hidden_states: torch.Tensor, layout: RunLayout, config: NVEsmConfig
+) -> torch.Tensor:
+    """`[N, heads, L, L]` float32 softmax attention of `layer` on the right-padded view of its input states.
+
+    An explicit (unfused) pass from the layer's own LayerNorm + QKV weights, which both backends name alike, so it
+    serves Transformer Engine layers too (their fused kernels form no maps). Zeros at padded keys and queries.
+    """
+    qkv_weights = layer.self_attention.layernorm_qkv
+    normed = F.layer_norm(
+        hidden_states,
+        hidden_states.shape[-1:],
+        qkv_weights.layer_norm_weight,
+        qkv_weights.layer_norm_bias,
+        config.layer_norm_eps,
+    )
+    qkv = with_qkv_updates(qkv_weights, normed, F.linear(normed, qkv_weights.weight, qkv_weights.bias))
+    view = layout.attention_view(qkv, config.num_attention_heads, config.head_dim)
+    key_mask = view.key_mask
+    if key_mask is None:
+        key_mask = torch.ones(view.key.shape[0], view.key.shape[2], dtype=torch.bool, device=qkv.device)
+    scores = torch.matmul(view.query.float(), view.key.float().transpose(-1, -2))
+    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]

@@ -1,7 +1,7 @@
 """The encoder layers: the backend decision (`resolve_backend`, Transformer Engine imported on demand), FP8 recipes
 and weights held in FP8, the exact PyTorch twin (`NVEsmTorchLayer`), TE's `TransformerLayer` as NVEsm calls it
-(`make_te_layer`), attention maps (`attention_probabilities`) and TE's state-dict hooks. Part of the model's Hub
-remote code: imports the batch, parallel and LoRA siblings below it.
+(`make_te_layer`) and TE's state-dict hooks. Part of the model's Hub remote code: imports the batch, parallel,
+LoRA and kernels siblings below it.
 """
 
 from __future__ import annotations
@@ -484,32 +484,6 @@ def make_te_layer(
         device="meta" if on_meta else "cuda",
         **parallel,
     )
-
-
-def attention_probabilities(
-    layer: nn.Module, hidden_states: torch.Tensor, layout: RunLayout, config: NVEsmConfig
-) -> torch.Tensor:
-    """`[N, heads, L, L]` float32 softmax attention of `layer` on the right-padded view of its input states.
-
-    An explicit (unfused) pass from the layer's own LayerNorm + QKV weights, which both backends name alike, so it
-    serves Transformer Engine layers too (their fused kernels form no maps). Zeros at padded keys and queries.
-    """
-    qkv_weights = layer.self_attention.layernorm_qkv
-    normed = F.layer_norm(
-        hidden_states,
-        hidden_states.shape[-1:],
-        qkv_weights.layer_norm_weight,
-        qkv_weights.layer_norm_bias,
-        config.layer_norm_eps,
-    )
-    qkv = with_qkv_updates(qkv_weights, normed, F.linear(normed, qkv_weights.weight, qkv_weights.bias))
-    view = layout.attention_view(qkv, config.num_attention_heads, config.head_dim)
-    key_mask = view.key_mask
-    if key_mask is None:
-        key_mask = torch.ones(view.key.shape[0], view.key.shape[2], dtype=torch.bool, device=qkv.device)
-    scores = torch.matmul(view.query.float(), view.key.float().transpose(-1, -2))
-    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    return scores.softmax(-1).nan_to_num() * key_mask[:, None, :, None]
 
 
 def runs_in_fp32(hidden_states: torch.Tensor) -> bool:

@@ -53,7 +53,7 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     """4 ranks: flat FSDP2, HSDP 2x2, FSDP2's pure replication (4x1) and whole models with all-reduced gradients
     (`--data-parallel replicate`, what `auto` picks for a model this small) give the flat run's losses; a run of
     whole models stopped at step 3 and resumed as HSDP goes on with the flat run's losses (DCP reshards the model
-    and optimizer state)."""
+    and optimizer state). The gradient norms (what clipping scales by) of the sharded runs equal the whole models'."""
     steps = 6
     run = {
         name: (tmp_path / name, mlm_args(tiny_config, steps, "--no-export", *extra))
@@ -86,6 +86,11 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
         assert sorted(other) == sorted(flat)
         for step in flat:
             assert other[step] == pytest.approx(flat[step], rel=LOSS_RTOL), (name, step)
+        # the norm of sharded gradients (summed over the sharding ranks only) equals that of whole ones
+        expected, actual = grad_norms(run["whole"][0]), grad_norms(run[name if name != "whole" else "flat"][0])
+        assert sorted(actual) == sorted(expected) == sorted(flat)
+        for step in expected:
+            assert actual[step] == pytest.approx(expected[step], rel=LOSS_RTOL), (name, step)
     resumed = losses(switched)
     for step in flat:
         assert resumed[step] == pytest.approx(flat[step], rel=LOSS_RTOL), step

@@ -376,25 +376,34 @@ def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor, work: Any, world_
     torch._foreach_copy_(bucket, [piece.view_as(grad) for piece, grad in zip(pieces, bucket)])
 
 
+@torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tensor:
     """The global gradient norm over all shards as a device tensor, after scaling the gradients to at most
-    `max_norm` (no clipping when 0). With `--tp`, the split parameters' squares are summed over the "tp" ranks and
-    the whole ones counted once."""
-    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
-    parameters = [p for _, p in named]
-    if world.tp_size == 1:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    squares = []
-    for split in (True, False):
-        grads = [p.grad for name, p in named if (tensor_parallel_split_dim(name) is not None) == split]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=world.device)
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
-    dist.all_reduce(squares[0], group=world.mesh.get_group("tp"))
-    total = (squares[0] + squares[1]).sqrt()
+    `max_norm` (no clipping when 0). Computed on each rank's local tensors: a DTensor's sum of squares is summed
+    over the mesh dimensions that shard it (FSDP2's), with `--tp` the split parameters' over the "tp" ranks too,
+    and whole tensors count once. (DTensor runs foreach operations one tensor at a time: through it, the norm and
+    the scaling of 650M's ~400 gradients took ~80 ms of host time a step.)"""
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for name, grad in named:
+        reduced_over: list[Any] = []
+        if hasattr(grad, "placements"):
+            mesh = grad.device_mesh
+            reduced_over += [mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard()]
+        if world.tp_size > 1 and tensor_parallel_split_dim(name) is not None:
+            reduced_over.append(world.mesh.get_group("tp"))
+        groups.setdefault((grad.dtype, *reduced_over), []).append(_local(grad))
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    for (_, *reduced_over), grads in groups.items():
+        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        for group in reduced_over:
+            dist.all_reduce(squares, group=group)
+        total += squares
+    total = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([_local(p.grad) for p in parameters], scale.float())
+        for (dtype, *_), grads in groups.items():
+            torch._foreach_mul_(grads, scale.to(dtype))
     return total.float()
 
 

@@ -5,7 +5,9 @@
 Per rank, over the traced steps: wall time per step (first to last GPU kernel), time the GPU ran compute kernels,
 NCCL kernels, both at once, and none (idle: waiting for the CPU or for another rank), the CPU time of the steps'
 `train_step_*` spans, host-device synchronisations, GPU time per kind of kernel (`KERNEL_KINDS`: GEMMs, attention,
-FP8 quantization, ...) and the kernels that took the most time.
+FP8 quantization, ...) and the kernels that took the most time, and the host time of the annotated regions
+(`record_function`: FSDP2's hooks, the optimizer step, collectives) that took the most, per region name (a layer's
+name and "for <layer>" dropped, so the regions of all layers add up; nested regions each count their own span).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,6 +54,13 @@ def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -
     return union_length(a) + union_length(b) - union_length(a + b)
 
 
+def region_name(name: str) -> str:
+    """An annotated region's name without its module: "FSDP::all_gather (esm.encoder.layers.3)" and
+    "FSDP::forward_prefetch for esm.encoder.layers.3" -> "FSDP::all_gather", "FSDP::forward_prefetch";
+    "Optimizer.step#AdamW.step" -> "Optimizer.step"."""
+    return re.sub(r"( \(.*\)| for \S+)$", "", name.split("#")[0])
+
+
 def summarise(path: Path, top: int) -> dict:
     """The summary of one Chrome trace (`.json` or `.json.gz`), with the `top` kernels by GPU time."""
     opener = gzip.open if path.suffix == ".gz" else open
@@ -75,6 +85,11 @@ def summarise(path: Path, top: int) -> dict:
         by_kernel[e["name"][:120]][0] += 1
         by_kernel[e["name"][:120]][1] += e["dur"] / 1e3
         by_kind[kernel_kind(e["name"])] += e["dur"]
+    regions = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "user_annotation" and "dur" in e and not e["name"].startswith("train_step_"):
+            regions[region_name(e["name"])][0] += 1
+            regions[region_name(e["name"])][1] += e["dur"] / 1e3
     count = max(1, len(steps))
     per_step = lambda microseconds: round(microseconds / 1e3 / count, 2)  # noqa: E731
     return dict(
@@ -96,6 +111,10 @@ def summarise(path: Path, top: int) -> dict:
         top_kernels_ms_per_step=[
             dict(name=name, calls=calls // count, ms=round(ms / count, 2))
             for name, (calls, ms) in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:top]
+        ],
+        top_host_regions_ms_per_step=[
+            dict(name=name, calls=calls // count, ms=round(ms / count, 2))
+            for name, (calls, ms) in sorted(regions.items(), key=lambda item: -item[1][1])[:top]
         ],
     )
 

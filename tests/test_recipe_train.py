@@ -330,6 +330,22 @@ def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path
     for summary in map(trace_summary.summarise, traces, [5, 5]):
         assert summary["steps"] == 3
         assert summary["ms_per_step"]["cpu_step_spans"] > 0
+        regions = {region["name"]: region for region in summary["top_host_regions_ms_per_step"]}
+        assert regions["nv_esm::forward"]["calls"] == regions["nv_esm::backward"]["calls"] == 1  # a micro-batch
+        assert regions["nv_esm::forward"]["ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "name, region",
+    [
+        ("FSDP::all_gather (esm.encoder.layers.3)", "FSDP::all_gather"),
+        ("FSDP::forward_prefetch for esm.encoder.layers.12", "FSDP::forward_prefetch"),
+        ("Optimizer.step#AdamW.step", "Optimizer.step"),
+        ("nv_esm::forward", "nv_esm::forward"),
+    ],
+)
+def test_regions_of_all_layers_add_up_under_one_name(name: str, region: str) -> None:
+    assert trace_summary.region_name(name) == region
 
 
 def test_profile_steps_must_fit_in_the_run(tmp_path: Path, tiny_config: Path) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from configuration_nv_esm import NVEsmConfig
 from modeling_nv_esm import sequence_loss, token_loss
@@ -96,12 +97,14 @@ def train_step(
     for index, batch in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce the gradients after the last one only
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        with forward_context(config.parallel, world):
+        with forward_context(config.parallel, world), record_function("nv_esm::forward"):
             loss = summed_loss(model, batch.to(world.device), config.model.task, nv_config)
-        (loss * scale).backward()
+        with record_function("nv_esm::backward"):
+            (loss * scale).backward()
         loss_sum += loss.detach()
-    complete_gradients(model, world)
-    grad_norm = clip_gradients(model, config.optimizer.clip_grad, world)
+    with record_function("nv_esm::gradients"):  # completed over the ranks, clipped
+        complete_gradients(model, world)
+        grad_norm = clip_gradients(model, config.optimizer.clip_grad, world)
     skipped = config.optimizer.skip_nonfinite and not bool(torch.isfinite(grad_norm))  # waits for the GPU
     if not skipped:
         optimizer.step()

@@ -382,7 +382,7 @@ def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tens
     `max_norm` (no clipping when 0). Computed on each rank's local tensors: a DTensor's sum of squares is summed
     over the mesh dimensions that shard it (FSDP2's), with `--tp` the split parameters' over the "tp" ranks too,
     and whole tensors count once. (DTensor runs foreach operations one tensor at a time: through it, the norm and
-    the scaling of 650M's ~400 gradients took ~80 ms of host time a step.)"""
+    the scaling of a 33-layer model's ~400 gradients took 190 ms of host time a step, under cProfile on the CPU.)"""
     named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for name, grad in named:

@@ -135,10 +135,12 @@ class RunLayout:
 
     def set_attention(self, attention_kwargs: dict[str, Any]) -> None:
         """Set `attention_kwargs` and the `te_kwargs` that say the same to TE's `TransformerLayer`, with TE's
-        `rotary_pos_emb` (`[L, 1, 1, head_dim]`) where the layout has a rotary table."""
-        self.attention_kwargs = attention_kwargs
+        `rotary_pos_emb` (`[L, 1, 1, head_dim]`) where the layout has a rotary table. Both say "no sliding window"
+        (`window_size` (-1, -1)): TE's attention block builds its `DotProductAttention` with the default causal
+        mask, whose window (-1, 0) it would otherwise take and correct with a warning at every call."""
+        self.attention_kwargs = {**attention_kwargs, "window_size": (-1, -1)}
         layer_names = {"attn_mask_type": "self_attn_mask_type"}
-        self.te_kwargs = {layer_names.get(name, name): value for name, value in attention_kwargs.items()}
+        self.te_kwargs = {layer_names.get(name, name): value for name, value in self.attention_kwargs.items()}
         if self.rotary_angles is not None:
             self.te_kwargs["rotary_pos_emb"] = self.rotary_angles[:, None, None, :]
 

@@ -183,6 +183,27 @@ def test_a_te_model_compiles_nothing_in_forward_and_backward():
     assert counters["frames"]["total"] == before
 
 
+@pytest.mark.gpu
+@GPU_MARKS[1]
+def test_a_te_model_forward_warns_nothing_about_its_attention_window():
+    """TE's `DotProductAttention` inside its attention block is built causal (window (-1, 0)); the layout says
+    (-1, -1), so a packed or padded forward does not warn "window_size should be (-1, -1)" at every call."""
+    import warnings
+
+    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+
+    model = make_nv_model(make_hf_model("tiny", seed=4), backend="te", cuda_graphs=False).cuda()
+    proteins = random_proteins([3, 17, 30], seed=4)
+    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    input_ids, attention_mask = pad_batch(proteins)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(**packed)
+            model(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
+    assert not [str(w.message) for w in caught if "window_size" in str(w.message)]
+
+
 def test_the_rotation_is_left_to_te_off_the_gpu():
     """`QKVRotation.of` gives none for a CPU layout (the twin's) or without a rotary table, without computing the
     tokens' positions: TE's own attention block rotates wherever the kernel cannot run."""
@@ -228,6 +249,7 @@ def test_the_layout_says_the_same_to_te_layers_and_to_their_attention(index):
     assert layer.pop("self_attn_mask_type") == attention["attn_mask_type"]
     assert layer.keys() == attention.keys() - {"attn_mask_type"}
     assert all(layer[name] is attention[name] for name in layer)
+    assert attention["window_size"] == (-1, -1)  # no sliding window, said to TE (its attention's default is causal)
     if transformer_engine_available():
         import inspect
 

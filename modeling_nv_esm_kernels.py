@@ -192,27 +192,27 @@ def add_bias_residual_reference(x: torch.Tensor, bias: torch.Tensor, residual: t
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _add_bias_residual_kernel(x, bias, residual, out, numel, hidden, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        total = tl.load(x + offsets, mask=mask).to(tl.float32) + tl.load(bias + offsets % hidden, mask=mask).to(
-            tl.float32
-        )
+    def _add_bias_residual_kernel(x, bias, residual, out, hidden, BLOCK: tl.constexpr):
+        # one row (token) per program along axis 0, BLOCK columns of it along axis 1: no per-element division
+        column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = column < hidden
+        offsets = tl.program_id(0).to(tl.int64) * hidden + column
+        total = tl.load(x + offsets, mask=mask).to(tl.float32) + tl.load(bias + column, mask=mask).to(tl.float32)
         total += tl.load(residual + offsets, mask=mask).to(tl.float32)
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
 
 
-_ADD_BLOCK = 2048
+_ADD_BLOCK = 256  # columns per program
 
 
 def _add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(torch.promote_types(x.dtype, bias.dtype), residual.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    numel = out.numel()
-    if numel:
+    hidden = bias.numel()
+    if out.numel():
         with torch.cuda.device(x.device):
-            grid = (triton.cdiv(numel, _ADD_BLOCK),)
-            _add_bias_residual_kernel[grid](x, bias, residual, out, numel, bias.numel(), BLOCK=_ADD_BLOCK)
+            grid = (out.numel() // hidden, triton.cdiv(hidden, _ADD_BLOCK))
+            _add_bias_residual_kernel[grid](x, bias, residual, out, hidden, BLOCK=_ADD_BLOCK)
     return out
 
 

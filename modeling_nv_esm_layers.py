@@ -336,6 +336,10 @@ def te_layer_class() -> type[nn.Module]:
     Built on first use, as it subclasses a Transformer Engine class. Its parameters and state dict are
     `TransformerLayer`'s, unchanged."""
     te = import_transformer_engine()
+    try:
+        onnx_export_mode = importlib.import_module("transformer_engine.pytorch.export").is_in_onnx_export_mode
+    except (ImportError, AttributeError):
+        onnx_export_mode = torch.onnx.is_in_onnx_export
 
     class NVEsmTELayerNormLinear(te.LayerNormLinear):
         """TE's fused LayerNorm + QKV projection, plus the query/key/value adapters' updates when PEFT added any."""
@@ -428,9 +432,12 @@ def te_layer_class() -> type[nn.Module]:
             """`residual + (hidden_state + bias)` (`[..., hidden]`, bias `[hidden]`) where no dropout applies (ESM-2's
             hidden dropout is 0, and none in eval mode): one Triton kernel (`add_bias_residual`), not TE's
             `torch.compile`d function, which each new process compiles (seconds) and new shapes compile again. TE's
-            own with dropout, a drop path, no bias or no Triton."""
+            own with dropout, a drop path, other shapes (e.g. TE's parallel attention + MLP), no Triton or in an
+            ONNX export."""
             no_dropout = not self.training or self.hidden_dropout == 0
-            if drop_path is None and no_dropout and bias is not None and bias.numel() and TRITON_AVAILABLE:
+            fits = bias is not None and bias.shape == hidden_state.shape[-1:] and hidden_state.shape == residual.shape
+            plain = TRITON_AVAILABLE and hidden_state.is_cuda and not onnx_export_mode()
+            if drop_path is None and no_dropout and fits and plain:
                 return add_bias_residual(hidden_state, bias, residual)
             return super()._bias_dropout_add(hidden_state, bias, residual, drop_path)
 

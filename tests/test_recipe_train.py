@@ -327,7 +327,7 @@ def test_profile_steps_writes_a_trace_per_rank(tmp_path: Path, tiny_config: Path
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 6, "--log-every", "2", "--profile-steps", "3"))
     traces = sorted((tmp_path / "run" / "profile").glob("rank*.json.gz"))
     assert [t.name for t in traces] == ["rank0.json.gz", "rank1.json.gz"]
-    for summary in map(trace_summary.summarise, traces, [5, 5]):
+    for summary in map(trace_summary.summarise, traces, [100, 100]):  # every region
         assert summary["steps"] == 3
         assert summary["ms_per_step"]["cpu_step_spans"] > 0
         regions = {region["name"]: region for region in summary["top_host_regions_ms_per_step"]}

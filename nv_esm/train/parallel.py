@@ -388,6 +388,8 @@ def clip_gradients(model: nn.Module, max_norm: float, world: Dist) -> torch.Tens
     for name, grad in named:
         reduced_over: list[Any] = []
         if hasattr(grad, "placements"):
+            if any(placement.is_partial() for placement in grad.placements):  # FSDP2's gradients never are
+                raise ValueError(f"the gradient of {name} is a partial sum (placements {grad.placements})")
             mesh = grad.device_mesh
             reduced_over += [mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard()]
         if world.tp_size > 1 and tensor_parallel_split_dim(name) is not None:

@@ -233,13 +233,19 @@ class _AddBiasResidual(torch.autograd.Function):
         return grad_x, grad_bias, grad.to(residual_dtype) if ctx.needs_input_grad[2] else None
 
 
+def add_bias_residual_shapes_fit(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether `add_bias_residual` takes these shapes: `x` and `residual` of one shape `[..., hidden]`, `bias`
+    `[hidden]`."""
+    return x.shape == residual.shape and bias.shape == x.shape[-1:]
+
+
 def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`(x + bias) + residual` of `x` and `residual` `[..., hidden]` (CUDA, one shape) and `bias` `[hidden]`, in
     float32 rounded once to the inputs' promoted dtype, as the twin (`add_bias_residual_reference`); differentiable
     with respect to all three."""
     if not TRITON_AVAILABLE:
         raise ImportError("add_bias_residual needs Triton (it ships with CUDA builds of PyTorch: pip install triton)")
-    if x.shape != residual.shape or bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
+    if not add_bias_residual_shapes_fit(x, bias, residual):
         raise ValueError(
             f"add_bias_residual takes x and residual of one shape [..., hidden] and a bias [hidden], got "
             f"{tuple(x.shape)}, {tuple(residual.shape)} and {tuple(bias.shape)}"

@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import NVEsmConfig
-    from .modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, rotate_qk
+    from .modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, add_bias_residual_shapes_fit, rotate_qk
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
@@ -34,7 +34,7 @@ try:
     from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
-    from modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, rotate_qk
+    from modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, add_bias_residual_shapes_fit, rotate_qk
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
@@ -435,7 +435,7 @@ def te_layer_class() -> type[nn.Module]:
             own with dropout, a drop path, other shapes (e.g. TE's parallel attention + MLP), no Triton or in an
             ONNX export."""
             no_dropout = not self.training or self.hidden_dropout == 0
-            fits = bias is not None and bias.shape == hidden_state.shape[-1:] and hidden_state.shape == residual.shape
+            fits = bias is not None and add_bias_residual_shapes_fit(hidden_state, bias, residual)
             plain = TRITON_AVAILABLE and hidden_state.is_cuda and not onnx_export_mode()
             if drop_path is None and no_dropout and fits and plain:
                 return add_bias_residual(hidden_state, bias, residual)

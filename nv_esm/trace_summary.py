@@ -88,8 +88,9 @@ def summarise(path: Path, top: int) -> dict:
     regions = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") == "user_annotation" and "dur" in e and not e["name"].startswith("train_step_"):
-            regions[region_name(e["name"])][0] += 1
-            regions[region_name(e["name"])][1] += e["dur"] / 1e3
+            region = regions[region_name(e["name"])]
+            region[0] += 1
+            region[1] += e["dur"] / 1e3
     count = max(1, len(steps))
     per_step = lambda microseconds: round(microseconds / 1e3 / count, 2)  # noqa: E731
     return dict(

@@ -156,6 +156,18 @@ def test_add_bias_residual_refuses_what_it_cannot_add():
         add_bias_residual(x, torch.zeros(8), x)
 
 
+def tiny_te_model_and_batches(lengths: list[int], seed: int) -> tuple:
+    """(a tiny TE model on the GPU, no CUDA graphs; the packed inputs of random proteins of `lengths` tokens; the
+    same proteins right-padded), all on the GPU."""
+    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+
+    model = make_nv_model(make_hf_model("tiny", seed=seed), backend="te", cuda_graphs=False).cuda()
+    proteins = random_proteins(lengths, seed=seed)
+    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    input_ids, attention_mask = pad_batch(proteins)
+    return model, packed, dict(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
+
+
 @pytest.mark.gpu
 @GPU_MARKS[1]
 def test_a_te_model_compiles_nothing_in_forward_and_backward():
@@ -163,13 +175,7 @@ def test_a_te_model_compiles_nothing_in_forward_and_backward():
     training step (ESM-2's hidden dropout is 0) nor in eval, packed or padded."""
     from torch._dynamo.utils import counters
 
-    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
-
-    model = make_nv_model(make_hf_model("tiny", seed=2), backend="te", cuda_graphs=False).cuda()
-    proteins = random_proteins([1, 9, 40], seed=2)
-    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
-    input_ids, attention_mask = pad_batch(proteins)
-    padded = dict(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
+    model, packed, padded = tiny_te_model_and_batches([1, 9, 40], seed=2)
     torch._dynamo.reset()
     before = counters["frames"]["total"]
     model.train()
@@ -190,17 +196,12 @@ def test_a_te_model_forward_warns_nothing_about_its_attention_window():
     (-1, -1), so a packed or padded forward does not warn "window_size should be (-1, -1)" at every call."""
     import warnings
 
-    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
-
-    model = make_nv_model(make_hf_model("tiny", seed=4), backend="te", cuda_graphs=False).cuda()
-    proteins = random_proteins([3, 17, 30], seed=4)
-    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
-    input_ids, attention_mask = pad_batch(proteins)
+    model, packed, padded = tiny_te_model_and_batches([3, 17, 30], seed=4)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(**packed)
-            model(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
+            model(**padded)
     assert not [str(w.message) for w in caught if "window_size" in str(w.message)]
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -409,6 +410,12 @@ def te_layer_class() -> type[nn.Module]:
                 raise ImportError("recompute_mlp needs TE >= 2.11 (LayerNormMLP(checkpoint=True)); upgrade it.")
             self.layernorm_mlp.checkpoint = config.recompute_mlp  # TE's selective checkpointing: fc1, GELU again
             add_lora_targets(self, attention.layernorm_qkv, attention.proj, self.layernorm_mlp, config)
+            # `rotated_forward` hands TE's attention q/k/v views of the packed projection on purpose: the split's
+            # backward takes TE's packed gradient as it lies. TE >= 2.20's declarative `qkv_layer=` derives the
+            # views with `select`, whose backward adds three zero-filled copies of that gradient. TE's deprecation
+            # note on the detection is silenced, that one message only (a TE without the detection makes q/k/v
+            # contiguous: a copy, same numbers).
+            warnings.filterwarnings("ignore", "Relying on pointer-based detection of packed q/k/v", DeprecationWarning)
 
         def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]
             """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape. TE's `TransformerLayer.forward` as

@@ -4,7 +4,7 @@
     python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
     python bench/recipe_checks.py fp8 --out $OUT/recipe       # FP8 vs bf16 over 200 steps from the same init
     python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 GPUs
-    python bench/recipe_checks.py fit --shape 15B --activation-checkpointing --out $OUT/recipe   # a big model, 2 GPUs
+    python bench/recipe_checks.py fit --shape 15B --gpus 4 --activation-checkpointing --out $OUT/r --extra --fp8 all
     python bench/recipe_checks.py graphs --out $OUT/recipe    # 1 GPU: eager vs CUDA graphs vs graphs + FP8
     python bench/recipe_checks.py offload --shape 3B --gpus 1 --out $OUT/recipe   # activation offloading vs not
     python bench/recipe_checks.py layouts --shape 650M --out $OUT/recipe   # 2 GPUs: HSDP, TP, CP, offloading
@@ -127,17 +127,19 @@ def check_profile(out: Path, shape: str, budget: int, *extra: str) -> dict:
     return dict(shape=shape, token_budget=budget, **summaries)
 
 
-def check_fit(out: Path, shape: str, steps: int, budget: int, *extra: str) -> dict:
-    """`shape` trained from scratch on 2 GPUs: losses, tokens/s, MFU and peak memory of every rank."""
+def check_fit(out: Path, shape: str, steps: int, budget: int, gpus: int, *extra: str) -> dict:
+    """`shape` trained from scratch on `gpus` GPUs with the recipe options `extra`: losses, tokens/s (after
+    `WARMUP_STEPS`), MFU and peak memory of every rank."""
     config = write_config(out, shape)
-    run = out / f"fit_{shape}_{budget}{option_tag(extra)}"
+    run = out / f"fit_{shape}_{budget}_{gpus}gpu{option_tag(extra)}"
     allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     common = ["--steps", str(steps), "--token-budget", str(budget), "--log-every", "2", "--no-checkpoint", *extra]
-    launch(run, 2, config, *common, env=allocator)
+    launch(run, gpus, config, *common, env=allocator)
     records = metrics(run)
     return dict(
         shape=shape,
         token_budget=budget,
+        gpus=gpus,
         options=extra,
         losses=[r["loss"] for r in records],
         memory_gb_per_rank=max((r.get("memory_gb_per_rank", [0.0]) for r in records), key=max),
@@ -422,7 +424,9 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768], help="scale: tokens per GPU")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["replicate", "shard"], help="scale")
     parser.add_argument("--cps", type=int, nargs="+", default=[2], help="long: --cp values (GPUs per run)")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="scale, long, profile: recipe options")
+    parser.add_argument(
+        "--extra", nargs=argparse.REMAINDER, default=[], help="scale, long, profile, fit: recipe options"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="long: protein lengths")
     parser.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch (scaling, weak)")
     parser.add_argument("--keep-gathered", action="store_true", help="weak: pass --keep-gathered to the recipe")
@@ -433,7 +437,7 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="fp8, offload: GPUs per run; scale: each")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="fp8, offload, fit: GPUs per run; scale: each")
     args = parser.parse_args()
     gpus = args.gpus[0]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -446,8 +450,8 @@ def main() -> None:
         extra = ("--fp8", "all") if args.fp8 else ()
         result = check_resume(args.out, args.shape or "150M", args.steps or 20, 10, *extra)
     elif args.check == "fit":
-        extra = ("--activation-checkpointing",) if args.activation_checkpointing else ()
-        result = check_fit(args.out, args.shape or "3B", args.steps or 12, args.budget, *extra)
+        extra = (*args.extra, *(("--activation-checkpointing",) if args.activation_checkpointing else ()))
+        result = check_fit(args.out, args.shape or "3B", args.steps or 12, args.budget, gpus, *extra)
     elif args.check == "graphs":
         result = check_graphs(args.out, args.shape or "650M", args.steps or 40, args.budget)
     elif args.check == "offload":
@@ -467,7 +471,7 @@ def main() -> None:
     if args.check == "weak":
         name = f"weak_{args.budget}{'_keep_gathered' if args.keep_gathered else ''}"
     if args.check == "fit":
-        name = f"fit_{result['shape']}_{args.budget}"
+        name = f"fit_{result['shape']}_{args.budget}_{gpus}gpu{option_tag(tuple(args.extra))}"
     if args.check == "scale":
         name = f"scale_{result['shape']}_{'_'.join(map(str, args.budgets))}"
     if args.check in ("layouts", "long"):

@@ -192,17 +192,20 @@ def add_bias_residual_reference(x: torch.Tensor, bias: torch.Tensor, residual: t
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _add_bias_residual_kernel(x, bias, residual, out, hidden, BLOCK: tl.constexpr):
-        # one row (token) per program along axis 0, BLOCK columns of it along axis 1: no per-element division
-        column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = column < hidden
-        offsets = tl.program_id(0).to(tl.int64) * hidden + column
-        total = tl.load(x + offsets, mask=mask).to(tl.float32) + tl.load(bias + column, mask=mask).to(tl.float32)
+    def _add_bias_residual_kernel(x, bias, residual, out, rows, hidden, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        # a tile of ROWS tokens x COLUMNS hidden features per program: the bias is read once per tile and no index
+        # needs a per-element division
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+        column = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)[None, :]
+        in_hidden = column < hidden
+        mask = (row < rows) & in_hidden
+        offsets = row.to(tl.int64) * hidden + column
+        total = tl.load(x + offsets, mask=mask).to(tl.float32) + tl.load(bias + column, mask=in_hidden).to(tl.float32)
         total += tl.load(residual + offsets, mask=mask).to(tl.float32)
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
 
 
-_ADD_BLOCK = 256  # columns per program
+_ADD_TILE = (16, 256)  # tokens x features per program: 4,096 elements, 16 per thread of 8 warps
 
 
 def _add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -210,9 +213,12 @@ def _add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.T
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     hidden = bias.numel()
     if out.numel():
+        rows, (tile_rows, tile_columns) = out.numel() // hidden, _ADD_TILE
         with torch.cuda.device(x.device):
-            grid = (out.numel() // hidden, triton.cdiv(hidden, _ADD_BLOCK))
-            _add_bias_residual_kernel[grid](x, bias, residual, out, hidden, BLOCK=_ADD_BLOCK)
+            grid = (triton.cdiv(rows, tile_rows), triton.cdiv(hidden, tile_columns))
+            _add_bias_residual_kernel[grid](
+                x, bias, residual, out, rows, hidden, ROWS=tile_rows, COLUMNS=tile_columns, num_warps=8
+            )
     return out
 
 

@@ -34,7 +34,8 @@ ESM-2 shape with random weights (`--shape`, seed 0, `random_checkpoint.py`), or 
 Timed: `python -m nv_esm proteingym CHECKPOINT REFERENCE ASSAYS OUT --methods masked-marginals` as a subprocess, per
 variant: `bf16` (the command's default: bf16, CUDA graphs on Transformer Engine; on the CPU, fp32) and `fp8`
 (`--fp8 all`). Wall time from process start to exit (imports, model load, scoring, the assays' files, the summary
-and its plots), tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS.
+and its plots), tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS;
+and, from the command's own last line, rank 0's seconds of set-up (assays read, model loaded) and of scoring.
 
 Side by side, on `--baseline-wild-types` K (3) distinct wild types under 1,022 residues drawn at random (seed):
 - ProteinGym's loop (their baselines/esm/compute_fitness.py, masked-marginals: the tokens `<cls>` + wild type +
@@ -62,6 +63,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -215,9 +217,12 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
     if process.returncode != 0:
         raise SystemExit(f"nv-esm proteingym ({variant}) exited with {process.returncode}:\n{text[-4000:]}")
     written = sorted(output.glob("*.csv"))
+    phases = re.search(r"in ([\d.]+) s on rank 0 .* after ([\d.]+) s of set-up", text)  # the command's own timing
     return {
         "command": " ".join(command),
         "seconds": seconds,
+        "rank0_scoring_seconds": float(phases[1]) if phases else None,
+        "rank0_set_up_seconds": float(phases[2]) if phases else None,  # reading the assays, loading the model
         "assay_files_written": len(written),
         "peak_gpu_gb": peak_gpu,
         "peak_rss_gb": usage.ru_maxrss / 2**20,  # KiB on Linux

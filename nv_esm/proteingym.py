@@ -30,6 +30,7 @@ import csv
 import io
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,9 +239,10 @@ def write_assay(path: Path, file: AssayFile, columns: tuple[str, ...], scores: d
 
 
 def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settings: ProteinGymSettings,
-        rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+        rank: int = 0, world_size: int = 1, set_up_seconds: float | None = None) -> None:  # fmt: skip
     """Score the assays without an output file (this rank's share of the groups), each written when its group is
-    done; then rank 0 (after every rank) summarises OUT."""
+    done; then rank 0 (after every rank) summarises OUT. Rank 0 says how long its scoring took, and its set-up
+    before (`set_up_seconds`: reading the assays, loading the model), if given."""
     with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
@@ -258,14 +260,20 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
         mine = groups_of(tokens, world_size)[rank]
         total = sum(tokens[wild_type] for group in mine for wild_type in group)
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
+        started = time.perf_counter()
         for group in mine:
             for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
                 for file, scores in zip(by_wild_type[wild_type], results):
                     write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
         progress.close()
+        seconds = time.perf_counter() - started
         barrier(world_size)
         if rank == 0:
-            print(f"{len(files)} assays ({len(files) - len(todo)} were already done); wrote {args.output}")
+            rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s on rank 0"
+            rate += f" ({total / max(seconds, 1e-9):,.0f} tokens/s)"
+            if set_up_seconds is not None:
+                rate += f" after {set_up_seconds:.2f} s of set-up (assays read, model loaded)"
+            print(f"{len(files)} assays ({len(files) - len(todo)} were already done); {rate}; wrote {args.output}")
             missing = summary_gap(files)
             if missing is None:
                 summarize_output(args, files, settings.columns)
@@ -337,6 +345,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
+        started = time.perf_counter()
         config = load_config(args.checkpoint)
         window = resolve_window(config, None)
         args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
@@ -371,7 +380,8 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             contacts=False,
             progress=not args.no_progress,
         )
-        run(args, Scorer(model, tokenizer, window, args.tokens_per_batch), files, settings, rank, world_size)
+        scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
+        run(args, scorer, files, settings, rank, world_size, time.perf_counter() - started)
 
     return run_on_ranks(args.device, score_on, f"finished assays in {args.output} are kept, a rerun resumes", prog)
 

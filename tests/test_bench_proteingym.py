@@ -53,6 +53,8 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     bf16 = result["variants"]["bf16"]
     assert bf16["assay_files_written"] == 3 and bf16["seconds"] > 0 and bf16["peak_rss_gb"] > 0
     assert abs(bf16["tokens_per_s"] * bf16["seconds"] - result["workload"]["tokens"]) < 1e-6 * bf16["tokens_per_s"]
+    phases = bf16["rank0_set_up_seconds"] + bf16["rank0_scoring_seconds"]  # the command's own timing, within it
+    assert 0 < bf16["rank0_scoring_seconds"] and phases < bf16["seconds"]
     assert set(result["versions"]) >= {"torch", "transformers"} and result["device"] == "cpu"
     baseline = result["baseline"]
     assert len(baseline["assays"]) == 2 and baseline["assays"][0] != "B_THREE" != baseline["assays"][1]

@@ -17,6 +17,7 @@ import csv
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -369,6 +370,9 @@ def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(check
     out = tmp_path / "out"
     assert run_command(checkpoint, reference, out, "--assays", "S1") == 0
     assert sorted(path.name for path in out.glob("*.csv")) == ["S1.csv"]
+    # S1's 21 residues masked at its mutants' 3 sites: 3 copies of <cls> + 21 + <eos>, and the time they took
+    assert re.search(r"this run: 69 tokens of masked copies in [\d.]+ s on rank 0 \([\d,]+ tokens/s\) after "
+                     r"[\d.]+ s of set-up", capsys.readouterr().out)  # fmt: skip
     first = (out / "S1.csv").read_bytes()
     written = []
     real_write = proteingym.write_assay

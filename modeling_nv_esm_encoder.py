@@ -217,13 +217,14 @@ class NVEsmEncoder(nn.Module):
         if graphed and (output_hidden_states or attention_sink is not None):
             raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
         hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed)
-        states = self.graphs.run(self, hidden_states, layout) if layout.static_shape else None
+        timing = self.graphs.take_timing_request() if graphed else None  # what `plan` chose to time
+        states = self.graphs.run(self, hidden_states, layout, timing) if layout.static_shape else None
         if hidden_states.requires_grad:
             self.graphs.last_training_call_replayed = states is not None
         if states is not None:
             return layout.to_input(states), None
         all_hidden_states = [hidden_states] if output_hidden_states else None
-        with self.fp8_region():
+        with self.fp8_region(), self.graphs.timed(timing, "eager"):
             states = self.body(hidden_states, layout, all_hidden_states, attention_sink)
         if all_hidden_states is None:
             return layout.to_input(states), None

@@ -120,6 +120,33 @@ def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
     )
 
 
+class CudaEventClock:
+    """Times GPU work on the current stream with CUDA events, read without waiting: `elapsed_ms` is None until the
+    work is done."""
+
+    def start(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started: Any) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return started, event
+
+    def elapsed_ms(self, span: Any) -> float | None:
+        started, stopped = span
+        return started.elapsed_time(stopped) if stopped.query() else None
+
+
+class TimingRequest:
+    """What `StaticShapeGraphs.shape_for` asks the call it planned to time: its `kind` ("replay" of the captured
+    graph of `key`, or "eager", the same shape run eagerly) for a batch of `tokens` real tokens."""
+
+    def __init__(self, key: tuple, kind: str, tokens: int) -> None:
+        self.key, self.kind, self.tokens = key, kind, tokens
+
+
 class StaticShapeGraphs(FreshWhenCopied):
     """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
     captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
@@ -140,10 +167,18 @@ class StaticShapeGraphs(FreshWhenCopied):
     From the second capture on, TE's eager warm-up before a training capture runs in the pool's memory
     (`WarmUpInPool`), not beside it. A capture that runs out of GPU memory frees every graph, their memory pool and
     the shared weight-gradient buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
+
+    A captured inference shape is timed once each way (`CudaEventClock`): its first replay after the capture, then
+    one batch of it run eagerly. When the eager run took `eager_margin` less time per token, the GPU was busy enough
+    that the graph saved no launch time and its padding cost more: the shape runs eagerly from then on (and hosts no
+    other batch), so graphs stay on only where they are faster.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
     padding_before_capture = 4  # graph replays' worth of tokens
+    time_shapes = True  # time captured inference shapes both ways (the GPU tests switch it off, but where they test it)
+    eager_margin = 0.03  # how much faster per token an eager run of a captured shape must be for it to stay eager
+    clock: Any = CudaEventClock()
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, nn.Module | None] = {}
@@ -157,6 +192,9 @@ class StaticShapeGraphs(FreshWhenCopied):
         self.last_training_call_replayed = False  # set by the encoder at every training call
         self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
         self._warm_up_in_pool = True  # off for good once a warm-up in the pool left tensors there
+        self._timings: dict[tuple, dict[str, tuple[Any, int]]] = {}  # inference key -> kind -> (span, tokens)
+        self._eager: set[tuple] = set()  # captured inference keys that ran faster eagerly
+        self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
@@ -171,6 +209,9 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._backward_events = None
         self.last_training_call_replayed = False
         self._out_of_memory = False
+        self._timings.clear()
+        self._eager.clear()
+        self._request = None
 
     def awaiting_backward(self) -> bool:
         """Whether a training replay's backward has not started yet."""
@@ -181,15 +222,22 @@ class StaticShapeGraphs(FreshWhenCopied):
     ) -> tuple[int, int, int] | None:
         """The static shape `(tokens, slots, max_length)` to pad this packed batch (`[T, hidden]` states) to before
         `run`, or None: run it eagerly, unpadded (an inference shape not captured yet, with no graph to hold it)."""
+        self._request = None
         if self._out_of_memory:
             return None
         num_sequences = packed.cu_seq_lens.numel() - 1
         own = static_shape(packed.num_tokens, num_sequences, packed.max_length)
         mode = _graph_mode(encoder, hidden_states)
         key = (*own, *mode)
-        if key in self._graphs or encoder.training:  # training: captured at first use
+        if encoder.training:  # training: captured at first use
             return own
-        captured = [shape[:3] for shape, graph in self._graphs.items() if graph is not None and shape[3:] == mode]
+        if key in self._graphs:
+            return self._timed_choice(key, own, packed.num_tokens)
+        captured = [
+            shape[:3]
+            for shape, graph in self._graphs.items()
+            if graph is not None and shape[3:] == mode and shape not in self._eager
+        ]
         host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
         if host is not None:
             padding = self._padding.get(key, 0) + host[0] - own[0]
@@ -200,10 +248,61 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._uses[key] = self._uses.get(key, 0) + 1
         return own if self._uses[key] >= self.capture_at_use else None
 
-    def run(self, encoder: nn.Module, hidden_states: torch.Tensor, layout: PackedRun) -> torch.Tensor | None:
+    def _timed_choice(self, key: tuple, own: tuple[int, int, int], tokens: int) -> tuple[int, int, int] | None:
+        """A captured inference shape: replay it (the first replay timed), run one batch of it eagerly (timed), then
+        replay it or run it eagerly for good, whichever took less time per token (`eager_margin`)."""
+        if key in self._eager or self._graphs[key] is None:
+            return None
+        if not self.time_shapes:
+            return own
+        timings = self._timings.setdefault(key, {})
+        if "replay" not in timings:
+            self._request = TimingRequest(key, "replay", tokens)
+        elif "eager" not in timings:
+            self._request = TimingRequest(key, "eager", tokens)
+            return None
+        elif "decided" not in timings:
+            per_token = {}
+            for kind in ("replay", "eager"):
+                span, counted = timings[kind]
+                milliseconds = self.clock.elapsed_ms(span)
+                if milliseconds is None:  # still running: ask again at the next batch of this shape
+                    return own
+                per_token[kind] = milliseconds / counted
+            timings["decided"] = ()
+            if per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]:
+                self._eager.add(key)
+                logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than its graph ({per_token})")
+                return None
+        return own
+
+    def take_timing_request(self) -> TimingRequest | None:
+        """What the call just planned (`shape_for`) should time, handed to that call once: for `run` (a replay) or
+        for `timed` around its eager run."""
+        request, self._request = self._request, None
+        return request
+
+    @contextlib.contextmanager
+    def timed(self, request: TimingRequest | None, kind: str) -> Any:
+        """Time what runs inside when `request` asks for `kind` (`take_timing_request`); else nothing."""
+        if request is None or request.kind != kind:
+            yield
+            return
+        started = self.clock.start()
+        yield
+        self._timings.setdefault(request.key, {})[kind] = (self.clock.stop(started), request.tokens)
+
+    def run(
+        self,
+        encoder: nn.Module,
+        hidden_states: torch.Tensor,
+        layout: PackedRun,
+        timing: TimingRequest | None = None,
+    ) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
         `shape_for` gave); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier
-        one ran out of memory: the encoder then runs it eagerly."""
+        one ran out of memory: the encoder then runs it eagerly. `timing` (`take_timing_request`): a replay of a
+        graph captured before this call is timed when it asks."""
         if self._out_of_memory:
             return None
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
@@ -211,6 +310,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         key = (hidden_states.shape[0], packed.cu_seq_lens.numel() - 1, packed.max_length)
         key = (*key, *_graph_mode(encoder, hidden_states))
         if key not in self._graphs:
+            timing = None  # a capture's first replay is not what the next ones cost
             graph = self._capture(encoder, hidden_states, packed, layout.rotary_angles, autocast_dtype)
             if self._out_of_memory:
                 return None
@@ -222,7 +322,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             if self._weights is None:
                 self._weights = _graph_weights(encoder)
             _point_grads_at_main_grads(self._weights)
-        with encoder.fp8_region():
+        with encoder.fp8_region(), self.timed(timing, "replay"):
             states = graph(hidden_states, packed.cu_seq_lens, layout.rotary_angles).clone()
         if states.requires_grad:
             self._awaiting_backward = True

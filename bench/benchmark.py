@@ -16,8 +16,9 @@ Variants (random weights of the ESM-2 shape):
   te_port       the plain TE port (`te_port.py`): a `te.TransformerLayer` stack fed THD keyword arguments directly,
                 ESM-2's embedding and LM head around it, nothing else; the floor any TE port gets
 
-Every variant first runs the timed batches twice untimed (so each shape has been seen: cuDNN plans, TE's
-first-use set-up, CUDA-graph captures, which for an inference shape come at its second batch; the two passes are
+Every variant first runs the timed batches 4 times untimed (so each shape has been seen: cuDNN plans, TE's
+first-use set-up, CUDA-graph captures, which for an inference shape come at its second batch, and the timing of
+each captured inference shape replayed and run eagerly, after which it runs the faster way; the passes are
 reported as `warm_pass_seconds`), then times them.
 Each variant runs in its own process (Transformer Engine's torch.compile'd helpers and cuDNN caches are not
 shared between variants). `--max-batch` also searches, by doubling, the most proteins per training step that fit.
@@ -218,7 +219,8 @@ def run(variant: str, shape_name: str, proteins: int, training: bool, steps: int
         for batch in prepared[:warmup]:
             step(model, batch, optimizer, autocast)
         warm_pass = []
-        for _ in range(2):  # the warm passes: every timed shape twice (an inference graph is captured at the second)
+        for _ in range(4):  # the warm passes: every timed shape 4 times (an inference graph is captured at the
+            # second, timed at the third, run eagerly and timed at the fourth; the timed pass runs the faster way)
             torch.cuda.synchronize()
             start = time.perf_counter()
             for batch in prepared[warmup:]:

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CHECKPOINT = ROOT / "assets" / "esm2_tiny"
 # Marks of the GPU test modules. Asking whether TE imports imports it, before anything loads cuDNN in the process
 # (see shared/gpu/README.md).
-# CUDA graphs are captured at a shape's first use there (the default waits for the second), so every graphed call a
-# GPU test checks replays a graph.
+# CUDA graphs are captured at a shape's first use there (the default waits for the second) and no shape is timed
+# against an eager run of it (`StaticShapeGraphs.time_shapes`), so every graphed call a GPU test checks replays a graph.
 GPU_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -134,11 +134,13 @@ def modules_cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def capture_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met (models loaded
-    with trust_remote_code run their own copy of the module, with the default)."""
+    """`StaticShapeGraphs` of the repo's modeling module capture a shape the first time it is met and replay it
+    from then on, never timing it against an eager run (models loaded with trust_remote_code run their own copy of
+    the module, with the defaults)."""
     from modeling_nv_esm_graphs import StaticShapeGraphs
 
     monkeypatch.setattr(StaticShapeGraphs, "capture_at_use", 1)
+    monkeypatch.setattr(StaticShapeGraphs, "time_shapes", False)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -157,6 +157,40 @@ def test_an_inference_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch
                 assert relative_error(b.grad, a.grad) <= GRAD_RTOL, name
 
 
+@pytest.mark.parametrize("eager_scale", [0.25, 4.0], ids=["eager_faster", "graph_faster"])
+def test_a_captured_inference_shape_keeps_the_way_it_ran_faster(hf_fp32, monkeypatch, eager_scale):
+    """Shape timing on (the default; the other GPU tests switch it off): a captured inference shape's next replay
+    and then one eager run of it are timed with CUDA events, and once both are done the shape replays or runs
+    eagerly for good, whichever took less time per token (the eager run's measured time is scaled here, so that
+    one way is clearly faster). Logits follow the eager model at every call."""
+    from modeling_nv_esm_graphs import CudaEventClock, StaticShapeGraphs
+
+    class ScaledEagerClock(CudaEventClock):
+        spans = 0
+
+        def stop(self, started):
+            self.spans += 1
+            return (*super().stop(started), eager_scale if self.spans == 2 else 1.0)  # the 2nd span: the eager run
+
+        def elapsed_ms(self, span):
+            milliseconds = super().elapsed_ms(span[:2])
+            return None if milliseconds is None else milliseconds * span[2]
+
+    monkeypatch.setattr(StaticShapeGraphs, "time_shapes", True)
+    eager, graphed = te_pair(hf_fp32)
+    graphs = graphed.esm.encoder.graphs
+    graphs.clock = ScaledEagerClock()
+    batch = packed_on_gpu(batches(213, 1)[0])
+    for call in range(6):  # capture, timed replay, timed eager run, then the choice
+        with torch.no_grad():
+            logits = [model(**batch).logits for model in (eager, graphed)]
+        assert max_abs_diff(logits[1], logits[0]) <= FP32_ATOL, call
+        torch.cuda.synchronize()  # the spans are done before the next call reads them
+    [key] = graphs._graphs
+    assert graphs.clock.spans == 2 and "decided" in graphs._timings[key]
+    assert (key in graphs._eager) == (eager_scale < 1)
+
+
 def test_smaller_inference_batches_replay_a_captured_graph_that_holds_them(hf_fp32, monkeypatch):
     """The default policy (`capture_at_use` 2): once a large batch's shape is captured, a smaller batch of another
     shape replays that graph, padded (no capture, no eager run), until its padding passes `padding_before_capture`

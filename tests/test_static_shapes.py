@@ -161,6 +161,67 @@ def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_paddin
     assert graphs.shape_for(encoder, *small) is None
 
 
+class FakeClock:
+    """Stands for `CudaEventClock`: each timed span takes the next of `milliseconds`; None is a span still running
+    until `finish` gives its time."""
+
+    def __init__(self, milliseconds: list[float | None]) -> None:
+        self.milliseconds, self.running = list(milliseconds), []
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, started: None) -> list:
+        span = [self.milliseconds.pop(0)]
+        if span[0] is None:
+            self.running.append(span)
+        return span
+
+    def finish(self, milliseconds: float) -> None:
+        self.running.pop(0)[0] = milliseconds
+
+    def elapsed_ms(self, span: list) -> float | None:
+        return span[0]
+
+
+def timed_call(graphs: StaticShapeGraphs, encoder, batch) -> tuple:
+    """One planned call as the encoder makes it: the shape `shape_for` gives, and what ran timed (as `run` and the
+    eager path do: a replay where a shape was given, else an eager run)."""
+    shape = graphs.shape_for(encoder, *batch)
+    request = graphs.take_timing_request()
+    kind = "replay" if shape is not None else "eager"
+    with graphs.timed(request, kind):
+        pass
+    return shape, None if request is None else request.kind
+
+
+@pytest.mark.parametrize("eager_ms", [9.6, 9.8], ids=["eager_faster", "graph_kept"])
+def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(eager_ms):
+    """`StaticShapeGraphs` times a captured inference shape's next replay, then one eager run of it; once both are
+    done it keeps the faster per token: eager only when over `eager_margin` (3%) faster (9.6 ms against a 10 ms
+    replay), and then the shape hosts no smaller batch either. A span not finished yet is read at a later batch;
+    `clear()` forgets the timings; with `time_shapes` off nothing is timed."""
+    nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
+    encoder, graphs, hidden = nv.esm.encoder, StaticShapeGraphs(), nv.config.hidden_size
+    graphs.clock = FakeClock([10.0, None, 1.0, 5.0])
+    large, small = zero_packed_batch([300] * 10, hidden), zero_packed_batch([1, 40, 40, 40, 79], hidden)
+    large_shape = static_shape(3000, 10, 300)
+    graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"  # captured (the CPU captures none)
+    assert timed_call(graphs, encoder, large) == (large_shape, "replay")  # 10 ms
+    assert timed_call(graphs, encoder, large) == (None, "eager")  # the same tokens, still running when next read:
+    assert [timed_call(graphs, encoder, large) for _ in range(2)] == [(large_shape, None)] * 2  # replays meanwhile
+    graphs.clock.finish(eager_ms)
+    eager = eager_ms < 0.97 * 10.0
+    assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(None if eager else large_shape, None)] * 3
+    assert timed_call(graphs, encoder, small) == ((None, None) if eager else (large_shape, None))  # hosted or not
+    graphs.clear()
+    assert not graphs._timings and not graphs._eager and graphs.take_timing_request() is None
+    graphs.time_shapes = False
+    graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
+    assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(large_shape, None)] * 3
+    assert graphs.clock.milliseconds == [1.0, 5.0]  # nothing more was timed
+
+
 def test_replayable_finds_any_module_hook_and_drops_the_graphs_when_the_parameters_change():
     """`StaticShapeGraphs.replayable`, asked on every graphed call: any forward or backward hook on any module
     (the deepest one here) makes the call eager; the graphs are dropped when a parameter's storage or

@@ -193,7 +193,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._out_of_memory = False  # a capture ran out of memory: no more graphs until clear()
         self._warm_up_in_pool = True  # off for good once a warm-up in the pool left tensors there
         self._timings: dict[tuple, dict[str, tuple[Any, int]]] = {}  # inference key -> kind -> (span, tokens)
-        self._eager: set[tuple] = set()  # captured inference keys that ran faster eagerly
+        self._runs_eagerly: dict[tuple, bool] = {}  # timed inference keys -> whether they ran faster eagerly
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
 
     def clear(self) -> None:
@@ -210,7 +210,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         self.last_training_call_replayed = False
         self._out_of_memory = False
         self._timings.clear()
-        self._eager.clear()
+        self._runs_eagerly.clear()
         self._request = None
 
     def awaiting_backward(self) -> bool:
@@ -236,7 +236,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         captured = [
             shape[:3]
             for shape, graph in self._graphs.items()
-            if graph is not None and shape[3:] == mode and shape not in self._eager
+            if graph is not None and shape[3:] == mode and not self._runs_eagerly.get(shape)
         ]
         host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
         if host is not None:
@@ -251,30 +251,29 @@ class StaticShapeGraphs(FreshWhenCopied):
     def _timed_choice(self, key: tuple, own: tuple[int, int, int], tokens: int) -> tuple[int, int, int] | None:
         """A captured inference shape: replay it (the first replay timed), run one batch of it eagerly (timed), then
         replay it or run it eagerly for good, whichever took less time per token (`eager_margin`)."""
-        if key in self._eager or self._graphs[key] is None:
+        if self._graphs[key] is None:
             return None
-        if not self.time_shapes:
-            return own
+        if key in self._runs_eagerly or not self.time_shapes:
+            return None if self._runs_eagerly.get(key) else own
         timings = self._timings.setdefault(key, {})
         if "replay" not in timings:
             self._request = TimingRequest(key, "replay", tokens)
-        elif "eager" not in timings:
+            return own
+        if "eager" not in timings:
             self._request = TimingRequest(key, "eager", tokens)
             return None
-        elif "decided" not in timings:
-            per_token = {}
-            for kind in ("replay", "eager"):
-                span, counted = timings[kind]
-                milliseconds = self.clock.elapsed_ms(span)
-                if milliseconds is None:  # still running: ask again at the next batch of this shape
-                    return own
-                per_token[kind] = milliseconds / counted
-            timings["decided"] = ()
-            if per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]:
-                self._eager.add(key)
-                logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than its graph ({per_token})")
-                return None
-        return own
+        per_token = {}
+        for kind, (span, counted) in timings.items():
+            milliseconds = self.clock.elapsed_ms(span)
+            if milliseconds is None:  # still running: read again at the next batch of this shape
+                return own
+            per_token[kind] = milliseconds / counted
+        eagerly = per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]
+        self._runs_eagerly[key] = eagerly
+        del self._timings[key]
+        if eagerly:
+            logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than its graph ({per_token} ms/token)")
+        return None if eagerly else own
 
     def take_timing_request(self) -> TimingRequest | None:
         """What the call just planned (`shape_for`) should time, handed to that call once: for `run` (a replay) or

@@ -215,7 +215,7 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
     assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(None if eager else large_shape, None)] * 3
     assert timed_call(graphs, encoder, small) == ((None, None) if eager else (large_shape, None))  # hosted or not
     graphs.clear()
-    assert not graphs._timings and not graphs._eager and graphs.take_timing_request() is None
+    assert not graphs._timings and not graphs._runs_eagerly and graphs.take_timing_request() is None
     graphs.time_shapes = False
     graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
     assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(large_shape, None)] * 3

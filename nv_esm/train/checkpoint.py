@@ -469,9 +469,9 @@ def load_rng_state(folder: Path, world: Dist) -> None:
 
 
 def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Transformer Engine's per-module FP8 state (delayed scaling's amax history and scales; this rank's own: amaxes
-    are reduced only within a `--tp`/`--cp` group, not across data-parallel ranks), serialised by TE as uint8
-    tensors; empty without FP8 state."""
+    """Transformer Engine's per-module FP8 state (delayed scaling's amax history and scales, kept per rank: amaxes are
+    reduced within a `--tp`/`--cp` group where there is one, else over every rank of the run, TE's default group),
+    serialised by TE as uint8 tensors; empty without FP8 state."""
     states = {
         name: module.get_extra_state()
         for name, module in model.named_modules()

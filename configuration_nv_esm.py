@@ -40,6 +40,7 @@ LOAD_TIME_OPTIONS = (
     "offload_activations",
     "offloaded_layers",
     "recompute_mlp",
+    "cudnn_layer_norm",
     "max_protein_length",
 )
 
@@ -167,13 +168,19 @@ class NVEsmConfig(PretrainedConfig):
             is not recomputed; the PyTorch twin recomputes the whole MLP): most of a layer's activation memory
             (the two `intermediate_size` activations) for about one fc1 GEMM more per layer. Redundant with
             gradient checkpointing, which recomputes the whole layer (`nv-esm train` refuses the pair).
+        cudnn_layer_norm: Transformer Engine backend: run TE's LayerNorms (forward and backward) with cuDNN's
+            kernels, which TE otherwise uses only when `NVTE_NORM_FWD_USE_CUDNN=1` / `NVTE_NORM_BWD_USE_CUDNN=1`
+            are set before its first LayerNorm. It is TE's switch for the whole process (`nvte_enable_cudnn_norm_*`),
+            set when the model is built: LayerNorms of any TE model planned after that run cuDNN's, and setting
+            False does not switch them back. Off by default (the PyTorch backend ignores it, with a warning).
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
     `fp8_weights`, `check_inputs`, `cuda_graphs`, `gradients_reduced_after_backward`, `offload_activations`,
-    `offloaded_layers`, `recompute_mlp`, `max_protein_length`) describe the machine and the run, not the model:
-    `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an older version) is
-    read without them, with a warning for values other than the defaults. Pass them to `from_pretrained`.
+    `offloaded_layers`, `recompute_mlp`, `cudnn_layer_norm`, `max_protein_length`) describe the machine and the run,
+    not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an
+    older version) is read without them, with a warning for values other than the defaults. Pass them to
+    `from_pretrained`.
     """
 
     model_type = "nv_esm"
@@ -212,6 +219,7 @@ class NVEsmConfig(PretrainedConfig):
         offload_activations: bool = False,
         offloaded_layers: int | None = None,
         recompute_mlp: bool = False,
+        cudnn_layer_norm: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -247,6 +255,7 @@ class NVEsmConfig(PretrainedConfig):
         self.offload_activations = offload_activations
         self.offloaded_layers = offloaded_layers
         self.recompute_mlp = recompute_mlp
+        self.cudnn_layer_norm = cudnn_layer_norm
         self.tie_word_embeddings = tie_word_embeddings
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
@@ -351,6 +360,7 @@ class NVEsmConfig(PretrainedConfig):
             "gradients_reduced_after_backward",
             "offload_activations",
             "recompute_mlp",
+            "cudnn_layer_norm",
             "tie_word_embeddings",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -1,6 +1,6 @@
 """`NVEsmEncoder`: the layers and the final LayerNorm, how a batch runs through them (eager or as CUDA graphs, FP8
-regions, tensor and context parallelism, activation checkpointing and offloading), and the attention maps it hands
-out (`attention_probabilities`).
+regions, tensor and context parallelism, activation checkpointing and offloading), its state-dict hooks for TE's
+extra state and FP8 weights, and the attention maps it hands out (`attention_probabilities`).
 
 Part of the model's Hub remote code: imports the siblings below it.
 """
@@ -25,13 +25,11 @@ try:
     from .modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
-        drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
         holds_fp8_weights,
-        ignore_missing_te_extra_state,
         import_transformer_engine,
-        quantize_fp8_weights,
+        is_fp8_tensor,
         transformer_engine_available,
     )
     from .modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
@@ -53,13 +51,11 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
         Backend,
-        drop_te_extra_state,
         fp8_value,
         fp8_weights_init,
         holds_fp8_weights,
-        ignore_missing_te_extra_state,
         import_transformer_engine,
-        quantize_fp8_weights,
+        is_fp8_tensor,
         transformer_engine_available,
     )
     from modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
@@ -117,6 +113,31 @@ class ActivationOffload(FreshWhenCopied):
         self.awaiting_backward = False
 
 
+def drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required; weights held in
+    FP8 (`fp8_weights`) appear as the plain tensors of their values (`dequantize`), which any checkpoint holds."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.endswith("._extra_state"):
+            del state_dict[key]
+        elif is_fp8_tensor(state_dict[key]):
+            state_dict[key] = state_dict[key].dequantize()
+
+
+def quantize_fp8_weights(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook: the values loaded into weights held in FP8 are quantized here (`fp8_value`: scales fitted,
+    result checked), so that `load_state_dict` copies FP8 data as it is."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters(prefix=prefix.rstrip(".")):
+            if is_fp8_tensor(parameter) and torch.is_tensor(state_dict.get(name)):
+                state_dict[name] = fp8_value(parameter, state_dict[name])
+
+
+def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load hook: strict loading does not require TE's `_extra_state` entries."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if not key.endswith("._extra_state")]
+
+
 class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin, made by the `backend` object) and the final LayerNorm, and how a
     batch runs through them: `plan` lays it out (`RunLayout`) and decides graph or eager, `body` runs it.
@@ -133,6 +154,8 @@ class NVEsmEncoder(nn.Module):
         self.config = config
         self.backend = backend
         backend.check_config(config)
+        if config.cudnn_layer_norm:
+            backend.use_cudnn_layer_norm()
         self.fp8_recipe = backend.fp8_recipe(config)
         self.fp8_weight_recipes = self._fp8_weight_recipes()
         self.layers = backend.make_layers(config)

@@ -1,12 +1,13 @@
 """The encoder layers: the backend decision (`resolve_backend`, Transformer Engine imported on demand), FP8 recipes
 and weights held in FP8, the exact PyTorch twin (`NVEsmTorchLayer`), TE's `TransformerLayer` as NVEsm calls it
-(`make_te_layer`) and TE's state-dict hooks. Part of the model's Hub remote code: imports the batch, parallel,
-LoRA and kernels siblings below it.
+(`make_te_layer`) and the switch to cuDNN's LayerNorm kernels (`use_cudnn_layer_norm`). Part of the model's Hub
+remote code: imports the batch, parallel, LoRA and kernels siblings below it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import math
@@ -508,31 +509,6 @@ def runs_in_fp32(hidden_states: torch.Tensor) -> bool:
     return hidden_states.dtype == torch.float32
 
 
-def drop_te_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook: TE's `_extra_state` (FP8 scaling history) is neither saved nor required; weights held in
-    FP8 (`fp8_weights`) appear as the plain tensors of their values (`dequantize`), which any checkpoint holds."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if key.endswith("._extra_state"):
-            del state_dict[key]
-        elif is_fp8_tensor(state_dict[key]):
-            state_dict[key] = state_dict[key].dequantize()
-
-
-def quantize_fp8_weights(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Load pre-hook: the values loaded into weights held in FP8 are quantized here (`fp8_value`: scales fitted,
-    result checked), so that `load_state_dict` copies FP8 data as it is."""
-    with torch.no_grad():
-        for name, parameter in module.named_parameters(prefix=prefix.rstrip(".")):
-            if is_fp8_tensor(parameter) and torch.is_tensor(state_dict.get(name)):
-                state_dict[name] = fp8_value(parameter, state_dict[name])
-
-
-def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> None:
-    """Load hook: strict loading does not require TE's `_extra_state` entries."""
-    missing = incompatible_keys.missing_keys
-    missing[:] = [key for key in missing if not key.endswith("._extra_state")]
-
-
 class TorchBackend(str):
     """The PyTorch twin's layers (`NVEsmTorchLayer`): any device, no FP8, no CUDA graphs. One of the two backend
     objects (`resolve_backend`); the model asks its backend instead of testing a name. A `str` equal to its name
@@ -548,11 +524,17 @@ class TorchBackend(str):
         return str(self)
 
     def check_config(self, config: NVEsmConfig) -> None:
-        """Refuse what this backend cannot run (`fp8_weights`); warn about what it runs without (FP8 layers)."""
+        """Refuse what this backend cannot run (`fp8_weights`); warn about what it runs without (FP8 layers, cuDNN's
+        LayerNorm)."""
         if config.fp8_weights:
             raise ValueError("fp8_weights holds weights in Transformer Engine's FP8 tensors: needs backend='te'.")
         if config.uses_fp8:
             logger.warning_once("layer_precision asks for FP8, which needs backend='te'; running without FP8.")
+        if config.cudnn_layer_norm:
+            logger.warning_once("cudnn_layer_norm switches Transformer Engine's LayerNorm; backend='torch' ignores it.")
+
+    def use_cudnn_layer_norm(self) -> None:
+        """Run the LayerNorms of the layers with cuDNN's kernels (`config.cudnn_layer_norm`): nothing to switch here."""
 
     def fp8_recipe(self, config: NVEsmConfig) -> Any:
         """The FP8 recipe of the model's FP8 layers (None: none run in FP8)."""
@@ -613,6 +595,22 @@ class TEBackend(TorchBackend):
 
     def check_config(self, config: NVEsmConfig) -> None:
         pass
+
+    def use_cudnn_layer_norm(self) -> None:
+        """TE's own process-wide switch to cuDNN's LayerNorm kernels, forward and backward (what
+        `NVTE_NORM_FWD_USE_CUDNN=1` / `NVTE_NORM_BWD_USE_CUDNN=1` set at TE's first LayerNorm): every LayerNorm TE
+        plans from now on, in any model of the process, runs cuDNN's."""
+        import_transformer_engine()
+        library = getattr(importlib.import_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
+        switches = [getattr(library, f"nvte_enable_cudnn_norm_{stage}", None) for stage in ("fwd", "bwd")]
+        if None in switches:
+            raise ImportError(
+                "cudnn_layer_norm needs a Transformer Engine library with nvte_enable_cudnn_norm_fwd (TE 2.20 has "
+                "it); or set NVTE_NORM_FWD_USE_CUDNN=1 NVTE_NORM_BWD_USE_CUDNN=1 before the process starts."
+            )
+        for switch in switches:
+            switch.argtypes, switch.restype = [ctypes.c_bool], None
+            switch(True)
 
     def fp8_recipe(self, config: NVEsmConfig) -> Any:
         return make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None

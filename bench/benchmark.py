@@ -13,6 +13,7 @@ Variants (random weights of the ESM-2 shape):
                 (what the FSDP2 recipe does); same numerics class as autocast, fewer casts and no autocast dispatch
   nv_thd_graphs      nv_thd with cuda_graphs=True: batches padded to static shapes, layers replayed as CUDA graphs
   nv_thd_graphs_fp8  nv_thd_graphs with every layer in FP8 (DelayedScaling)
+  nv_thd_graphs_cudnn_ln  nv_thd_graphs with cudnn_layer_norm=True (cuDNN's LayerNorm kernels in TE's layers)
   te_port       the plain TE port (`te_port.py`): a `te.TransformerLayer` stack fed THD keyword arguments directly,
                 ESM-2's embedding and LM head around it, nothing else; the floor any TE port gets
 
@@ -73,6 +74,7 @@ VARIANT_CONFIGS = {
     "nv_thd_graphs": dict(cuda_graphs=True),
     "nv_thd_graphs_unchecked": dict(cuda_graphs=True, check_inputs=False),
     "nv_thd_graphs_fp8": dict(cuda_graphs=True, fp8=True),
+    "nv_thd_graphs_cudnn_ln": dict(cuda_graphs=True, cudnn_layer_norm=True),
     "nv_thd_fp8_current": dict(check_inputs=False, fp8=True, fp8_recipe="current"),
     "nv_thd_graphs_fp8_current": dict(cuda_graphs=True, fp8=True, fp8_recipe="current"),
 }

@@ -4,6 +4,7 @@ now give the right number or a one-line reason. (The protein rule: tests/test_pr
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 
@@ -46,6 +47,25 @@ def test_fp8_weights_without_fp8_layers_or_off_transformer_engine_is_refused(tmp
         NVEsmConfig(**shape, layer_precision=["fp8", None], fp8_weights="yes")
     NVEsmConfig(**shape, layer_precision=["fp8", None], fp8_weights=True).save_pretrained(tmp_path)
     assert "fp8_weights" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_cudnn_layer_norm_is_a_load_time_option_the_pytorch_backend_ignores(tmp_path, caplog):
+    """`cudnn_layer_norm` switches TE's LayerNorm kernels (tests/test_gpu.py); the twin runs torch's LayerNorm with
+    it as without it (a warning says so), and config.json never holds it."""
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    with pytest.raises(ValueError, match="cudnn_layer_norm must be True or False"):
+        NVEsmConfig(**shape, cudnn_layer_norm=1)
+    torch.manual_seed(0)
+    plain = NVEsmForMaskedLM(NVEsmConfig(**shape, backend="torch")).eval()
+    with caplog.at_level(logging.WARNING):
+        switched = NVEsmForMaskedLM(NVEsmConfig(**shape, backend="torch", cudnn_layer_norm=True)).eval()
+    assert "backend='torch' ignores it" in caplog.text
+    switched.load_state_dict(plain.state_dict())
+    input_ids = torch.tensor([[0, 5, 6, 7, 2]])
+    with torch.no_grad():
+        assert torch.equal(switched(input_ids).logits, plain(input_ids).logits)
+    switched.save_pretrained(tmp_path)
+    assert "cudnn_layer_norm" not in json.loads((tmp_path / "config.json").read_text())
 
 
 @pytest.mark.parametrize(

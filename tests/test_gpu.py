@@ -384,6 +384,41 @@ def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
             assert relative_error(b.grad, a.grad) <= 1e-2, name
 
 
+def test_cudnn_layer_norm_runs_cudnns_kernels_within_bf16_error(hf_fp32):
+    """`cudnn_layer_norm=True` switches Transformer Engine's LayerNorms, forward and backward, to cuDNN's kernels:
+    the profiler finds no TE `normalization::ln_` kernel in an eager training step, and the packed bf16 logits stay
+    within transformers' own bf16 error, as with TE's kernels. TE's switch is process-wide, so it is set back as the
+    environment has it after the test."""
+    import ctypes
+    import importlib
+    import os
+
+    library = importlib.import_module("transformer_engine.common")._TE_LIB_CTYPES
+    input_ids, attention_mask = padded_inputs(seed=131)
+    keep = attention_mask.bool()
+    proteins = random_proteins(LENGTHS, seed=131, mask_fraction=0.15)
+    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    try:
+        model = te_model(hf_fp32, cudnn_layer_norm=True)
+        with torch.no_grad():
+            reference = hf_on_gpu(hf_fp32, torch.float32)(input_ids, attention_mask=attention_mask).logits[keep]
+            hf_bf16 = hf_on_gpu(hf_fp32, torch.bfloat16)(input_ids, attention_mask=attention_mask).logits[keep]
+            logits = model(**packed).logits[0]
+        assert max_err(logits, reference) <= BF16_FACTOR * max_err(hf_bf16, reference) + BF16_FLOOR
+        trained = te_model(hf_fp32, torch.float32, cudnn_layer_norm=True, cuda_graphs=False).train()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                trained(**packed, labels=packed["input_ids"]).loss.backward()
+            torch.cuda.synchronize()
+        kernels = {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+        assert kernels and not [name for name in kernels if "normalization::ln_" in name], sorted(kernels)
+        assert all(torch.isfinite(p.grad).all() for p in trained.parameters() if p.grad is not None)
+    finally:
+        for stage in ("fwd", "bwd"):
+            from_environment = os.environ.get(f"NVTE_NORM_{stage.upper()}_USE_CUDNN", "0") == "1"
+            getattr(library, f"nvte_enable_cudnn_norm_{stage}")(ctypes.c_bool(from_environment))
+
+
 def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32, tmp_path):
     """recipes/train.py saves TE's delayed-scaling state per rank as plain data (safetensors + JSON): a model
     restored from that file quantises like the original, a model without it (fresh amax history) does not."""

@@ -248,8 +248,8 @@ class PackedRun(RunLayout):
         num_tokens: the real tokens, the first ones of the states.
         batch: the input batch (None inside a CUDA graph, which never restores).
         static_shape: padded to a CUDA graph's static shape.
-        key_mask: `[N, L]` True where the right-padded view holds a token (the twin's; made once per batch, or given
-            by a subclass whose view differs).
+        key_mask: `[N, L]` True where the right-padded view holds a token (the twin's: made at its first attention
+            view, so never on Transformer Engine's layers; or given by a subclass whose view differs).
     """
 
     def __init__(
@@ -263,9 +263,15 @@ class PackedRun(RunLayout):
     ) -> None:
         self.packed, self.rotary_angles, self.num_tokens = packed, rotary_angles, num_tokens
         self.batch, self.static_shape = batch, static_shape
-        self.key_mask = packed.key_mask() if key_mask is None else key_mask
+        self._key_mask = key_mask
         self.set_attention(self.make_attention_kwargs())
         self.qkv_rotation = self.make_qkv_rotation()
+
+    @property
+    def key_mask(self) -> torch.Tensor:
+        if self._key_mask is None:  # once per batch, by the first layer that attends in the view
+            self._key_mask = self.packed.key_mask()
+        return self._key_mask
 
     def make_attention_kwargs(self) -> dict[str, Any]:
         cu_seq_lens, max_length = self.packed.cu_seq_lens, self.packed.max_length

@@ -193,3 +193,23 @@ def test_the_per_token_indices_are_computed_once_a_forward(monkeypatch, inputs, 
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     model(**batch).logits.sum().backward()
     assert calls == {"sequence_index_of_tokens": 1, "positions_in_proteins": 1}
+
+
+def test_the_twins_key_mask_is_made_once_a_forward_and_only_where_the_twin_attends(monkeypatch):
+    """The right-padded view's key mask of a packed run (`PackedRun.key_mask`) is the twin's: made once per forward
+    by the first layer that attends in the view, however many layers there are, and not when a run layout is only
+    built, as for Transformer Engine's layers, which take `cu_seq_lens` instead."""
+    from modeling_nv_esm_batch import PackedSequences
+    from modeling_nv_esm_layout import PackedRun
+
+    calls = []
+    key_mask = PackedSequences.key_mask
+    monkeypatch.setattr(PackedSequences, "key_mask", lambda self: calls.append(1) or key_mask(self))
+    model = make_nv_model(make_hf_model("esm2_8M", seed=44)).eval()  # 6 layers
+    batch = pack_proteins(random_proteins([5, 40, 1, 17], seed=45))
+    with torch.no_grad():
+        model(**batch)
+    assert len(calls) == 1
+    cu_seq_lens = batch["cu_seq_lens_q"]
+    PackedRun(PackedSequences.right_padded(cu_seq_lens, 40, int(cu_seq_lens[-1])), None, int(cu_seq_lens[-1]))
+    assert len(calls) == 1

@@ -83,7 +83,6 @@ from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
 from nv_esm.proteingym_scoring import Assay, score_assays
 from nv_esm.rank_statistics import spearman
-from nv_esm.score import FP8_RECIPE
 from nv_esm.shapes import ESM2_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,7 +346,7 @@ def side_by_side(args, checkpoint: Path, hf_folder: Path, work: Path, subset, mu
     scores = {}
     for variant in args.variants:
         model = load_model(str(checkpoint), config, backend, VARIANTS[variant], True, device, masked_lm=True,
-                           fp8_recipe=FP8_RECIPE, progress=False)  # fmt: skip
+                           progress=False)  # fmt: skip
         ours(model)  # warm-up: graph captures, cuDNN plans
         scores[variant], seconds, peak = timed(device, ours, model)
         loop = part["transformers_loop"]["seconds"]

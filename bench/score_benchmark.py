@@ -42,7 +42,6 @@ from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm import scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
-from nv_esm.score import FP8_RECIPE
 from nv_esm.shapes import ESM2_SHAPES
 
 VARIANTS = {"nv": ("off", True), "nv_eager": ("off", False), "nv_fp8": ("all", True)}  # name: (fp8, cuda graphs)
@@ -199,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
     backend = modeling_nv_esm.resolve_backend("auto", device).name
     for name in variants:
         fp8, graphs = VARIANTS[name]
-        model = load_model(args.model, config, backend, fp8, graphs, device, masked_lm=True, fp8_recipe=FP8_RECIPE)
+        model = load_model(args.model, config, backend, fp8, graphs, device, masked_lm=True)
         options = {"max_tokens_per_batch": args.tokens_per_batch}
         scoring.pseudo_log_likelihood(model, proteins[: max(1, len(proteins) // 10)], tokenizer, **options)  # warm-up
         scoring.score_variants(model, wild_type, mutants[: max(1, len(mutants) // 10)], tokenizer, **options)

@@ -17,7 +17,14 @@ import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
 from nv_esm.checkpoint_io import checked_weight_files, read_json
-from nv_esm.embed_plan import SAVE_DTYPES, EmbedSettings, Piece, embedded_residues, pieces_of
+from nv_esm.embed_plan import (
+    COMMAND_FP8_RECIPE,
+    SAVE_DTYPES,
+    EmbedSettings,
+    Piece,
+    embedded_residues,
+    pieces_of,
+)
 from nv_esm.hub_folder import check_vocabulary, remote_code_differences
 
 
@@ -66,20 +73,19 @@ def load_model(
     device: torch.device,
     trust_remote_code: bool = False,
     masked_lm: bool = False,
-    fp8_recipe: str | None = None,
     contacts: bool = True,
     progress: bool = True,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included; with `masked_lm`, `NVEsmForMaskedLM`) of `checkpoint` on
     `device` in eval mode: bf16 weights on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend`
-    gives it; `fp8` a `FP8_LAYER_CHOICES` mode, its layers scaled by `fp8_recipe` (the config's `fp8_recipe`
-    names; None: the config's default, delayed scaling). Without the data-dependent input checks, which wait for
-    the device: the commands pack the inputs themselves from checked records. The installed package's model code
-    runs the checkpoint's weights; the checkpoint's own code only with `trust_remote_code` and where it differs
-    (`remote_code_differences`). A weight file that is not safetensors (cut off, garbage) is refused, naming it, and
-    so is a checkpoint without weights the model needs (`check_loaded_weights`: a classifier's has no LM head), which
-    would otherwise run with random ones; `contacts`: whether the command uses the contact head (else it may be
-    missing). `progress`: transformers' loading progress bar."""
+    gives it; `fp8` a `FP8_LAYER_CHOICES` mode, its layers scaled by `COMMAND_FP8_RECIPE`. Without the
+    data-dependent input checks, which wait for the device: the commands pack the inputs themselves from checked
+    records. The installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
+    `trust_remote_code` and where it differs (`remote_code_differences`). A weight file that is not safetensors (cut
+    off, garbage) is refused, naming it, and so is a checkpoint without weights the model needs
+    (`check_loaded_weights`: a classifier's has no LM head), which would otherwise run with random ones; `contacts`:
+    whether the command uses the contact head (else it may be missing). `progress`: transformers' loading progress
+    bar."""
     from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForMaskedLM
 
@@ -92,9 +98,8 @@ def load_model(
         "check_inputs": False,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "backend": backend,
+        "fp8_recipe": COMMAND_FP8_RECIPE,
     }
-    if fp8_recipe is not None:
-        options["fp8_recipe"] = fp8_recipe
     if not masked_lm:
         options["add_pooling_layer"] = False
     auto_class, installed_class = (

@@ -30,6 +30,13 @@ TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# The commands' FP8 layers take each batch's scales from its own tensors (Float8CurrentScaling), not from an amax
+# history of the batches before it (DelayedScaling, the model's default, whose first batch runs at scale 1): an
+# embedding or a score depends on the batch it is packed into, not on what ran before it (so `nv-esm embed`, which
+# packs each shard on its own, writes the same shards resumed, split over ranks or in one run).
+COMMAND_FP8_RECIPE = "current"
+
+
 @dataclass(frozen=True)
 class EmbedSettings:
     """Everything that decides the numbers written (the manifest; a rerun resumes only if they are equal)."""
@@ -45,7 +52,7 @@ class EmbedSettings:
     strip_stop: bool
     shard_size: int
     backend: str
-    fp8: str
+    fp8: str  # "off", or the FP8 layers and their scaling (`COMMAND_FP8_RECIPE`)
     save_dtype: str
 
 
@@ -232,7 +239,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         strip_stop=args.strip_stop,
         shard_size=args.shard_size,
         backend=backend.name,
-        fp8=args.fp8,
+        fp8=args.fp8 if args.fp8 == "off" else f"{args.fp8}, {COMMAND_FP8_RECIPE} scaling",
         save_dtype=args.save_dtype,
     )
     return settings, records

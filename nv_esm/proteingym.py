@@ -47,7 +47,7 @@ from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_p
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, check_assay, run_plans
-from nv_esm.score import FP8_RECIPE, load_tokenizer, read_csv
+from nv_esm.score import load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
 PROTEINGYM_FOLDER = OutputFolder(
@@ -376,7 +376,6 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             device,
             args.trust_remote_code,
             masked_lm=True,
-            fp8_recipe=FP8_RECIPE,
             contacts=False,
             progress=not args.no_progress,
         )

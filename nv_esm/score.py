@@ -21,8 +21,9 @@ whole groups of rows changing the same positions, so each group is one forward),
 `OUTPUT.parts/part-NNNNN.csv` beside the output (with `manifest.json`: the settings and fingerprints of the weights and
 inputs). A rerun with the same settings computes only the missing parts (under torchrun, split over the ranks);
 other settings are refused unless `--overwrite`. Rank 0 writes OUTPUT when every part is there and removes the parts;
-an existing OUTPUT is replaced only with `--overwrite`. `--fp8` layers run with current scaling (`FP8_RECIPE`): a
-batch's FP8 scales come from its own tensors, so a part's scores do not depend on the parts run before it.
+an existing OUTPUT is replaced only with `--overwrite`. `--fp8` layers run with current scaling
+(`embed_plan.COMMAND_FP8_RECIPE`): a batch's FP8 scales come from its own tensors, so a part's scores do not depend
+on the parts run before it.
 """
 
 from __future__ import annotations
@@ -91,9 +92,6 @@ PLL_COLUMNS = ("pll", "pseudo_perplexity")
 STATUS_COLUMN = "status"
 DEFAULT_SCORE_COLUMN = "DMS_score"
 DEFAULT_METHODS = ["masked_marginal"]
-# FP8 scales of each batch from that batch's own tensors (Float8CurrentScaling), not from an amax history of the
-# batches before it (DelayedScaling, the model's default): a score does not depend on what ran before it.
-FP8_RECIPE = "current"
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -167,7 +165,7 @@ class ScoreSettings:
     shard_size: int
     precision: str
     backend: str
-    fp8: str  # layers in FP8 (scaled by `FP8_RECIPE`)
+    fp8: str  # layers in FP8 (scaled by `embed_plan.COMMAND_FP8_RECIPE`)
     # Not here: --tokens-per-batch only packs the same copies differently (scores move by rounding: bf16, or a
     # batch's FP8 scales), and a rerun after running out of memory must be able to lower it.
 
@@ -332,7 +330,6 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
             device,
             args.trust_remote_code,
             masked_lm=True,
-            fp8_recipe=FP8_RECIPE,
             contacts=False,
             progress=not args.no_progress,
         )

@@ -537,6 +537,32 @@ def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8)
         assert agreement.min() >= 0.9999
 
 
+def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path):
+    """`nv-esm embed --fp8 all` scales each batch from its own tensors (`COMMAND_FP8_RECIPE`), so the last shard,
+    embedded again first by a resumed run, holds the same numbers, bit for bit, as when two shards ran before it
+    (delayed scaling would take its scales from those). Eager, so that both runs pack the shard alike (a graph
+    captured for an earlier shard may hold its batches, padded)."""
+    hf = make_hf_model("esm2_8M", seed=142)
+    assert convert_checkpoint.main(["hf-to-te", str(save_hf(hf, tmp_path / "hf")), str(tmp_path / "nv")]) == 0
+    proteins = random_proteins([300, 3, 129, 40, 500, 64], seed=143)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(
+        "".join(f">p{i}\n{''.join(ESM_VOCAB[t] for t in p[1:-1].tolist())}\n" for i, p in enumerate(proteins))
+    )
+    command = [str(tmp_path / "nv"), str(fasta), str(tmp_path / "out"), "--fp8", "all", "--shard-size", "2"]
+    command += ["--no-cuda-graphs", "--no-progress"]
+    assert embed.main(command) == 0
+    first = dict(embed.iter_embeddings(tmp_path / "out"))
+    for path in (tmp_path / "out").glob("embeddings-00002.safetensors*"):  # the last shard, as if never written
+        path.unlink()
+    (tmp_path / "out" / "index.tsv").unlink()
+    assert embed.main(command) == 0
+    again = dict(embed.iter_embeddings(tmp_path / "out"))
+    assert first.keys() == again.keys() == {f"p{i}" for i in range(6)}
+    for name in first:
+        assert all(torch.equal(first[name][key], again[name][key]) for key in first[name]), name
+
+
 @pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
 def test_stock_peft_lora_on_te_matches_transformers_and_merges(hf_fp32, attn_input_format):
     """Stock PEFT LoRA on query/key/value/dense (attention and MLP) on TE layers: in fp32 the adapted TE model

@@ -170,8 +170,9 @@ class NVEsmConfig(PretrainedConfig):
             gradient checkpointing, which recomputes the whole layer (`nv-esm train` refuses the pair).
         cudnn_layer_norm: Transformer Engine backend: run TE's LayerNorms (forward and backward) with cuDNN's
             kernels, which TE otherwise uses only when `NVTE_NORM_FWD_USE_CUDNN=1` / `NVTE_NORM_BWD_USE_CUDNN=1`
-            are set before its first LayerNorm. It is TE's switch for the whole process (`nvte_enable_cudnn_norm_*`),
-            set when the model is built: LayerNorms of any TE model planned after that run cuDNN's, and setting
+            are set before its first LayerNorm. It is TE's switch for the whole process (its
+            `nvte_enable_cudnn_norm_*` flags and those variables), set when the model is built: from then on every
+            TE LayerNorm of any model runs cuDNN's (CUDA graphs captured before keep what they captured), and
             False does not switch them back. Off by default (the PyTorch backend ignores it, with a warning).
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 

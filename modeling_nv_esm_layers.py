@@ -11,6 +11,7 @@ import ctypes
 import functools
 import importlib
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -597,9 +598,10 @@ class TEBackend(TorchBackend):
         pass
 
     def use_cudnn_layer_norm(self) -> None:
-        """TE's own process-wide switch to cuDNN's LayerNorm kernels, forward and backward (what
-        `NVTE_NORM_FWD_USE_CUDNN=1` / `NVTE_NORM_BWD_USE_CUDNN=1` set at TE's first LayerNorm): every LayerNorm TE
-        plans from now on, in any model of the process, runs cuDNN's."""
+        """Switch TE's LayerNorms, forward and backward, in any model of the process, to cuDNN's kernels: TE's own
+        flags (`nvte_enable_cudnn_norm_fwd/bwd`, which `NVTE_NORM_FWD_USE_CUDNN` / `NVTE_NORM_BWD_USE_CUDNN` set at
+        TE's first LayerNorm), and those variables, which TE's PyTorch extension reads at each LayerNorm of an FP8
+        layer under current scaling."""
         import_transformer_engine()
         library = getattr(importlib.import_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
         switches = [getattr(library, f"nvte_enable_cudnn_norm_{stage}", None) for stage in ("fwd", "bwd")]
@@ -611,6 +613,7 @@ class TEBackend(TorchBackend):
         for switch in switches:
             switch.argtypes, switch.restype = [ctypes.c_bool], None
             switch(True)
+        os.environ.update(NVTE_NORM_FWD_USE_CUDNN="1", NVTE_NORM_BWD_USE_CUDNN="1")
 
     def fp8_recipe(self, config: NVEsmConfig) -> Any:
         return make_fp8_recipe(config.fp8_recipe) if config.uses_fp8 else None

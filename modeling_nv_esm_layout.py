@@ -109,9 +109,10 @@ class AttentionView:
 class RunLayout:
     """How the layers run one batch: built once per forward, read by every layer. A plain object, not a dataclass:
     FSDP2 casts the floating tensors of a dataclass argument to its compute dtype (`cast_forward_inputs`), which
-    would turn the float32 rotary angles into bf16 (errors up to 2 radians at position 600). Everything a layer
-    reads is made when the layout is built (no lazily cached attribute: `torch.compile` would break or recompile
-    around it).
+    would turn the float32 rotary angles into bf16 (errors up to 2 radians at position 600). What a layer reads is
+    made when the layout is built, but for the twin's key mask of a packed run (`PackedRun.key_mask`, made by the
+    first layer that attends in the padded view, so never for Transformer Engine's layers): `torch.compile` traces
+    the first layer, which makes it, and the others, which read it, as two graphs.
 
     Attributes (every subclass):
         rotary_angles: `[L, head_dim]` float32 angles for positions `0..L-1` of the run layout (None only in a

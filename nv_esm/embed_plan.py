@@ -30,10 +30,11 @@ TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-# The commands' FP8 layers take each batch's scales from its own tensors (Float8CurrentScaling), not from an amax
-# history of the batches before it (DelayedScaling, the model's default, whose first batch runs at scale 1): an
-# embedding or a score depends on the batch it is packed into, not on what ran before it (so `nv-esm embed`, which
-# packs each shard on its own, writes the same shards resumed, split over ranks or in one run).
+# The commands' FP8 layers take each batch's scales from its own tensors (Float8CurrentScaling). Not delayed
+# scaling (the model's default): TE updates its scales from the amax history only in forwards with gradients, so
+# inference would run every batch at the initial scale 1. An embedding or a score depends on the batch it is packed
+# into and on nothing that ran before it (`nv-esm embed` packs each shard on its own: resumed, split over ranks or
+# in one run, it writes the same shards).
 COMMAND_FP8_RECIPE = "current"
 
 

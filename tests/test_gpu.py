@@ -13,6 +13,7 @@ floor for the differing kernel order). Transformer Engine's fused GELU is the ta
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -384,21 +385,36 @@ def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
             assert relative_error(b.grad, a.grad) <= 1e-2, name
 
 
-def test_cudnn_layer_norm_runs_cudnns_kernels_within_bf16_error(hf_fp32):
+def test_cudnn_layer_norm_runs_cudnns_kernels_within_bf16_error(hf_fp32, monkeypatch):
     """`cudnn_layer_norm=True` switches Transformer Engine's LayerNorms, forward and backward, to cuDNN's kernels:
-    the profiler finds no TE `normalization::ln_` kernel in an eager training step, and the packed bf16 logits stay
-    within transformers' own bf16 error, as with TE's kernels. TE's switch is process-wide, so it is set back as the
-    environment has it after the test."""
+    an eager training step that runs TE's `normalization::ln_` kernels without it runs none with it, and the packed
+    bf16 logits stay within transformers' own bf16 error, as with TE's kernels. The switch is process-wide (TE's
+    flags and environment variables): both are set back as they were after the test."""
     import ctypes
-    import importlib
     import os
 
     library = importlib.import_module("transformer_engine.common")._TE_LIB_CTYPES
+    names = {stage: f"NVTE_NORM_{stage.upper()}_USE_CUDNN" for stage in ("fwd", "bwd")}
+    before = {stage: os.environ.get(name, "0") == "1" for stage, name in names.items()}
+    for name in names.values():
+        monkeypatch.setenv(name, os.environ.get(name, "0"))  # monkeypatch puts the environment back afterwards
     input_ids, attention_mask = padded_inputs(seed=131)
     keep = attention_mask.bool()
     proteins = random_proteins(LENGTHS, seed=131, mask_fraction=0.15)
     packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+
+    def te_layer_norm_kernels(model: NVEsmForMaskedLM) -> list[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(**packed, labels=packed["input_ids"]).loss.backward()
+            torch.cuda.synchronize()
+        kernels = {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+        assert kernels
+        return [name for name in kernels if "normalization::ln_" in name]
+
     try:
+        if not any(before.values()):  # without the switch, the step runs TE's kernels, found by their names
+            assert te_layer_norm_kernels(te_model(hf_fp32, torch.float32, cuda_graphs=False).train())
         model = te_model(hf_fp32, cudnn_layer_norm=True)
         with torch.no_grad():
             reference = hf_on_gpu(hf_fp32, torch.float32)(input_ids, attention_mask=attention_mask).logits[keep]
@@ -406,17 +422,11 @@ def test_cudnn_layer_norm_runs_cudnns_kernels_within_bf16_error(hf_fp32):
             logits = model(**packed).logits[0]
         assert max_err(logits, reference) <= BF16_FACTOR * max_err(hf_bf16, reference) + BF16_FLOOR
         trained = te_model(hf_fp32, torch.float32, cudnn_layer_norm=True, cuda_graphs=False).train()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                trained(**packed, labels=packed["input_ids"]).loss.backward()
-            torch.cuda.synchronize()
-        kernels = {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
-        assert kernels and not [name for name in kernels if "normalization::ln_" in name], sorted(kernels)
+        assert not te_layer_norm_kernels(trained)
         assert all(torch.isfinite(p.grad).all() for p in trained.parameters() if p.grad is not None)
     finally:
-        for stage in ("fwd", "bwd"):
-            from_environment = os.environ.get(f"NVTE_NORM_{stage.upper()}_USE_CUDNN", "0") == "1"
-            getattr(library, f"nvte_enable_cudnn_norm_{stage}")(ctypes.c_bool(from_environment))
+        for stage, enabled in before.items():
+            getattr(library, f"nvte_enable_cudnn_norm_{stage}")(ctypes.c_bool(enabled))
 
 
 def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32, tmp_path):
@@ -537,11 +547,14 @@ def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8)
         assert agreement.min() >= 0.9999
 
 
-def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path):
-    """`nv-esm embed --fp8 all` scales each batch from its own tensors (`COMMAND_FP8_RECIPE`), so the last shard,
-    embedded again first by a resumed run, holds the same numbers, bit for bit, as when two shards ran before it
-    (delayed scaling would take its scales from those). Eager, so that both runs pack the shard alike (a graph
-    captured for an earlier shard may hold its batches, padded)."""
+def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path, monkeypatch):
+    """`nv-esm embed --fp8 all` runs its FP8 layers with current scaling (`COMMAND_FP8_RECIPE`: each batch scaled
+    from its own tensors; delayed scaling would stay at scale 1 in inference), and the last shard, embedded again
+    first by a resumed run, holds the same numbers, bit for bit, as when two shards ran before it. Eager, so that
+    both runs pack the shard alike (a graph captured for an earlier shard may hold its batches, padded)."""
+    recipe_module = importlib.import_module("transformer_engine.common.recipe")
+    loaded, load_model = [], embed.load_model
+    monkeypatch.setattr(embed, "load_model", lambda *a, **k: loaded.append(load_model(*a, **k)) or loaded[-1])
     hf = make_hf_model("esm2_8M", seed=142)
     assert convert_checkpoint.main(["hf-to-te", str(save_hf(hf, tmp_path / "hf")), str(tmp_path / "nv")]) == 0
     proteins = random_proteins([300, 3, 129, 40, 500, 64], seed=143)
@@ -552,6 +565,7 @@ def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path):
     command = [str(tmp_path / "nv"), str(fasta), str(tmp_path / "out"), "--fp8", "all", "--shard-size", "2"]
     command += ["--no-cuda-graphs", "--no-progress"]
     assert embed.main(command) == 0
+    assert isinstance(loaded[0].base_model.encoder.fp8_recipe, recipe_module.Float8CurrentScaling)
     first = dict(embed.iter_embeddings(tmp_path / "out"))
     for path in (tmp_path / "out").glob("embeddings-00002.safetensors*"):  # the last shard, as if never written
         path.unlink()

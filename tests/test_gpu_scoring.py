@@ -65,8 +65,8 @@ def test_bf16_scores_are_as_close_to_fp32_as_transformers_bf16(cuda_graphs, capt
 
 def test_fp8_scores_do_not_depend_on_the_batches_before():
     """`nv-esm score --fp8` (every layer FP8 with `COMMAND_FP8_RECIPE`, current scaling): a scan's scores are the
-    same, bit for bit, before and after other batches ran (delayed scaling would scale them from those batches'
-    amax history), and stay near the fp32 reference (FP8's error: a loose bound, the premise here is the
+    same, bit for bit, before and after other batches ran (each batch is scaled from its own tensors), and stay near
+    the fp32 reference (FP8's error: a loose bound, the premise here is the
     independence). Eager, so that both runs take the same path (a first-use capture runs its batch eagerly, later
     batches replay)."""
     from nv_esm.embed_plan import COMMAND_FP8_RECIPE

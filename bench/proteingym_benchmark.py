@@ -32,10 +32,11 @@ assays once: 4.95e7 tokens for the 187 distinct wild types of the 217 rows; 5.75
 ESM-2 shape with random weights (`--shape`, seed 0, `random_checkpoint.py`), or `--model` (an NVEsm folder).
 
 Timed: `python -m nv_esm proteingym CHECKPOINT REFERENCE ASSAYS OUT --methods masked-marginals` as a subprocess, per
-variant: `bf16` (the command's default: bf16, CUDA graphs on Transformer Engine; on the CPU, fp32) and `fp8`
-(`--fp8 all`). Wall time from process start to exit (imports, model load, scoring, the assays' files, the summary
-and its plots), tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS;
-and, from the command's own last line, rank 0's seconds of set-up (assays read, model loaded) and of scoring.
+variant: `bf16` (the command's default: bf16, CUDA graphs on Transformer Engine; on the CPU, fp32), `fp8`
+(`--fp8 all`, block scaling: the command's default) and `fp8_current` (`--fp8 all --fp8-scaling current`). Wall
+time from process start to exit (imports, model load, scoring, the assays' files, the summary and its plots),
+tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS; and, from the
+command's own last line, rank 0's seconds of set-up (assays read, model loaded) and of scoring.
 
 Side by side, on `--baseline-wild-types` K (3) distinct wild types under 1,022 residues drawn at random (seed):
 - ProteinGym's loop (their baselines/esm/compute_fitness.py, masked-marginals: the tokens `<cls>` + wild type +
@@ -87,7 +88,11 @@ from nv_esm.shapes import ESM2_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "esm2_tiny"
-VARIANTS = {"bf16": "off", "fp8": "all"}  # name: the command's --fp8
+VARIANTS = {
+    "bf16": ("off", "block"),
+    "fp8": ("all", "block"),
+    "fp8_current": ("all", "current"),
+}  # --fp8, --fp8-scaling
 WINDOW_TOKENS = 1024  # ESM-2's window: ProteinGym's model_window, and the longest protein of the baseline + 2
 QUICK_ROWS = 3
 MODEL_NAME = "bench"  # the command's --model-name: its score column
@@ -198,7 +203,8 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
     output = folder / (f"out_{variant}" if gpus == 1 else f"out_{variant}_{gpus}gpu")
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"] if gpus > 1 else []
     command = [sys.executable, *launcher, "-m", "nv_esm", "proteingym", str(checkpoint), str(folder / "reference.csv"),
-               str(folder / "assays"), str(output), "--methods", "masked-marginals", "--fp8", VARIANTS[variant],
+               str(folder / "assays"), str(output), "--methods", "masked-marginals", "--fp8", VARIANTS[variant][0],
+               "--fp8-scaling", VARIANTS[variant][1],
                "--tokens-per-batch", str(args.tokens_per_batch), "--no-progress",
                "--model-name", MODEL_NAME]  # fmt: skip
     if args.device_given:
@@ -345,8 +351,9 @@ def side_by_side(args, checkpoint: Path, hf_folder: Path, work: Path, subset, mu
     backend = modeling_nv_esm.resolve_backend("auto", device).name
     scores = {}
     for variant in args.variants:
-        model = load_model(str(checkpoint), config, backend, VARIANTS[variant], True, device, masked_lm=True,
-                           progress=False)  # fmt: skip
+        fp8, fp8_scaling = VARIANTS[variant]
+        model = load_model(str(checkpoint), config, backend, fp8, True, device, masked_lm=True, progress=False,
+                           fp8_scaling=fp8_scaling)  # fmt: skip
         ours(model)  # warm-up: graph captures, cuDNN plans
         scores[variant], seconds, peak = timed(device, ours, model)
         loop = part["transformers_loop"]["seconds"]
@@ -421,8 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     args.device_given = args.device is not None  # else the command picks its own default device too
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.variants = list(dict.fromkeys(args.variants or ["bf16"]))
-    if "fp8" in args.variants and args.device == "cpu":
-        parser.error("--variants fp8 needs a CUDA device")
+    if any(VARIANTS[v][0] != "off" for v in args.variants) and args.device == "cpu":
+        parser.error("--variants fp8 and fp8_current need a CUDA device")
     if args.quick:
         args.baseline_wild_types = min(args.baseline_wild_types, 2)
     if args.model is None and args.shape is None:
@@ -490,10 +497,10 @@ def print_table(summary: dict) -> None:
     load = summary["workload"]
     print(f"{summary['device']}, {summary['model']}: {load['assays']} assays, {load['distinct_wild_types']} wild types,"
           f" {load['masked_copies']:,} masked copies, {load['tokens']:,} tokens")  # fmt: skip
-    print(f"{'variant':<8} {'seconds':>9} {'tokens/s':>11} {'GPU GB':>7} {'full file s':>11}")
+    print(f"{'variant':<11} {'seconds':>9} {'tokens/s':>11} {'GPU GB':>7} {'full file s':>11}")
     for name, v in summary["variants"].items():
         gpu = "-" if v["peak_gpu_gb"] is None else f"{v['peak_gpu_gb']:.1f}"
-        print(f"{name:<8} {v['seconds']:>9.1f} {v['tokens_per_s']:>11,.0f} {gpu:>7} "
+        print(f"{name:<11} {v['seconds']:>9.1f} {v['tokens_per_s']:>11,.0f} {gpu:>7} "
               f"{v['projected_full_reference_seconds']:>11.0f}")  # fmt: skip
     base = summary.get("baseline")
     if base:

@@ -18,9 +18,9 @@ Shard `embeddings-00000.safetensors` holds, for the proteins it embedded (in fil
 `hidden_states` does: 0 the embedding output, `num_hidden_layers` the last (final LayerNorm applied).
 `iter_embeddings(folder)` reads them back.
 
-Precision: bf16 weights and autocast on CUDA, fp32 on the CPU; `--fp8` runs Transformer Engine FP8 layers and
-the layers replay as CUDA graphs on Transformer Engine (the model's `cuda_graphs` default; other layers than the
-last, and contacts, run eagerly; `--no-cuda-graphs` runs all eagerly).
+Precision: bf16 weights and autocast on CUDA, fp32 on the CPU; `--fp8` runs Transformer Engine FP8 layers (block
+scaling unless `--fp8-scaling current`), and the layers replay as CUDA graphs on Transformer Engine (the model's
+`cuda_graphs` default; other layers than the last, and contacts, run eagerly; `--no-cuda-graphs` runs all eagerly).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ from nv_esm.embed_output import (
 )
 from nv_esm.embed_output import iter_embeddings as iter_embeddings  # the reader of the command's folders (README)
 from nv_esm.embed_plan import (
+    COMMAND_FP8_RECIPE,
+    FP8_SCALINGS,
     OUTPUTS,
     SAVE_DTYPES,
     TOO_LONG_POLICIES,
@@ -119,15 +121,23 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def add_run_arguments(
-    parser: argparse.ArgumentParser, graphs_note: str, fp8_help: str = "FP8 layers (Transformer Engine on CUDA)"
-) -> None:
-    """The options `nv-esm embed` and `nv-esm score` share: the token budget, the backend and its FP8 layers
-    (`fp8_help`) and CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
+def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:
+    """The options `nv-esm embed`, `score` and `proteingym` share: the token budget, the backend, its FP8 layers and
+    their scaling, CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
     `--trust-remote-code` and `--no-progress`."""
     parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
-    parser.add_argument("--fp8", choices=FP8_LAYER_CHOICES, default="off", help=fp8_help)
+    parser.add_argument(
+        "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA): all or inner"
+    )
+    parser.add_argument(
+        "--fp8-scaling",
+        choices=FP8_SCALINGS,
+        default=COMMAND_FP8_RECIPE,
+        help="the FP8 layers' scaling: block (default; one scale per 128 features of each token, so a protein's "
+        "numbers do not depend on the proteins batched with it) or current (one scale per tensor from the batch: "
+        "faster; a protein's numbers move with its batch)",
+    )
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
             graphs,
             device,
             args.trust_remote_code,
+            fp8_scaling=args.fp8_scaling,
             contacts="contacts" in settings.include,
             progress=not args.no_progress,
         )

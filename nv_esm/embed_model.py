@@ -75,10 +75,11 @@ def load_model(
     masked_lm: bool = False,
     contacts: bool = True,
     progress: bool = True,
+    fp8_scaling: str = COMMAND_FP8_RECIPE,
 ) -> torch.nn.Module:
     """The base model (`NVEsmModel`, contact head included; with `masked_lm`, `NVEsmForMaskedLM`) of `checkpoint` on
     `device` in eval mode: bf16 weights on CUDA, fp32 on the CPU. `backend` as `modeling_nv_esm.resolve_backend`
-    gives it; `fp8` a `FP8_LAYER_CHOICES` mode, its layers scaled by `COMMAND_FP8_RECIPE`. Without the
+    gives it; `fp8` a `FP8_LAYER_CHOICES` mode, its layers scaled by `fp8_scaling` (an `FP8_SCALINGS` name). Without the
     data-dependent input checks, which wait for the device: the commands pack the inputs themselves from checked
     records. The installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
     `trust_remote_code` and where it differs (`remote_code_differences`). A weight file that is not safetensors (cut
@@ -98,7 +99,7 @@ def load_model(
         "check_inputs": False,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "backend": backend,
-        "fp8_recipe": COMMAND_FP8_RECIPE,
+        "fp8_recipe": fp8_scaling,
     }
     if not masked_lm:
         options["add_pooling_layer"] = False

@@ -30,12 +30,19 @@ TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-# The commands' FP8 layers take each batch's scales from its own tensors (Float8CurrentScaling). Not delayed
-# scaling (the model's default): TE updates its scales from the amax history only in forwards with gradients, so
-# inference would run every batch at the initial scale 1. An embedding or a score depends on the batch it is packed
-# into and on nothing that ran before it (`nv-esm embed` packs each shard on its own: resumed, split over ranks or
-# in one run, it writes the same shards).
-COMMAND_FP8_RECIPE = "current"
+# The commands' FP8 scaling (`--fp8-scaling`). Block scaling by default (Float8BlockScaling: one scale per 128 features
+# of each token's activations, per 128 x 128 block of a weight): a token's FP8 values depend on that token alone, so
+# an embedding or a score does not depend on the proteins packed beside it, nor on anything that ran before.
+# Current scaling (one scale per tensor, from the batch's own tensors) is the faster option; its numbers move with
+# the other proteins of a batch. Never delayed scaling (the model's default): TE updates its scales from the amax
+# history only in forwards with gradients, so inference would run every batch at the initial scale 1.
+FP8_SCALINGS = ("block", "current")
+COMMAND_FP8_RECIPE = "block"
+
+
+def fp8_setting(fp8: str, fp8_scaling: str) -> str:
+    """What a manifest records of `--fp8` and `--fp8-scaling`: "off", or e.g. "all, block scaling"."""
+    return fp8 if fp8 == "off" else f"{fp8}, {fp8_scaling} scaling"
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class EmbedSettings:
     strip_stop: bool
     shard_size: int
     backend: str
-    fp8: str  # "off", or the FP8 layers and their scaling (`COMMAND_FP8_RECIPE`)
+    fp8: str  # `fp8_setting`: "off", or the FP8 layers and their scaling
     save_dtype: str
 
 
@@ -240,7 +247,7 @@ def plan_run(args: argparse.Namespace, config: Any, device: torch.device) -> tup
         strip_stop=args.strip_stop,
         shard_size=args.shard_size,
         backend=backend.name,
-        fp8=args.fp8 if args.fp8 == "off" else f"{args.fp8}, {COMMAND_FP8_RECIPE} scaling",
+        fp8=fp8_setting(args.fp8, args.fp8_scaling),
         save_dtype=args.save_dtype,
     )
     return settings, records

@@ -43,7 +43,7 @@ from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
-from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision
+from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, check_assay, run_plans
@@ -97,11 +97,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
         help="the score columns' name (ProteinGym's config.json reads e.g. esm2_t33_650M_UR50D; default: the "
         "checkpoint folder's name)",
     )
-    add_run_arguments(
-        parser,
-        "every forward of masked copies",
-        "FP8 layers (Transformer Engine on CUDA), with current scaling: each batch is scaled from its own tensors",
-    )
+    add_run_arguments(parser, "every forward of masked copies")
     args = parser.parse_args(argv)
     args.methods = tuple(dict.fromkeys(args.methods))
     args.model_name = args.model_name or Path(args.checkpoint.rstrip("/")).name
@@ -130,7 +126,7 @@ class ProteinGymSettings:
     columns: tuple[str, ...]
     precision: str
     backend: str
-    fp8: str
+    fp8: str  # `fp8_setting`
 
 
 @dataclass
@@ -362,7 +358,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             columns=args.columns,
             precision=command_precision(device),
             backend=command_backend(args, device).name,
-            fp8=args.fp8,
+            fp8=fp8_setting(args.fp8, args.fp8_scaling),
         )
         check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
         barrier(world_size)  # every rank has read OUT before rank 0 changes it
@@ -375,6 +371,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             args.cuda_graphs is not False,
             device,
             args.trust_remote_code,
+            fp8_scaling=args.fp8_scaling,
             masked_lm=True,
             contacts=False,
             progress=not args.no_progress,

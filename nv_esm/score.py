@@ -21,9 +21,9 @@ whole groups of rows changing the same positions, so each group is one forward),
 `OUTPUT.parts/part-NNNNN.csv` beside the output (with `manifest.json`: the settings and fingerprints of the weights and
 inputs). A rerun with the same settings computes only the missing parts (under torchrun, split over the ranks);
 other settings are refused unless `--overwrite`. Rank 0 writes OUTPUT when every part is there and removes the parts;
-an existing OUTPUT is replaced only with `--overwrite`. `--fp8` layers run with current scaling
-(`embed_plan.COMMAND_FP8_RECIPE`): a batch's FP8 scales come from its own tensors, so a part's scores do not depend
-on the parts run before it.
+an existing OUTPUT is replaced only with `--overwrite`. `--fp8` layers run with block scaling by default
+(`embed_plan.COMMAND_FP8_RECIPE`): a token's FP8 scales come from that token alone, so a score depends neither on the
+parts run before it nor on the copies packed beside it (`--fp8-scaling current`: one scale per tensor of a batch).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from nv_esm.embed_plan import (
     checkpoint_fingerprint,
     command_backend,
     command_precision,
+    fp8_setting,
     records_by_shard,
     scan_fasta,
     text_lines,
@@ -130,12 +131,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument(
         "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
     )
-    add_run_arguments(
-        parser,
-        "every forward of masked copies",
-        "FP8 layers (Transformer Engine on CUDA), with current scaling: each batch is scaled from its own tensors, "
-        "so a score does not depend on the batches run before it",
-    )
+    add_run_arguments(parser, "every forward of masked copies")
     args = parser.parse_args(argv)
     if args.mutants is None and (args.methods is not DEFAULT_METHODS or args.score_column):
         parser.error("--methods and --score-column score mutants: pass --mutants CSV")
@@ -165,7 +161,7 @@ class ScoreSettings:
     shard_size: int
     precision: str
     backend: str
-    fp8: str  # layers in FP8 (scaled by `embed_plan.COMMAND_FP8_RECIPE`)
+    fp8: str  # `fp8_setting`: the FP8 layers and their scaling
     # Not here: --tokens-per-batch only packs the same copies differently (scores move by rounding: bf16, or a
     # batch's FP8 scales), and a rerun after running out of memory must be able to lower it.
 
@@ -202,7 +198,7 @@ def plan_job(args: argparse.Namespace, config: Any, device: torch.device, window
         shard_size=args.shard_size,
         precision=command_precision(device),
         backend=backend.name,
-        fp8=args.fp8,
+        fp8=fp8_setting(args.fp8, args.fp8_scaling),
     )
     if args.mutants is None:
         statuses = [_record_status(record.status) for record in records]
@@ -329,6 +325,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
             graphs,
             device,
             args.trust_remote_code,
+            fp8_scaling=args.fp8_scaling,
             masked_lm=True,
             contacts=False,
             progress=not args.no_progress,

@@ -548,8 +548,8 @@ def test_embed_command_on_te_matches_transformers_and_model_embed(tmp_path, fp8)
 
 
 def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path, monkeypatch):
-    """`nv-esm embed --fp8 all` runs its FP8 layers with current scaling (`COMMAND_FP8_RECIPE`: each batch scaled
-    from its own tensors; delayed scaling would stay at scale 1 in inference), and the last shard, embedded again
+    """`nv-esm embed --fp8 all` runs its FP8 layers with block scaling (`COMMAND_FP8_RECIPE`: each token scaled on
+    its own; delayed scaling would stay at scale 1 in inference), and the last shard, embedded again
     first by a resumed run, holds the same numbers, bit for bit, as when two shards ran before it. Eager, so that
     both runs pack the shard alike (a graph captured for an earlier shard may hold its batches, padded)."""
     recipe_module = importlib.import_module("transformer_engine.common.recipe")
@@ -565,7 +565,7 @@ def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path, monkeypatch):
     command = [str(tmp_path / "nv"), str(fasta), str(tmp_path / "out"), "--fp8", "all", "--shard-size", "2"]
     command += ["--no-cuda-graphs", "--no-progress"]
     assert embed.main(command) == 0
-    assert isinstance(loaded[0].base_model.encoder.fp8_recipe, recipe_module.Float8CurrentScaling)
+    assert isinstance(loaded[0].base_model.encoder.fp8_recipe, recipe_module.Float8BlockScaling)
     first = dict(embed.iter_embeddings(tmp_path / "out"))
     for path in (tmp_path / "out").glob("embeddings-00002.safetensors*"):  # the last shard, as if never written
         path.unlink()

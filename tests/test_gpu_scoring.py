@@ -18,7 +18,7 @@ import torch
 from test_scoring import random_mutants, random_sequence, reference_per_position, reference_score
 from transformers import EsmTokenizer
 
-from conftest import GPU_MARKS, TINY_CHECKPOINT, make_hf_model, make_nv_model
+from conftest import GPU_MARKS, TINY_CHECKPOINT, make_hf_model, make_nv_model, pack_batch, random_proteins
 from nv_esm import scoring
 
 pytestmark = GPU_MARKS
@@ -64,8 +64,8 @@ def test_bf16_scores_are_as_close_to_fp32_as_transformers_bf16(cuda_graphs, capt
 
 
 def test_fp8_scores_do_not_depend_on_the_batches_before():
-    """`nv-esm score --fp8` (every layer FP8 with `COMMAND_FP8_RECIPE`, current scaling): a scan's scores are the
-    same, bit for bit, before and after other batches ran (each batch is scaled from its own tensors), and stay near
+    """`nv-esm score --fp8` (every layer FP8 with `COMMAND_FP8_RECIPE`, block scaling): a scan's scores are the
+    same, bit for bit, before and after other batches ran (each token is scaled on its own), and stay near
     the fp32 reference (FP8's error: a loose bound, the premise here is the
     independence). Eager, so that both runs take the same path (a first-use capture runs its batch eagerly, later
     batches replay)."""
@@ -93,3 +93,40 @@ def test_fp8_scores_do_not_depend_on_the_batches_before():
     assert torch.equal(first, again)
     expected = torch.tensor([reference_score(hf_fp32, wild_type, m, "masked_marginal", 10**6) for m in mutants])
     assert (first - expected).abs().max().item() < 1.0
+
+
+def test_command_fp8_keeps_a_proteins_log_probabilities_whatever_is_packed_beside_it():
+    """Block scaling (`COMMAND_FP8_RECIPE`: one scale per 128 features of a token's activations, per 128 x 128
+    block of a weight) quantizes each token on its own, so a protein's log-probabilities alone and packed beside a
+    longer protein differ only as bf16 does (the GEMMs' other row count may change their kernels): at most twice
+    the bf16 model's own difference, plus 2e-3. The positive control: under current scaling (one scale per tensor,
+    from the whole batch) the neighbour moves them by FP8 rounding, more than twice as far as under block scaling.
+    Eager: both batches take the same path."""
+    from nv_esm.embed_plan import COMMAND_FP8_RECIPE
+
+    hf_fp32 = make_hf_model("esm2_8M", seed=304)
+    layers = hf_fp32.config.num_hidden_layers
+    protein, neighbour = random_proteins([70, 400], seed=305, mask_fraction=0.15)
+    moved = {}
+    for name, precision, recipe in (
+        ("bf16", None, "delayed"),
+        ("block", ["fp8"] * layers, COMMAND_FP8_RECIPE),
+        ("current", ["fp8"] * layers, "current"),
+    ):
+        model = make_nv_model(
+            hf_fp32, backend="te", layer_precision=precision, fp8_recipe=recipe, cuda_graphs=False, check_inputs=False
+        )
+        model = model.to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            log_probs = [
+                model(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(batch).items()})
+                .logits[0, : len(protein)]
+                .float()
+                .log_softmax(-1)
+                for batch in ([protein], [protein, neighbour])
+            ]
+        moved[name] = (log_probs[0] - log_probs[1]).abs().max().item()
+    print(f"\n[a protein alone vs beside another] max |log p difference|: {moved}")
+    assert COMMAND_FP8_RECIPE == "block"
+    assert moved["block"] <= 2 * moved["bf16"] + 2e-3
+    assert moved["current"] > 2 * moved["block"]

@@ -833,18 +833,23 @@ def test_the_command_writes_utf8_under_an_ascii_locale(checkpoint, tmp_path):
     assert [row["r\u00e9sum\u00e9"] for row in rows] == ["caf\u00e9 \u0394G", ""]
 
 
-def test_the_commands_load_fp8_layers_with_current_scaling(checkpoint, tmp_path, monkeypatch):
-    """`nv-esm score` (and `nv-esm embed` and `nv-esm proteingym`, through `load_model`) ask for Float8CurrentScaling
-    (each batch scaled from its own tensors; delayed scaling, the config's default, would make a batch's numbers
-    depend on the batches before it, through the amax history). The recipe runs only on a GPU (tests/test_gpu.py)."""
+def test_the_commands_load_fp8_layers_with_block_scaling_unless_asked_for_current(checkpoint, tmp_path, monkeypatch):
+    """`nv-esm score` (and `nv-esm embed` and `nv-esm proteingym`, through `load_model`) ask for Float8BlockScaling
+    (`COMMAND_FP8_RECIPE`: each token scaled on its own; delayed scaling, the config's default, would run inference
+    at scale 1), or Float8CurrentScaling with `--fp8-scaling current`, and the manifest names the scaling. The
+    recipes run only on a GPU (tests/test_gpu.py, tests/test_gpu_scoring.py)."""
     from nv_esm import embed_model, embed_plan
 
     loaded, real_load = [], score.load_model
     monkeypatch.setattr(score, "load_model", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
     fasta = write_fasta(tmp_path / "in.fasta", [("p", "MKVL")])
     assert run_score(checkpoint, fasta, tmp_path / "pll.csv", *CPU) == 0
-    assert loaded[0].config.fp8_recipe == embed_plan.COMMAND_FP8_RECIPE == "current"
+    assert run_score(checkpoint, fasta, tmp_path / "current.csv", *CPU, "--fp8-scaling", "current") == 0
+    assert [model.config.fp8_recipe for model in loaded] == [embed_plan.COMMAND_FP8_RECIPE, "current"]
+    assert embed_plan.COMMAND_FP8_RECIPE == "block"
     config = load_config(str(checkpoint))
     assert config.fp8_recipe == "delayed"  # the model's own default, which the commands do not take
     embedding = embed_model.load_model(str(checkpoint), config, "torch", "off", False, torch.device("cpu"))
-    assert embedding.config.fp8_recipe == "current"
+    assert embedding.config.fp8_recipe == "block"
+    assert embed_plan.fp8_setting("off", "block") == "off"
+    assert embed_plan.fp8_setting("inner", "current") == "inner, current scaling"

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from test_recipe_train import DEMO_FASTA, SECONDARY_STRUCTURE, mlm_args, run_recipe
 
+from configuration_nv_esm import NVEsmConfig
 from conftest import ROOT, pad_batch
+from modeling_nv_esm import sequence_loss, token_loss
 from nv_esm.conversion import convert_nv_to_hf
 from nv_esm.data import Holdout, MLMStream
 from nv_esm.rank_statistics import auroc, average_ranks, spearman
@@ -94,10 +96,13 @@ def brute_regression(predictions: torch.Tensor, targets: torch.Tensor) -> dict:
     }
 
 
-def assert_metrics_close(logged: dict, expected: dict, rel: float) -> None:
+def assert_metrics_close(logged: dict, expected: dict, rel: float, loss_rel: float | None = None) -> None:
+    """`loss_rel`: the tolerance of `val_loss` and `val_rmse` where it differs from `rel` (the heads' losses run in
+    fp32)."""
     assert set(logged) == set(expected), (logged, expected)
     for key, value in expected.items():
-        assert logged[key] == (None if value is None else pytest.approx(value, rel=rel, abs=1e-12)), key
+        tolerance = loss_rel if key in ("val_loss", "val_rmse") and loss_rel is not None else rel
+        assert logged[key] == (None if value is None else pytest.approx(value, rel=tolerance, abs=1e-12)), key
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -129,9 +134,14 @@ def test_classification_and_regression_metrics_match_their_definitions(num_class
     logits = torch.randn(80, num_classes, generator=generator) * 2
     labels = torch.randint(0, num_classes, (80,), generator=generator)
     labels[labels == num_classes - 1] = 0  # a class never labelled: out of AUROC's mean, in F1's when predicted
-    assert_metrics_close(classification_metrics(logits, labels), brute_classification(logits, labels), rel=1e-9)
+    config = NVEsmConfig(num_labels=num_classes, problem_type="single_label_classification")
+    for loss in (token_loss(logits, labels), sequence_loss(logits, labels, config)):  # the heads' cross-entropy
+        logged = classification_metrics(logits, labels, loss.item())
+        assert_metrics_close(logged, brute_classification(logits, labels), rel=1e-9, loss_rel=1e-6)
     predictions, targets = torch.randn(50, generator=generator), torch.randn(50, generator=generator).round()
-    assert_metrics_close(regression_metrics(predictions, targets), brute_regression(predictions, targets), rel=1e-9)
+    loss = sequence_loss(predictions, targets, NVEsmConfig(num_labels=1)).item()  # the regression head's
+    logged = regression_metrics(predictions, targets, loss)
+    assert_metrics_close(logged, brute_regression(predictions, targets), rel=1e-9, loss_rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------------------

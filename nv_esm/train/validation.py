@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from modeling_nv_esm import token_loss
+from modeling_nv_esm import sequence_loss, token_loss
 from nv_esm.alphabet import CLS, EOS
 from nv_esm.data import IGNORE_INDEX, Batches, ClassificationStream, Holdout, MLMStream, PackedBatch, pack_batch
 from nv_esm.rank_statistics import auroc, spearman
@@ -117,9 +116,11 @@ def evaluate(
     gathered: list[Any] = [None] * world.world_size
     dist.all_gather_object(gathered, local)
     outputs, labels = (torch.cat(parts) for parts in zip(*(part for part in gathered if part is not None)))
+    # the head's own loss (as training computes it, in fp32), averaged over the scored residues or proteins
+    head_loss = token_loss(outputs, labels) if task == "token" else sequence_loss(outputs, labels, model.config)
     if regression:
-        return regression_metrics(outputs, labels)
-    return classification_metrics(outputs, labels)
+        return regression_metrics(outputs, labels, head_loss.item())
+    return classification_metrics(outputs, labels, head_loss.item())
 
 
 @contextlib.contextmanager
@@ -180,8 +181,9 @@ def mlm_metrics(loss_sum: float, correct: float, count: float) -> dict[str, floa
     }
 
 
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
-    """Cross-entropy, accuracy, macro F1 and AUROC of `logits [n, C]` against class ids `labels [n]`.
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, loss: float) -> dict[str, float | None]:
+    """The head's `loss` (cross-entropy), and accuracy, macro F1 and AUROC of `logits [n, C]` against class ids
+    `labels [n]`.
 
     Macro F1 averages the F1 of every class that occurs in the labels or the predictions. AUROC: of class 1's
     probability for two classes, else the mean one-vs-rest AUROC over the classes with positives and negatives
@@ -198,7 +200,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
     areas = [auroc(probabilities[:, label].cpu(), (labels == label).cpu()) for label in classes]
     areas = [area for area in areas if area is not None]
     return {
-        "val_loss": F.cross_entropy(logits, labels).item(),
+        "val_loss": loss,
         "val_accuracy": (predictions == labels).double().mean().item(),
         "val_f1_macro": sum(f1) / len(f1),
         "val_auroc": sum(areas) / len(areas) if areas else None,
@@ -206,12 +208,12 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
     }
 
 
-def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float | None]:
-    """Mean squared error, its square root and Spearman's rank correlation of `predictions [n]` and `targets [n]`."""
-    error = ((predictions.double() - targets.double()) ** 2).mean().item()
+def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor, loss: float) -> dict[str, float | None]:
+    """The head's `loss` (mean squared error), its square root and Spearman's rank correlation of `predictions [n]`
+    and `targets [n]`."""
     return {
-        "val_loss": error,
-        "val_rmse": math.sqrt(error),
+        "val_loss": loss,
+        "val_rmse": math.sqrt(loss),
         "val_spearman": spearman(predictions.double().cpu(), targets.double().cpu()),
         "val_count": targets.numel(),
     }

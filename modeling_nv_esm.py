@@ -244,12 +244,12 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         afterwards: each rank holds part of each layer."""
         self.base_model.encoder.enable_tensor_parallel(RankGroup.of(tp_group))
 
-    def reduce_partial_gradients(self) -> None:
+    def reduce_partial_gradients(self, averaged: bool = False) -> None:
         """Under tensor or context parallelism, after backward: sum over the group the layer gradients that each
         rank computed from its own tokens only (`NVEsmEncoder.partial_gradients`), so every rank holds the whole
-        gradient. Not needed when a wrapper already reduces them over the group, but FSDP2 or DDP over the
-        context-parallel ranks average them: multiply by the group size instead (the recipe does)."""
-        self.base_model.encoder.reduce_partial_gradients()
+        gradient. `averaged=True` where a wrapper (FSDP2 or DDP over the context-parallel ranks) already averaged
+        them over the group: they are multiplied by the group's size instead."""
+        self.base_model.encoder.reduce_partial_gradients(averaged)
 
     def enable_context_parallel(self, cp_group: Any) -> None:
         """Run the encoder layers across the ranks of the `torch.distributed` process group `cp_group`

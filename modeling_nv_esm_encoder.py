@@ -423,10 +423,14 @@ class NVEsmEncoder(nn.Module):
                 grads.append(parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad)
         return ranks, grads
 
-    def reduce_partial_gradients(self) -> None:
-        """Sum the `partial_gradients` over their group (one all-reduce)."""
+    def reduce_partial_gradients(self, averaged: bool = False) -> None:
+        """Sum the `partial_gradients` over their group (one all-reduce); `averaged`: a wrapper (FSDP2, DDP) already
+        averaged them over the group's ranks, so they are multiplied by the group's size instead."""
         ranks, grads = self.partial_gradients()
         if not grads:
+            return
+        if averaged:
+            torch._foreach_mul_(grads, float(ranks.size))
             return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         torch.distributed.all_reduce(flat, group=ranks.group)

@@ -253,21 +253,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def complete_gradients(model: nn.Module, world: Dist) -> None:
     """Complete, after the step's backwards, the layer gradients that each rank computed from its own tokens only
-    (`NVEsmEncoder.partial_gradients`). With `--cp`, FSDP2 averaged them over the "cp" ranks, where their sum is
-    the gradient: they are multiplied by C. With `--tp` ("tp" is not in FSDP2's mesh), they are summed over the
-    group (`reduce_partial_gradients`). Embeddings, heads and split parameters are whole already. Ranks holding
-    whole models first average all gradients over the ranks (`average_gradients`), as FSDP2 would."""
+    (`NVEsmEncoder.reduce_partial_gradients`): with `--cp`, FSDP2 (or `average_gradients`) averaged them over the
+    "cp" ranks, where their sum is the gradient; with `--tp` ("tp" is not in FSDP2's mesh), they are summed over
+    the group. Embeddings, heads and split parameters are whole already. Ranks holding whole models first average
+    all gradients over the ranks (`average_gradients`), as FSDP2 would."""
     if world.replicated:
         average_gradients(model, world.world_size)
     if world.ranks_per_batch == 1:
         return
     for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):
-        if world.cp_size > 1:
-            _, grads = encoder.partial_gradients()
-            if grads:
-                torch._foreach_mul_(grads, float(world.cp_size))
-        else:
-            encoder.reduce_partial_gradients()
+        encoder.reduce_partial_gradients(averaged=world.cp_size > 1)
 
 
 # About the bytes of gradients in one all-reduce: `average_gradients`' layer buckets, `all_reduce_gradients`' buckets.

@@ -144,7 +144,7 @@ def test_every_bad_record_is_listed_in_one_error_before_the_model_loads(checkpoi
         assert line.startswith(f"  {message}"), (line, message)
     assert not (tmp_path / "out").exists()
 
-    # the file: a stop mark, then an empty record, then a good one; all said at once
+    # a file with several faults: a stop mark, then an empty record, then a good one; all said at once
     fasta = write_fasta(tmp_path / "three.fasta", [("a", "MKV*"), ("b", ""), ("c", "MKJ"), ("d", "MKVL")])
     for run, output in ((run_embed, tmp_path / "embedded"), (run_score, tmp_path / "scores.csv")):
         assert run(checkpoint, fasta, output, *CPU) == 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 4 (H100, fresh machine): the 650M speed table from one run (plain TE port, ours eager / graphs /
+# H100: the 650M speed table from one run (plain TE port, ours eager / graphs /
 # FP8 graphs, transformers) with the graph decision taken before the input checks' sync, then the GPU suite without
 # the recipe tests (-n 12).
 set -u

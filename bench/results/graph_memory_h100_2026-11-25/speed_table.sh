@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 5 (H100, fresh machine): the 650M speed table from one run (plain TE port, ours graphs /
+# H100: the 650M speed table from one run (plain TE port, ours graphs /
 # graphs FP8 / eager), nothing else on the GPU.
 set -u
 start=$(date +%s)

@@ -2,7 +2,7 @@
 # 4 x H100: the whole test suite (its 2-GPU tests included), then weak scaling of 650M at 16k tokens per GPU.
 # From the repository root:
 #   source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1
-#   bash bench/results/scale_h100x4_650M_2026-11-27/call1.sh
+#   bash bench/results/scale_h100x4_650M_2026-11-27/suite_and_scale16.sh
 set -u
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nvidia-smi topo -m > $OUT/topo.txt

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 2 (H100): the recipe tests (the rest of the GPU suite), then the 650M speed table (README).
+# H100: the recipe tests (the rest of the GPU suite), then the 650M speed table (README).
 set -u
 CALL_START=$(date +%s)
 start=$(date +%s)

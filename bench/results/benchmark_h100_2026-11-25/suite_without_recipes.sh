@@ -1,6 +1,6 @@
 #!/bin/bash
-# Call 6 (H100): the GPU suite without the recipe tests (-n 12), each test's cached GPU memory given
-# back after it (tests/conftest.py); call 4's run of it failed one test beside a worker holding 32.8 GB.
+# H100: the GPU suite without the recipe tests (-n 12), each test's cached GPU memory given
+# back after it (tests/conftest.py); its run in speed_repeat_and_suite/ failed one test beside a worker holding 32.8 GB.
 set -u
 start=$(date +%s)
 tests=$(ls tests/test_*.py | grep -v test_recipe_)

@@ -1,10 +1,10 @@
 #!/bin/bash
-# 4 x H100, after the fixes of call 1's failures: the GPU tests that failed there (and their files), a repeat of
+# 4 x H100, after the fixes of the failures in suite_and_scale16.log: the GPU tests that failed there (and their files), a repeat of
 # 650M at 16k tokens per GPU (1 GPU vs 4 replicated), and TE context parallelism's logits per mode and lengths
 # (bench/cp_modes.py) with TE's default attention backend and with each of flash / fused forced.
 # From the repository root:
 #   source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1
-#   bash bench/results/scale_h100x4_650M_2026-11-27/call3.sh
+#   bash bench/results/scale_h100x4_650M_2026-11-27/retest_cp_modes_repeat.sh
 set -u
 start=$(date +%s)
 mkdir -p $OUT/r
@@ -22,4 +22,4 @@ timeout $(( 420 - ($(date +%s) - start) )) python bench/recipe_checks.py scale -
 echo "scale16 repeat rc=$? $(( $(date +%s) - start )) s"
 cp /tmp/scale16r/*.json $OUT/r/ 2>/dev/null
 for f in /tmp/scale16r/*.log; do tail -n 3 $f > $OUT/r/tail_$(basename $f); done
-cd $OUT && tar czf call3.tgz r && rm -rf r
+cd $OUT && tar czf retest_cp_modes_repeat.tgz r && rm -rf r

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 4 (H100): the GPU suite without the recipe tests on the training-only warm-up routing, then the
+# H100: the GPU suite without the recipe tests on the training-only warm-up routing, then the
 # 650M speed table (README) from one run: plain TE port, ours eager / graphs / graphs FP8, transformers.
 set -u
 CALL_START=$(date +%s)

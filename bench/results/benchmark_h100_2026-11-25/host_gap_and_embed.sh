@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 2 (H100, fresh machine): where graphed 650M steps at 64 proteins leave the GPU idle (host time
+# H100: where graphed 650M steps at 64 proteins leave the GPU idle (host time
 # from the input-check sync to the graph launch, with Python stacks; checked vs unchecked), then `nv-esm embed` vs
 # the transformers loop (650M, 10k proteins).
 set -u

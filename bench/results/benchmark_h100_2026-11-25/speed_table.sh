@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 7 (H100, the machine of calls 4-6): the 650M speed table again from one run (call 4's was cut by
+# H100 (the machine of speed_repeat_and_suite/): the 650M speed table again from one run (that one was cut by
 # its timeout in the transformers variant before it wrote its JSON): plain TE port, ours graphs / FP8 graphs / eager.
 set -u
 start=$(date +%s)

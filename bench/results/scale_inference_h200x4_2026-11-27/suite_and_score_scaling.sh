@@ -1,6 +1,6 @@
-# 4-GPU machine (the one of callA, warm), from the repository root (carry [".gpu"]): the whole suite again with
-# each test's result as it ends (callA's run was cut at 270 s with one failure unnamed), then embed on 4 GPUs and
-# score on 1/2/4 (callA's inference step ran out of time after embed on 1 and 2).
+# 4-GPU machine (the one of warmup_scaling_profile.sh), from the repository root (with .gpu/): the whole suite again
+# with each test's result as it ends (that run was cut at 270 s with one failure unnamed), then embed on 4 GPUs and
+# score on 1/2/4 (its inference step stopped at its time limit after embed on 1 and 2).
 source .gpu/activate.sh
 export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1
 start=$(date +%s); left() { echo $(( $1 - ($(date +%s) - start) )); }

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Call 1 (H100, fresh machine, tree e8c860e): 3B training at 16 proteins against the
+# H100, tree e8c860e: 3B training at 16 proteins against the
 # plain TE port (eager, graphs, FP8 graphs), then per-kernel-kind traces of 650M at 64 proteins (port, graphs,
 # FP8 graphs; train and infer). Nothing else on the GPU.
-# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/benchmark_h100_2026-11-25/call1.sh
+# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/benchmark_h100_2026-11-25/train_3B_and_profile.sh
 set -u
 CALL_START=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

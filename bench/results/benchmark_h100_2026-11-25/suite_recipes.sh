@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 5 (H100): the recipe tests of the GPU suite (-n 12), each test's cached GPU memory given back
+# H100: the recipe tests of the GPU suite (-n 12), each test's cached GPU memory given back
 # after it (tests/conftest.py).
 set -u
 start=$(date +%s)

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Call 1 (H100): the 3B graph-memory experiment, then the GPU suite without the recipe tests.
-# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/graph_memory_h100_2026-11-25/call1.sh
+# H100: the 3B graph-memory experiment, then the GPU suite without the recipe tests.
+# Run as: source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1; bash bench/results/graph_memory_h100_2026-11-25/graph_memory_3B_and_suite.sh
 set -u
 CALL_START=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 3 (H100): the graphed 650M inference step's host work at 64 proteins, piece by piece (the
+# H100: the graphed 650M inference step's host work at 64 proteins, piece by piece (the
 # graph checks' module walk now without nn.Module.modules()), with cProfile; checked and unchecked.
 set -u
 start=$(date +%s)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 3 (H100): the whole GPU suite on the warm-up-in-pool commit, in two parts.
+# H100: the whole GPU suite on the warm-up-in-pool commit, in two parts.
 set -u
 CALL_START=$(date +%s)
 tests=$(ls tests/test_*.py | grep -v test_recipe_)

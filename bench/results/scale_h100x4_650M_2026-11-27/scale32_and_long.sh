@@ -2,7 +2,7 @@
 # 4 x H100: weak scaling of 650M at 32k tokens per GPU, then context parallelism on 32k- and 64k-token proteins.
 # From the repository root:
 #   source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1
-#   bash bench/results/scale_h100x4_650M_2026-11-27/call2.sh
+#   bash bench/results/scale_h100x4_650M_2026-11-27/scale32_and_long.sh
 set -u
 start=$(date +%s)
 timeout 250 python bench/recipe_checks.py scale --shape 650M --budgets 32768 --steps 50 --gpus 4 \

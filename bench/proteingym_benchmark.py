@@ -1,28 +1,24 @@
 """`nv-esm proteingym` end to end over ProteinGym's 217 wild types, against ProteinGym's own ESM scoring loop.
 
-    # here, once (the file is not committed; bench/data/ is git-ignored and travels with run's carry):
-    mkdir -p bench/data && git -C /work/.mirror/OATML-Markslab+ProteinGym/repo \
-        show HEAD:reference_files/DMS_substitutions.csv > bench/data/DMS_substitutions.csv
-    # on one H100, one call each (run's carry: [".gpu", "bench/data"]; each under the 10-minute limit):
-    source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH
+    # the reference file (not committed; bench/data/ is git-ignored), from a clone of OATML-Markslab/ProteinGym:
+    mkdir -p bench/data && git -C PROTEINGYM_CLONE show HEAD:reference_files/DMS_substitutions.csv \
+        > bench/data/DMS_substitutions.csv
+    # on one H100 (with Transformer Engine importable; OUT a folder):
     python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \
-        --variants bf16 --checkpoint-cache /tmp/pg --out $OUT/proteingym_650M_bf16.json
+        --variants bf16 fp8 fp8_current --checkpoint-cache /tmp/pg --out OUT/proteingym_650M.json
+    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 20 \
+        --variants bf16 fp8 --baseline-wild-types 2 --checkpoint-cache /tmp/pg --out OUT/proteingym_3B.json
+    # on 1, 2 and 4 GPUs of one machine (the command under torchrun on more than one):
     python bench/proteingym_benchmark.py --shape 650M --reference bench/data/DMS_substitutions.csv \
-        --variants fp8 --checkpoint-cache /tmp/pg --out $OUT/proteingym_650M_fp8.json
-    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 20 \
-        --variants bf16 --baseline-wild-types 2 --checkpoint-cache /tmp/pg --out $OUT/proteingym_3B_bf16.json
-    # if device time is left, on the same warm machine (the cached checkpoint):
-    python bench/proteingym_benchmark.py --shape 3B --reference bench/data/DMS_substitutions.csv --limit 20 \
-        --variants fp8 --baseline-wild-types 2 --checkpoint-cache /tmp/pg --out $OUT/proteingym_3B_fp8.json
+        --variants bf16 --gpus 1 2 4 --baseline-wild-types 0 --checkpoint-cache /tmp/pg --out OUT/proteingym_gpus.json
     # a small run, also on the CPU (the bundled tiny checkpoint, the 3 shortest wild types):
     python bench/proteingym_benchmark.py --quick --reference bench/data/DMS_substitutions.csv --out /tmp/pg.json
 
 Expected (650M ~3e5 tokens/s in bf16 on an H100, bench/results/score_h100_2026-11-25; 3B ~4.4x its FLOPs per
-token): 650M, all 217 rows (4.95e7 tokens): the command ~3-4 minutes, the call ~6 minutes (random checkpoint
-~1 minute, unless the cache of an earlier call on the same warm machine has it; side-by-side ~1 minute). 3B: the
-whole file would take ~12-14 minutes, over one call's 10, so `--limit 20` (7.3e6 tokens, the first 20 rows) and
-the JSON's `projected_full_reference_seconds` (the whole file's tokens at the run's tokens/s, start-up included,
-so an upper bound); the call ~8 minutes (checkpoint ~3, the command ~2.5, side by side ~2); the fp8 call ~5.
+token): 650M, all 217 rows (4.95e7 tokens): the command ~3 minutes per variant (random checkpoint ~1 minute unless
+`--checkpoint-cache` has it; side by side ~1 minute). 3B: the whole file takes ~12-14 minutes, so `--limit 20`
+(7.3e6 tokens, the first 20 rows) and the JSON's `projected_full_reference_seconds` (the whole file's tokens at the
+run's tokens/s, start-up included, so an upper bound); checkpoint ~3 minutes, the command ~2.5, side by side ~2.
 
 Workload: every row of `--reference` (ProteinGym's reference_files/DMS_substitutions.csv; `--limit N`: the first N
 rows) gets a stand-in assay in ProteinGym's layout (`mutant`, `mutated_sequence`, `DMS_score`, `DMS_score_bin`):

@@ -282,15 +282,17 @@ def residue_token_mask(
 
 def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
     """`[T, hidden]` packed states -> `[N, hidden]`: the `<cls>` state (`pooling="cls"`), or the mean over the
-    residues (`"mean"`; `<cls>`/`<eos>` excluded). No boolean indexing, so nothing waits for the device."""
+    residues (`"mean"`; `<cls>`/`<eos>` excluded), in `states`' dtype. No boolean indexing, so nothing waits for the
+    device. The sums are differences of a float64 running sum (a scan), not atomic adds (`index_add_` on CUDA), so a
+    protein's mean is the same, bit for bit, in every run and whatever else its batch holds."""
     if pooling == "cls":
         return states[cu_seq_lens[:-1].long()]
-    sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
-    is_residue = residue_token_mask(cu_seq_lens, states.shape[0], sequence_index)
-    lengths = cu_seq_lens.diff().long()
-    sums = torch.zeros(len(lengths), states.shape[1], device=states.device, dtype=states.dtype)
-    sums.index_add_(0, sequence_index, torch.where(is_residue[:, None], states, 0))
-    return sums / (lengths - 2).clamp_min(1)[:, None]
+    is_residue = residue_token_mask(cu_seq_lens, states.shape[0])
+    running = torch.where(is_residue[:, None], states, 0).double().cumsum(0)
+    running = torch.cat([running.new_zeros(1, states.shape[1]), running])
+    bounds = cu_seq_lens.long()
+    sums = running[bounds[1:]] - running[bounds[:-1]]
+    return (sums / (bounds.diff() - 2).clamp_min(1)[:, None]).to(states.dtype)
 
 
 @dataclass

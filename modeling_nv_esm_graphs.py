@@ -168,10 +168,11 @@ class StaticShapeGraphs(FreshWhenCopied):
     (`WarmUpInPool`), not beside it. A capture that runs out of GPU memory frees every graph, their memory pool and
     the shared weight-gradient buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
 
-    A captured inference shape is timed once each way (`CudaEventClock`): its first replay after the capture, then
-    one batch of it run eagerly. When the eager run took `eager_margin` less time per token, the GPU was busy enough
-    that the graph saved no launch time and its padding cost more: the shape runs eagerly from then on (and hosts no
-    other batch), so graphs stay on only where they are faster.
+    An inference shape that replays (in its own graph, or padded in a larger one that hosts it) is timed once each
+    way (`CudaEventClock`): its first replay, then one batch of it run eagerly. When the eager run took
+    `eager_margin` less time per token of the batch, the GPU was busy enough that the graph saved no launch time and
+    its padding cost more: the shape runs eagerly from then on (and, if captured, hosts no other batch), so graphs
+    stay on only where they are faster.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
@@ -231,6 +232,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         key = (*own, *mode)
         if encoder.training:  # training: captured at first use
             return own
+        if self._runs_eagerly.get(key):  # timed: faster eagerly, unpadded
+            return None
         if key in self._graphs:
             return self._timed_choice(key, own, packed.num_tokens)
         captured = [
@@ -242,23 +245,26 @@ class StaticShapeGraphs(FreshWhenCopied):
         if host is not None:
             padding = self._padding.get(key, 0) + host[0] - own[0]
             if padding <= self.padding_before_capture * host[0]:
-                self._padding[key] = padding
-                return host
+                choice = self._timed_choice(key, host, packed.num_tokens)
+                if choice is not None:  # padded into the host (not its eager timing run)
+                    self._padding[key] = padding
+                return choice
             return own  # its padding has cost about a capture: capture its own shape
         self._uses[key] = self._uses.get(key, 0) + 1
         return own if self._uses[key] >= self.capture_at_use else None
 
-    def _timed_choice(self, key: tuple, own: tuple[int, int, int], tokens: int) -> tuple[int, int, int] | None:
-        """A captured inference shape: replay it (the first replay timed), run one batch of it eagerly (timed), then
-        replay it or run it eagerly for good, whichever took less time per token (`eager_margin`)."""
-        if self._graphs[key] is None:
+    def _timed_choice(self, key: tuple, shape: tuple[int, int, int], tokens: int) -> tuple[int, int, int] | None:
+        """An inference shape (`key`) that replays in the captured graph of `shape` (its own, or a larger one that
+        hosts it): replay it (the first replay timed), run one batch of it eagerly (timed), then replay it or run it
+        eagerly for good, whichever took less time per token of the batch (`eager_margin`)."""
+        if self._graphs.get(key, shape) is None:  # its own capture failed
             return None
         if key in self._runs_eagerly or not self.time_shapes:
-            return None if self._runs_eagerly.get(key) else own
+            return None if self._runs_eagerly.get(key) else shape
         timings = self._timings.setdefault(key, {})
         if "replay" not in timings:
             self._request = TimingRequest(key, "replay", tokens)
-            return own
+            return shape
         if "eager" not in timings:
             self._request = TimingRequest(key, "eager", tokens)
             return None
@@ -266,14 +272,14 @@ class StaticShapeGraphs(FreshWhenCopied):
         for kind, (span, counted) in timings.items():
             milliseconds = self.clock.elapsed_ms(span)
             if milliseconds is None:  # still running: read again at the next batch of this shape
-                return own
+                return shape
             per_token[kind] = milliseconds / counted
         eagerly = per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]
         self._runs_eagerly[key] = eagerly
         del self._timings[key]
         if eagerly:
             logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than its graph ({per_token} ms/token)")
-        return None if eagerly else own
+        return None if eagerly else shape
 
     def take_timing_request(self) -> TimingRequest | None:
         """What the call just planned (`shape_for`) should time, handed to that call once: for `run` (a replay) or

@@ -134,9 +134,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None
         "--fp8-scaling",
         choices=FP8_SCALINGS,
         default=COMMAND_FP8_RECIPE,
-        help="the FP8 layers' scaling: block (default; one scale per 128 features of each token, so a protein's "
-        "numbers do not depend on the proteins batched with it) or current (one scale per tensor from the batch: "
-        "faster; a protein's numbers move with its batch)",
+        help="the FP8 layers' scaling: block (one scale per 128 features of each token, so a protein's numbers do "
+        "not depend on the proteins batched with it) or current (one scale per tensor from the batch: faster; a "
+        "protein's numbers move with its batch)",
     )
     parser.add_argument(
         "--cuda-graphs",

@@ -153,6 +153,12 @@ class PackedSequences:
                 self._sequence_index = sequence_index_of_tokens(self.cu_seq_lens, self.num_tokens)
         return self._sequence_index
 
+    def computed_indices(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`sequence_index`, `positions`) where both are computed already, else None; computes nothing."""
+        if self._sequence_index is None or self._positions is None:
+            return None
+        return self._sequence_index, self._positions
+
     @property
     def positions(self) -> torch.Tensor:
         """`[T]` each packed token's position in its protein, 0 at its first token (computed on first use)."""

@@ -52,13 +52,24 @@ def pad_packed(
 ) -> tuple[torch.Tensor, PackedSequences]:
     """Pad `[T, hidden]` to `[tokens, hidden]` with zero tokens in dummy proteins of at most `max_length` tokens
     each (`dummy_proteins`), then empty proteins (`cu_seq_lens` repeats its last entry) up to `slots` proteins in
-    all. The one padding of packed batches: FP8's and tensor parallelism's token multiples, CUDA graphs' shapes."""
+    all. The one padding of packed batches: FP8's and tensor parallelism's token multiples, CUDA graphs' shapes.
+    The per-token indices `packed` has computed already are extended to the padding, not computed again."""
     num_sequences = packed.cu_seq_lens.numel() - 1
     hidden_states = F.pad(hidden_states, (0, 0, 0, tokens - packed.num_tokens))
-    extra_slots = torch.arange(1, slots - num_sequences + 1, device=packed.cu_seq_lens.device)
+    device = packed.cu_seq_lens.device
+    extra_slots = torch.arange(1, slots - num_sequences + 1, device=device)
     ends = (packed.num_tokens + extra_slots * max_length).clamp_max(tokens).to(torch.int32)
     cu_seq_lens = torch.cat([packed.cu_seq_lens.to(torch.int32), ends])
-    return hidden_states, PackedSequences.right_padded(cu_seq_lens, max_length, tokens)
+    indices = {}
+    computed = packed.computed_indices()
+    if computed is not None:  # the dummy proteins' tokens: max_length each, the last one shorter
+        sequence_index, positions = computed
+        padding = torch.arange(tokens - packed.num_tokens, device=device)
+        indices = {
+            "sequence_index": torch.cat([sequence_index, (num_sequences + padding // max_length).to(sequence_index)]),
+            "positions": torch.cat([positions, (padding % max_length).to(positions)]),
+        }
+    return hidden_states, PackedSequences.right_padded(cu_seq_lens, max_length, tokens, **indices)
 
 
 def pad_packed_to_multiple(
@@ -266,7 +277,8 @@ class PackedRun(RunLayout):
         self.batch, self.static_shape = batch, static_shape
         self._key_mask = key_mask
         self.set_attention(self.make_attention_kwargs())
-        self.qkv_rotation = self.make_qkv_rotation()
+        # a static shape replays a graph, which rotates with the positions it computes inside (`StaticShapeLayers`)
+        self.qkv_rotation = None if static_shape else self.make_qkv_rotation()
 
     @property
     def key_mask(self) -> torch.Tensor:

@@ -195,6 +195,45 @@ def test_the_per_token_indices_are_computed_once_a_forward(monkeypatch, inputs, 
     assert calls == {"sequence_index_of_tokens": 1, "positions_in_proteins": 1}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_a_packing_extends_its_per_token_indices_instead_of_computing_them(monkeypatch, seed):
+    """`pad_packed` (FP8's and tensor parallelism's token multiples, CUDA graphs' static shapes) gives the padded
+    packing the source's per-token indices extended over the dummy proteins, computing none anew: they equal what
+    the padded packing would compute for itself. A source that has not computed them passes nothing on."""
+    import modeling_nv_esm_batch
+    from modeling_nv_esm_batch import PackedSequences
+    from modeling_nv_esm_graphs import static_shape
+    from modeling_nv_esm_layout import pad_packed, pad_packed_to_multiple
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(generator, int(torch.randint(1, 12, (), generator=generator)), longest=300)
+    cu_seq_lens = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    tokens = int(cu_seq_lens[-1])
+    calls = []
+    for name in ("sequence_index_of_tokens", "positions_in_proteins"):
+        real = getattr(modeling_nv_esm_batch, name)
+        monkeypatch.setattr(
+            modeling_nv_esm_batch, name, lambda *a, real=real, name=name: calls.append(name) or real(*a)
+        )
+    for pad in (
+        lambda states, packed: pad_packed(states, packed, *static_shape(tokens, len(lengths), max(lengths))),
+        lambda states, packed: pad_packed_to_multiple(states, packed, 16),
+    ):
+        source = PackedSequences.right_padded(cu_seq_lens, max(lengths), tokens)
+        _, untouched = pad_packed(torch.zeros(tokens, 4), source, tokens + 3, len(lengths) + 1, 3)
+        assert untouched.computed_indices() is None and not calls
+        assert source.positions.numel() == tokens  # computed, as the input checks do
+        calls.clear()
+        states, padded = pad(torch.zeros(tokens, 4), source)
+        assert calls == [] and padded.computed_indices() is not None
+        fresh = PackedSequences.right_padded(padded.cu_seq_lens, padded.max_length, padded.num_tokens)
+        assert states.shape[0] == padded.num_tokens
+        assert torch.equal(padded.sequence_index, fresh.sequence_index)
+        assert torch.equal(padded.positions, fresh.positions)
+        assert torch.equal(padded.token_index, fresh.token_index)
+        calls.clear()
+
+
 def test_the_twins_key_mask_is_made_once_a_forward_and_only_where_the_twin_attends(monkeypatch):
     """The right-padded view's key mask of a packed run (`PackedRun.key_mask`) is the twin's: made once per forward
     by the first layer that attends in the view, however many layers there are, and not when a run layout is only

@@ -419,7 +419,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         # asked before the input checks: their device sync would leave the GPU idle through this host work
-        graphed = self.encoder.uses_cuda_graphs(output_hidden_states or output_attentions)
+        precision = self.encoder.precision()
+        graphed = self.encoder.uses_cuda_graphs(output_hidden_states or output_attentions, precision)
         batch = self._prepare_inputs(
             input_ids,
             attention_mask,
@@ -439,6 +440,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             output_hidden_states,
             maps.append if output_attentions else None,
             graphed=graphed,
+            precision=precision,
         )
         cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
         pooler_output = None

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,6 +139,50 @@ def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> 
     missing[:] = [key for key in missing if not key.endswith("._extra_state")]
 
 
+@dataclass(frozen=True)
+class ForwardPrecision:
+    """Every precision question of one forward, answered once (`NVEsmEncoder.precision`, before the batch is laid out)
+    and only read from then on: by `plan` (the token multiple), the eager run and the CUDA graphs (`region`, `layer`,
+    `recipe`) and `uses_cuda_graphs` (`graphable`). Nothing below reads Transformer Engine's FP8 state for these.
+
+    Attributes:
+        recipe: the FP8 recipe of the model's own FP8 layers (`config.layer_precision`), or None.
+        caller_fp8: FP8 turned on by the caller around the model (`te.autocast(enabled=True, recipe=...)`).
+        layer_fp8: per layer, whether it runs in FP8 inside `region` (with `recipe`).
+        backend: the layers' backend (`TEBackend` / `TorchBackend`), which makes the regions.
+        amax_group: the process group FP8 amaxes are reduced over (tensor or context parallelism), or None.
+    """
+
+    recipe: Any
+    caller_fp8: bool
+    layer_fp8: tuple[bool, ...]
+    backend: Backend
+    amax_group: Any = None
+
+    @property
+    def token_multiple(self) -> int:
+        """The token count a run pads to a multiple of: `FP8_TOKEN_MULTIPLE` where FP8 GEMMs run (the model's own FP8
+        layers, or the caller's FP8 around it, any recipe), else 1."""
+        return FP8_TOKEN_MULTIPLE if self.recipe is not None or self.caller_fp8 else 1
+
+    @property
+    def graphable(self) -> bool:
+        """False where only the caller's FP8 is on: its recipe and scaling state are not the graphs' to capture."""
+        return self.recipe is not None or not self.caller_fp8
+
+    def region(self) -> contextlib.AbstractContextManager:
+        """One FP8 autocast around all layers when any layer is FP8 (TE backend only). One region, not one per layer:
+        Transformer Engine reduces amaxes and updates scales when the outermost region exits, so per-layer regions
+        would repeat that work for every layer."""
+        return self.backend.precision_region(self.recipe, self.amax_group)
+
+    def layer(self, index: int) -> contextlib.AbstractContextManager:
+        """Inside `region`: FP8 stays on for the FP8 layers and is switched off for the others."""
+        if self.recipe is None or self.layer_fp8[index]:
+            return contextlib.nullcontext()
+        return self.backend.high_precision()
+
+
 class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin, made by the `backend` object) and the final LayerNorm, and how a
     batch runs through them: `plan` lays it out (`RunLayout`) and decides graph or eager, `body` runs it.
@@ -219,6 +264,7 @@ class NVEsmEncoder(nn.Module):
         attention_sink: Callable[[torch.Tensor], None] | None = None,
         *,
         graphed: bool,
+        precision: ForwardPrecision | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run the layers and the final LayerNorm on `batch`'s embeddings: packed `[T, hidden]`, or `[B, S, hidden]`
         when `batch.packed` is None (`NVEsmModel._embed`). The encoder lays them out as the layers run them
@@ -226,8 +272,11 @@ class NVEsmEncoder(nn.Module):
         asked, the embedding output and every layer's output (the last one LayerNormed, as in ESM and
         transformers). `attention_sink`, if given, receives each layer's attention probabilities in the run layout
         (`attention_probabilities`) as the layers run. `graphed`: what `uses_cuda_graphs` said for this call, asked
-        by the caller before checking the inputs (whose device sync leaves the GPU idle while the host works)."""
-        if self.fp8_recipe is None and any(self.fp8_weight_recipes) and not self.backend.caller_fp8_enabled():
+        by the caller before checking the inputs (whose device sync leaves the GPU idle while the host works);
+        `precision`: the `precision()` it was asked with (made here when not given)."""
+        if precision is None:
+            precision = self.precision()
+        if precision.recipe is None and any(self.fp8_weight_recipes) and not precision.caller_fp8:
             raise ValueError(
                 "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
                 "te.autocast(enabled=True, recipe=...), or load it with layer_precision and fp8_weights=True."
@@ -239,34 +288,37 @@ class NVEsmEncoder(nn.Module):
             )
         if graphed and (output_hidden_states or attention_sink is not None):
             raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
-        hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed)
+        hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed, precision)
         timing = self.graphs.take_timing_request() if graphed else None  # what `plan` chose to time
-        states = self.graphs.run(self, hidden_states, layout, timing) if layout.static_shape else None
+        states = self.graphs.run(self, hidden_states, layout, precision, timing) if layout.static_shape else None
         if hidden_states.requires_grad:
             self.graphs.last_training_call_replayed = states is not None
         if states is not None:
             return layout.to_input(states), None
         all_hidden_states = [hidden_states] if output_hidden_states else None
-        with self.fp8_region(), self.graphs.timed(timing, "eager"):
-            states = self.body(hidden_states, layout, all_hidden_states, attention_sink)
+        with precision.region(), self.graphs.timed(timing, "eager"):
+            states = self.body(hidden_states, layout, precision, all_hidden_states, attention_sink)
         if all_hidden_states is None:
             return layout.to_input(states), None
         all_hidden_states[-1] = states
         return layout.to_input(states), tuple(map(layout.to_input, all_hidden_states))
 
     def plan(
-        self, hidden_states: torch.Tensor, batch: InputBatch, rotary: RotaryTable, graphed: bool
+        self,
+        hidden_states: torch.Tensor,
+        batch: InputBatch,
+        rotary: RotaryTable,
+        graphed: bool,
+        precision: ForwardPrecision,
     ) -> tuple[torch.Tensor, RunLayout]:
         """The one place that decides how this batch runs: its run layout (`RunLayout`) and the states laid out for
         it. Padded layers run `PaddedRun`; packed layers pad the tokens with dummy proteins (`pad_packed`) to a
         CUDA graph's static shape when this call replays one (`graphed`: `uses_cuda_graphs` said so;
-        `StaticShapeGraphs.shape_for`), else to the multiple FP8
-        (`FP8_TOKEN_MULTIPLE`) and tensor parallelism's ranks need; context parallelism pads each protein
-        (`ContextParallelLayout`)."""
-        fp8 = self.pads_for_fp8()
+        `StaticShapeGraphs.shape_for`), else to the multiple FP8 (`precision.token_multiple`) and tensor
+        parallelism's ranks need; context parallelism pads each protein (`ContextParallelLayout`)."""
+        multiple = precision.token_multiple
         if batch.packed is None or self.config.attn_input_format == "bshd":
-            return PaddedRun.of(hidden_states, batch, rotary, fp8)
-        multiple = FP8_TOKEN_MULTIPLE if fp8 else 1
+            return PaddedRun.of(hidden_states, batch, rotary, multiple > 1)
         if self.context_parallel is not None:
             self.backend.check_context_parallel_dtype(hidden_states)
             return hidden_states, ContextParallelLayout.of(
@@ -282,15 +334,16 @@ class NVEsmEncoder(nn.Module):
         self,
         hidden_states: torch.Tensor,
         layout: RunLayout,
+        precision: ForwardPrecision,
         all_hidden_states: list | None = None,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
         backward_events: list | None = None,
     ) -> torch.Tensor:
-        """The layers and the final LayerNorm on states in the run layout (inside `fp8_region`): what an eager call
-        runs and what each CUDA graph holds (`StaticShapeLayers`). Each rank runs its tokens (`own_tokens`), and
-        every output is gathered back (`all_tokens`) before the LayerNorm."""
+        """The layers and the final LayerNorm on states in the run layout (inside `precision.region()`): what an
+        eager call runs and what each CUDA graph holds (`StaticShapeLayers`). Each rank runs its tokens
+        (`own_tokens`), and every output is gathered back (`all_tokens`) before the LayerNorm."""
         own_tokens = layout.own_tokens(hidden_states)
-        states = self.run_layers(own_tokens, layout, all_hidden_states, attention_sink, backward_events)
+        states = self.run_layers(own_tokens, layout, precision, all_hidden_states, attention_sink, backward_events)
         if all_hidden_states is not None:
             all_hidden_states[1:] = [layout.all_tokens(h) for h in all_hidden_states[1:]]
         return self.emb_layer_norm_after(layout.all_tokens(states))
@@ -299,6 +352,7 @@ class NVEsmEncoder(nn.Module):
         self,
         hidden_states: torch.Tensor,
         layout: RunLayout,
+        precision: ForwardPrecision,
         all_hidden_states: list | None = None,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
         backward_events: list | None = None,
@@ -314,7 +368,7 @@ class NVEsmEncoder(nn.Module):
                     hidden_states.register_hook(lambda grad, event=backward_events[index]: event.record())
                 if attention_sink is not None:
                     attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
-                with self.layer_precision(index), offload.context if offload else contextlib.nullcontext():
+                with precision.layer(index), offload.context if offload else contextlib.nullcontext():
                     hidden_states = self.run_layer(layer, hidden_states, layout)
                 if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
                     hidden_states = offload.sync(hidden_states)
@@ -471,7 +525,7 @@ class NVEsmEncoder(nn.Module):
         checkpoint_function = getattr(self, "_gradient_checkpointing_func", None)  # TE's needs none
         return self.backend.checkpoint(layer, hidden_states, layout, checkpoint_function)
 
-    def uses_cuda_graphs(self, output_hidden_states: bool) -> bool:
+    def uses_cuda_graphs(self, output_hidden_states: bool, precision: ForwardPrecision | None = None) -> bool:
         """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
         train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
         offloading, layers not sharded by FSDP, no module hooks (`StaticShapeGraphs.replayable`, which also drops
@@ -508,34 +562,26 @@ class NVEsmEncoder(nn.Module):
             return False
         if any(has_active_adapters(layer) for layer in self.layers):  # PEFT's adapters: eager
             return False
-        if self.fp8_recipe is None and self.backend.caller_fp8_enabled():  # the caller's te.autocast: not in the
-            return False  # graphs' state
+        if not (precision or self.precision()).graphable:
+            return False
         return not is_sharded(self.layers[0]) and self.graphs.replayable(self)
 
-    def pads_for_fp8(self) -> bool:
-        """Whether this call's FP8 GEMMs need the token count padded (`FP8_TOKEN_MULTIPLE`): FP8 layers of the
-        model's own (`layer_precision`), or FP8 turned on by the caller around it (`te.autocast(enabled=True,
-        recipe=...)`, any recipe)."""
-        return self.fp8_recipe is not None or self.backend.caller_fp8_enabled()
+    def precision(self) -> ForwardPrecision:
+        """The precision of a forward called now (`ForwardPrecision`): the model's FP8 layers and recipe, and whether
+        the caller turned FP8 on around it, read here once per forward."""
+        ranks = self.parallel_ranks  # one set of scales for the weights they share
+        return ForwardPrecision(
+            recipe=self.fp8_recipe,
+            caller_fp8=self.backend.caller_fp8_enabled(),
+            layer_fp8=tuple(precision == "fp8" for precision in self.config.layer_precision or ()),
+            backend=self.backend,
+            amax_group=None if ranks is None else ranks.group,
+        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones
         self._offload = ActivationOffload()  # its stream belongs to the device the model was on
         return super()._apply(fn, recurse)
-
-    def fp8_region(self) -> contextlib.AbstractContextManager:
-        """One FP8 autocast around all layers when any layer is FP8 (TE backend only).
-
-        One region, not one per layer: Transformer Engine reduces amaxes and updates scales when the outermost
-        region exits, so per-layer regions would repeat that work for every layer."""
-        ranks = self.parallel_ranks  # one set of scales for the weights they share
-        return self.backend.precision_region(self.fp8_recipe, None if ranks is None else ranks.group)
-
-    def layer_precision(self, index: int) -> contextlib.AbstractContextManager:
-        """Inside `fp8_region`: FP8 stays on for layers marked "fp8" and is switched off for the others."""
-        if self.fp8_recipe is None or self.config.layer_precision[index] == "fp8":
-            return contextlib.nullcontext()
-        return self.backend.high_precision()
 
 
 def attention_probabilities(

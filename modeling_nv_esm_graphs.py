@@ -76,11 +76,15 @@ class StaticShapeLayers(nn.Module):
     is set directly, as `.train()` would also switch the encoder's layers.
     """
 
-    def __init__(self, encoder: nn.Module, max_length: int, backward_events: list | None = None) -> None:
-        """`backward_events`: per layer, a CUDA event its backward records once done (training graphs)."""
+    def __init__(
+        self, encoder: nn.Module, max_length: int, precision: Any, backward_events: list | None = None
+    ) -> None:
+        """`precision`: the encoder's `ForwardPrecision` the graph is captured with; `backward_events`: per layer, a
+        CUDA event its backward records once done (training graphs)."""
         super().__init__()
         self.encoder = encoder
         self.max_length = max_length
+        self.precision = precision
         self.backward_events = backward_events
 
     def forward(
@@ -90,7 +94,7 @@ class StaticShapeLayers(nn.Module):
         num_tokens = hidden_states.shape[0]
         packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, num_tokens)
         run = PackedRun(packed, rotary_angles, num_tokens)
-        return self.encoder.body(hidden_states, run, backward_events=self.backward_events)
+        return self.encoder.body(hidden_states, run, self.precision, backward_events=self.backward_events)
 
 
 def host_shape(
@@ -302,12 +306,14 @@ class StaticShapeGraphs(FreshWhenCopied):
         encoder: nn.Module,
         hidden_states: torch.Tensor,
         layout: PackedRun,
+        precision: Any,
         timing: TimingRequest | None = None,
     ) -> torch.Tensor | None:
         """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
-        `shape_for` gave); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier
-        one ran out of memory: the encoder then runs it eagerly. `timing` (`take_timing_request`): a replay of a
-        graph captured before this call is timed when it asks."""
+        `shape_for` gave) in `precision` (the encoder's `ForwardPrecision`: captured with its recipe, replayed in
+        its region); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier one ran
+        out of memory: the encoder then runs it eagerly. `timing` (`take_timing_request`): a replay of a graph
+        captured before this call is timed when it asks."""
         if self._out_of_memory:
             return None
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
@@ -316,7 +322,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         key = (*key, *_graph_mode(encoder, hidden_states))
         if key not in self._graphs:
             timing = None  # a capture's first replay is not what the next ones cost
-            graph = self._capture(encoder, hidden_states, packed, layout.rotary_angles, autocast_dtype)
+            graph = self._capture(encoder, hidden_states, packed, layout.rotary_angles, autocast_dtype, precision)
             if self._out_of_memory:
                 return None
             self._graphs[key] = graph
@@ -327,7 +333,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             if self._weights is None:
                 self._weights = _graph_weights(encoder)
             _point_grads_at_main_grads(self._weights)
-        with encoder.fp8_region(), self.timed(timing, "replay"):
+        with precision.region(), self.timed(timing, "replay"):
             states = graph(hidden_states, packed.cu_seq_lens, layout.rotary_angles).clone()
         if states.requires_grad:
             self._awaiting_backward = True
@@ -404,6 +410,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         packed: PackedSequences,
         rotary_angles: torch.Tensor,
         autocast_dtype: Any,
+        precision: Any,
     ) -> nn.Module | None:
         te = import_transformer_engine()
         if self._pool is None:
@@ -411,7 +418,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         training = hidden_states.requires_grad
         if training and self._backward_events is None:
             self._backward_events = [torch.cuda.Event(external=True) for _ in encoder.layers]
-        layers = StaticShapeLayers(encoder, packed.max_length, self._backward_events if training else None)
+        layers = StaticShapeLayers(encoder, packed.max_length, precision, self._backward_events if training else None)
         layers.training = encoder.training
         sample = (
             hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
@@ -443,8 +450,8 @@ class StaticShapeGraphs(FreshWhenCopied):
                 graph = te.make_graphed_callables(
                     layers,
                     sample,
-                    enabled=encoder.fp8_recipe is not None,
-                    recipe=encoder.fp8_recipe,
+                    enabled=precision.recipe is not None,
+                    recipe=precision.recipe,
                     pool=self._pool,
                     # Inference needs one eager forward before capture (lazy set-up: cuDNN plans, workspaces); it
                     # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
@@ -473,7 +480,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             self.clear()
             gc.collect()  # the dropped graphs' pool goes back once they are collected
             torch.cuda.empty_cache()
-            return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype)
+            return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype, precision)
         if graph is None:
             if out_of_memory:
                 self._free_after_out_of_memory(encoder)

@@ -121,8 +121,13 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     assert torch.equal(padded.cu_seq_lens[: len(proteins) + 1], packed.cu_seq_lens)
     rotary = nv.esm.rotary_embeddings
     with torch.no_grad():
-        expected = nv.esm.encoder.body(embeddings, PackedRun(packed, rotary(packed.max_length), packed.num_tokens))
-        actual = nv.esm.encoder.body(padded_states, PackedRun(padded, rotary(padded.max_length), padded.num_tokens))
+        precision = nv.esm.encoder.precision()
+        expected = nv.esm.encoder.body(
+            embeddings, PackedRun(packed, rotary(packed.max_length), packed.num_tokens), precision
+        )
+        actual = nv.esm.encoder.body(
+            padded_states, PackedRun(padded, rotary(padded.max_length), padded.num_tokens), precision
+        )
     assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5
 
 

@@ -18,9 +18,9 @@ row's positions masked. Log-softmax in fp32 over the full vocabulary, as `nv_esm
 Ours: `nv_esm.scoring.pseudo_log_likelihood` / `score_variants(method="masked_marginal")` on the model as
 `nv-esm score` loads it (bf16 weights on CUDA, no data-dependent input checks), per variant: `nv` (CUDA graphs on
 Transformer Engine, the default), `nv_eager` (`cuda_graphs=False`), `nv_fp8` (every layer FP8 with the scaling
-`nv-esm score` uses by default, block scaling; graphs). Each timed run follows an untimed warm-up on a slice of the same workload
-(captures, cuDNN plans). The JSON has seconds, proteins/s or rows/s, the speed-up over the reference loop, peak GPU
-memory, and the largest difference of our PLLs / scores from the reference's (bf16 noise on the GPU).
+`nv-esm score` uses by default, block scaling; graphs). Each timed run follows an untimed warm-up on a slice of the
+same workload (captures, cuDNN plans). The JSON has seconds, proteins/s or rows/s, the speed-up over the reference
+loop, peak GPU memory, and the largest difference of our PLLs / scores from the reference's (bf16 noise on the GPU).
 """
 
 from __future__ import annotations

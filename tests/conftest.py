@@ -192,8 +192,8 @@ def launches_slowly(args: Any) -> bool:
 
 @pytest.fixture(autouse=True)
 def slow_launches_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test outside the `slow` mark that starts torchrun, the trainer or a command fails, naming the mark: the fast
-    set (`make test`) stays fast as tests are added."""
+    """A test outside the `slow` mark that starts torchrun, the trainer or a command, or runs ranks in forked or
+    spawned processes, fails, naming the mark: the fast set (`make test`) stays fast as tests are added."""
     if request.node.get_closest_marker("slow"):
         return
     popen_init = subprocess.Popen.__init__
@@ -209,6 +209,11 @@ def slow_launches_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest
         raise AssertionError(f"{request.node.nodeid} runs {target} in forked processes: mark it @pytest.mark.slow")
 
     monkeypatch.setattr(forked_ranks, "run", refuse_forked_runs)
+
+    def refuse_spawned_ranks(*args: Any, **options: Any) -> None:
+        raise AssertionError(f"{request.node.nodeid} spawns ranks (torch.multiprocessing): mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse_spawned_ranks)
 
 
 # The GPU suite runs with pytest -n 12 on one 80 GB GPU: a test whose own tensors peak above this many GiB is named in

@@ -613,6 +613,7 @@ def check_overlapped_average(rank: int, port: int, results: dict) -> None:
     leave_without_teardown()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 ranks over NCCL: one GPU per rank")
 def test_gradients_averaged_during_a_replayed_backward_equal_those_averaged_after_it() -> None:
     import torch.multiprocessing as mp

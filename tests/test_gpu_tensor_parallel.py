@@ -112,6 +112,7 @@ def check_rank(rank: int, port: int, kind: str, results: dict) -> None:
     leave_without_teardown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(HEADS))
 def test_te_split_layers_give_transformers_outputs_and_the_unsplit_gradients(kind: str) -> None:
     if kind.startswith("context") and torch.cuda.device_count() < RANKS:

@@ -142,6 +142,7 @@ def check_split_model(seed: int, kind: str) -> None:
             assert error <= GRAD_RTOL, (name, model is recomputed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tensor", "context"])
 @pytest.mark.parametrize("seed", range(2))
 def test_split_layers_give_transformers_outputs_and_the_unsplit_gradients(seed: int, kind: str) -> None:
@@ -263,6 +264,7 @@ def check_fsdp_keeps_rotary_angles_in_float32() -> None:
         assert angles.dtype == torch.float32 and torch.equal(angles, expected)
 
 
+@pytest.mark.slow
 def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
     """The recipe's FSDP2 policy (`shard`: bf16 parameters, `cast_forward_inputs`) casts the floating tensors of
     each layer's arguments, dataclasses included; the run layout is a plain object, so its float32 rotary angles

@@ -295,6 +295,8 @@ class NVEsmEncoder(nn.Module):
             self.graphs.last_training_call_replayed = states is not None
         if states is not None:
             return layout.to_input(states), None
+        if layout.static_shape:  # its capture failed: the padded batch runs eagerly, rotated as an eager run is
+            layout.qkv_rotation = layout.make_qkv_rotation()
         all_hidden_states = [hidden_states] if output_hidden_states else None
         with precision.region(), self.graphs.timed(timing, "eager"):
             states = self.body(hidden_states, layout, precision, all_hidden_states, attention_sink)

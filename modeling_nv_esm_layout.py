@@ -135,7 +135,8 @@ class RunLayout:
             rotary table (`rotary_pos_emb`): what TE's own layer forward takes. Both made once, by `set_attention`.
         qkv_rotation: how TE layers rotate their fused QKV projection (`QKVRotation`, `rotate_qk`); None where TE's
             own attention block must rotate the split queries and keys (context parallelism's per-rank chunks; no
-            Triton; `QKVRotation.of`).
+            Triton; `QKVRotation.of`), and in a run padded to a CUDA graph's shape, whose replay rotates with what
+            the graph computes inside (the encoder makes it where the batch runs eagerly after all).
         static_shape: the batch was padded to a CUDA graph's static shape (`static_shape`): it replays one.
     """
 

@@ -289,16 +289,19 @@ def residue_token_mask(
 def pool_proteins(states: torch.Tensor, cu_seq_lens: torch.Tensor, pooling: str) -> torch.Tensor:
     """`[T, hidden]` packed states -> `[N, hidden]`: the `<cls>` state (`pooling="cls"`), or the mean over the
     residues (`"mean"`; `<cls>`/`<eos>` excluded), in `states`' dtype. No boolean indexing, so nothing waits for the
-    device. The sums are differences of a float64 running sum (a scan), not atomic adds (`index_add_` on CUDA), so a
-    protein's mean is the same, bit for bit, in every run and whatever else its batch holds."""
+    device. The sums run in float64: CUDA's `index_add_` adds in no fixed order (float32 sums then differed by
+    ~1e-6 between runs), while float64 sums of up to 2^10 float32 values are exact in any order unless their
+    magnitudes span more than about 2^19, and a float64 rounding would also have to fall on a float32 rounding
+    boundary to show: a protein's mean comes out the same, bit for bit, in every run but for odds of about 1e-9 a
+    value (and `torch.use_deterministic_algorithms` takes `index_add_`'s deterministic path)."""
     if pooling == "cls":
         return states[cu_seq_lens[:-1].long()]
-    is_residue = residue_token_mask(cu_seq_lens, states.shape[0])
-    running = torch.where(is_residue[:, None], states, 0).double().cumsum(0)
-    running = torch.cat([running.new_zeros(1, states.shape[1]), running])
-    bounds = cu_seq_lens.long()
-    sums = running[bounds[1:]] - running[bounds[:-1]]
-    return (sums / (bounds.diff() - 2).clamp_min(1)[:, None]).to(states.dtype)
+    sequence_index = sequence_index_of_tokens(cu_seq_lens, states.shape[0])
+    is_residue = residue_token_mask(cu_seq_lens, states.shape[0], sequence_index)
+    lengths = cu_seq_lens.diff().long()
+    sums = torch.zeros(len(lengths), states.shape[1], device=states.device, dtype=torch.float64)
+    sums.index_add_(0, sequence_index, torch.where(is_residue[:, None], states, 0).double())
+    return (sums / (lengths - 2).clamp_min(1)[:, None]).to(states.dtype)
 
 
 @dataclass

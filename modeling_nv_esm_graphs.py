@@ -134,9 +134,7 @@ class CudaEventClock:
         return event
 
     def stop(self, started: Any) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return started, event
+        return started, self.start()
 
     def elapsed_ms(self, span: Any) -> float | None:
         started, stopped = span
@@ -154,13 +152,13 @@ class TimingRequest:
 class StaticShapeGraphs(FreshWhenCopied):
     """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
     captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
-    shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which costs less
-    than an eager run, until the padding it has added there comes to `padding_before_capture` replays of that graph
-    (about what a capture costs): then its own shape is captured. Padding is counted in tokens, so a shape held by a
-    graph of as many tokens (more slots or a longer `max_length`, which cost the attention kernels next to nothing)
-    stays there. With no graph to hold it, its shape is captured the `capture_at_use`-th time it is met and runs
-    eagerly before. A shape met once, such as the last, partly filled batch of each `nv-esm embed` shard, so never
-    pays a capture.
+    shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which usually costs
+    less than an eager run (timed, below), until the padding it has added there comes to `padding_before_capture`
+    replays of that graph (about what a capture costs): then its own shape is captured. Padding is counted in
+    tokens, so a shape held by a graph of as many tokens (more slots or a longer `max_length`, which cost the
+    attention kernels next to nothing) stays there. With no graph to hold it, its shape is captured the
+    `capture_at_use`-th time it is met and runs eagerly before. A shape met once, such as the last, partly filled
+    batch of each `nv-esm embed` shard, so never pays a capture.
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
     replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
@@ -199,6 +197,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._warm_up_in_pool = True  # off for good once a warm-up in the pool left tensors there
         self._timings: dict[tuple, dict[str, tuple[Any, int]]] = {}  # inference key -> kind -> (span, tokens)
         self._runs_eagerly: dict[tuple, bool] = {}  # timed inference keys -> whether they ran faster eagerly
+        self._timed_in: dict[tuple, tuple[int, int, int]] = {}  # inference key -> the graph its replay is timed in
+        self._unhosted: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
 
     def clear(self) -> None:
@@ -216,6 +216,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._out_of_memory = False
         self._timings.clear()
         self._runs_eagerly.clear()
+        self._timed_in.clear()
+        self._unhosted.clear()
         self._request = None
 
     def awaiting_backward(self) -> bool:
@@ -246,7 +248,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             if graph is not None and shape[3:] == mode and not self._runs_eagerly.get(shape)
         ]
         host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
-        if host is not None:
+        if host is not None and key not in self._unhosted:
             padding = self._padding.get(key, 0) + host[0] - own[0]
             if padding <= self.padding_before_capture * host[0]:
                 choice = self._timed_choice(key, host, packed.num_tokens)
@@ -259,12 +261,16 @@ class StaticShapeGraphs(FreshWhenCopied):
 
     def _timed_choice(self, key: tuple, shape: tuple[int, int, int], tokens: int) -> tuple[int, int, int] | None:
         """An inference shape (`key`) that replays in the captured graph of `shape` (its own, or a larger one that
-        hosts it): replay it (the first replay timed), run one batch of it eagerly (timed), then replay it or run it
-        eagerly for good, whichever took less time per token of the batch (`eager_margin`)."""
+        hosts it): time one replay and one eager run, then run it the faster way per token (`eager_margin`) for
+        good. A hosted shape faster eagerly is only no longer hosted: its own graph, once captured, is timed afresh
+        (without the host's padding it may still beat eager)."""
         if self._graphs.get(key, shape) is None:  # its own capture failed
             return None
         if key in self._runs_eagerly or not self.time_shapes:
             return None if self._runs_eagerly.get(key) else shape
+        if self._timed_in.get(key, shape) != shape:  # timed in another graph (a host): time this one
+            self._timings.pop(key, None)
+        self._timed_in[key] = shape
         timings = self._timings.setdefault(key, {})
         if "replay" not in timings:
             self._request = TimingRequest(key, "replay", tokens)
@@ -279,10 +285,13 @@ class StaticShapeGraphs(FreshWhenCopied):
                 return shape
             per_token[kind] = milliseconds / counted
         eagerly = per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]
-        self._runs_eagerly[key] = eagerly
-        del self._timings[key]
+        del self._timings[key], self._timed_in[key]
+        if eagerly and shape != key[:3]:
+            self._unhosted.add(key)
+        else:
+            self._runs_eagerly[key] = eagerly
         if eagerly:
-            logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than its graph ({per_token} ms/token)")
+            logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than graph {shape} ({per_token} ms/token)")
         return None if eagerly else shape
 
     def take_timing_request(self) -> TimingRequest | None:

@@ -552,7 +552,8 @@ def test_embed_fp8_writes_the_same_shard_when_resumed(tmp_path, monkeypatch):
     its own; delayed scaling would stay at scale 1 in inference), and the last shard, embedded again first by a
     resumed run, holds the same numbers, bit for bit, as when two shards ran before it: with CUDA graphs too, where
     the first run may replay the shard's batch padded into an earlier, larger captured shape (a token's FP8 values
-    do not depend on the other tokens, and the mean is pooled without atomic adds, `pool_proteins`)."""
+    do not depend on the other tokens, and the mean is summed in float64, where the order of the adds does not
+    show, `pool_proteins`)."""
     recipe_module = importlib.import_module("transformer_engine.common.recipe")
     loaded, load_model = [], embed.load_model
     monkeypatch.setattr(embed, "load_model", lambda *a, **k: loaded.append(load_model(*a, **k)) or loaded[-1])

@@ -234,22 +234,27 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
 @pytest.mark.parametrize("eager_ms", [5.0, 9.9], ids=["eager_faster", "graph_kept"])
 def test_a_batch_padded_into_a_larger_graph_is_timed_both_ways_and_runs_the_faster_way(eager_ms):
     """A shape with no graph of its own, replayed padded in a larger captured one (`host_shape`), is timed too:
-    that hosted replay, then one eager run, per token of its own batch. Eager when over `eager_margin` faster: from
-    then on it runs eagerly, unpadded, and is never captured. Else it stays hosted, its padding counted from the
-    replays only (not the eager run), until that padding costs a capture of its own shape."""
+    that hosted replay, then one eager run, per token of its own batch. Graph kept: it stays hosted, its padding
+    counted from the replays only (not the eager run), until that padding costs a capture of its own shape. Eager
+    faster: it is no longer hosted but runs eagerly until its own shape is captured (`capture_at_use`), and that
+    graph, without the host's padding, is timed afresh, not judged by the host's timing."""
     nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
     encoder, graphs, hidden = nv.esm.encoder, StaticShapeGraphs(), nv.config.hidden_size
-    graphs.clock = FakeClock([10.0, eager_ms, 1.0])  # ms: the replay and the eager run of the same 200 tokens
+    graphs.clock = FakeClock([10.0, eager_ms, 1.0])  # ms: the hosted replay and the eager run of the same 200 tokens
     large, small = zero_packed_batch([300] * 10, hidden), zero_packed_batch([1, 40, 40, 40, 79], hidden)
     large_shape, small_shape = static_shape(3000, 10, 300), static_shape(200, 5, 79)
+    small_key = (*small_shape, *_graph_mode(encoder, small[0]))
     graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"  # captured (the CPU captures none)
     assert timed_call(graphs, encoder, small) == (large_shape, "replay")
     assert timed_call(graphs, encoder, small) == (None, "eager")
     later = [timed_call(graphs, encoder, small)[0] for _ in range(5)]
-    # kept: 2,816 padding tokens a replay; the 4th replay passes 4 x 3,072, so the 5th call captures its own shape
-    assert later == ([None] * 5 if eager_ms == 5.0 else [large_shape] * 3 + [small_shape] * 2)
-    assert graphs._runs_eagerly == {(*small_shape, *_graph_mode(encoder, small[0])): eager_ms == 5.0}
-    assert timed_call(graphs, encoder, large) == (large_shape, "replay")  # the host's own batches: timed apart
+    if eager_ms == 5.0:  # eager now; its 1st use eager, its 2nd asks for its own capture (`capture_at_use` 2)
+        assert later == [None, None] + [small_shape] * 3 and not graphs._runs_eagerly
+        graphs._graphs[small_key] = "graph"  # captured
+        assert timed_call(graphs, encoder, small) == (small_shape, "replay")  # its own graph, timed afresh
+    else:  # 2,816 padding tokens a replay; the 4th replay passes 4 x 3,072, so the 5th call captures its own shape
+        assert later == [large_shape] * 3 + [small_shape] * 2 and graphs._runs_eagerly == {small_key: False}
+        assert timed_call(graphs, encoder, large) == (large_shape, "replay")  # the host's own batches: timed apart
 
 
 def test_replayable_finds_any_module_hook_and_drops_the_graphs_when_the_parameters_change():

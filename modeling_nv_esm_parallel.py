@@ -276,7 +276,7 @@ class ContextParallelLayout(PackedRun):
             from_rank_order=from_rank_order,
             local_positions=position[own],
             local=PackedSequences.right_padded(cu_seq_lens_padded // cp.size, max_length // cp.size, num_local),
-            padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded),
+            padded=PackedSequences.right_padded(cu_seq_lens_padded, max_length, num_padded, protein, position),
             key_mask=torch.arange(max_length, device=device) < lengths[:, None],
         )
 

@@ -238,9 +238,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         key = (*own, *mode)
         if encoder.training:  # training: captured at first use
             return own
-        if self._runs_eagerly.get(key):  # timed: faster eagerly, unpadded
-            return None
-        if key in self._graphs:
+        if key in self._graphs:  # its own graph (or its failed capture); `_timed_choice` says replay or eager
             return self._timed_choice(key, own, packed.num_tokens)
         captured = [
             shape[:3]

@@ -337,6 +337,11 @@ def pack_batch(proteins: list[torch.Tensor]) -> dict[str, torch.Tensor | int]:
     return pack_proteins(proteins)
 
 
+def packed_on_gpu(proteins: list[torch.Tensor]) -> dict[str, torch.Tensor | int]:
+    """`pack_batch` with its tensors on the GPU."""
+    return {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 

@@ -29,6 +29,7 @@ from conftest import (
     make_hf_model,
     make_nv_model,
     pack_batch,
+    packed_on_gpu,
     pad_batch,
     random_lengths,
     random_padded_batch,
@@ -110,7 +111,7 @@ def test_forward_fp32_te_matches_transformers_and_packed_matches_padded(hf_fp32,
     input_ids, attention_mask = padded_inputs(seed=102)
     keep = attention_mask.bool()
     proteins = random_proteins(LENGTHS, seed=102, mask_fraction=0.15)
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
     model = te_model(hf_fp32, torch.float32, attn_input_format=attn_input_format)
     with torch.no_grad():
         reference = hf_on_gpu(hf_fp32, torch.float32)(input_ids, attention_mask=attention_mask).logits[keep]
@@ -188,7 +189,7 @@ def test_backward_bf16_te_no_worse_than_transformers(hf_fp32, attn_input_format,
     model = te_model(hf_fp32, attn_input_format=attn_input_format)
     if packed_input:
         proteins = random_proteins(LENGTHS, seed=103, mask_fraction=0.15)
-        packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+        packed = packed_on_gpu(proteins)
         te = nv_gradients(model, labels[attention_mask.bool()][None], **packed)
     else:
         te = nv_gradients(model, labels, input_ids=input_ids, attention_mask=attention_mask)
@@ -211,7 +212,7 @@ def test_backward_bf16_te_no_worse_than_transformers(hf_fp32, attn_input_format,
 @pytest.mark.parametrize("attn_input_format", ["thd", "bshd"])
 def test_fp8_runs_any_token_count_with_loss_close_to_bf16(hf_fp32, recipe, layers_in_fp8, attn_input_format):
     proteins = random_proteins([5, 250, 33, 1, 97], seed=104, mask_fraction=0.15)  # 386 tokens: not a multiple of 16
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
     labels = packed["input_ids"].clone()
     bf16 = te_model(hf_fp32, attn_input_format=attn_input_format)
     layers = hf_fp32.config.num_hidden_layers
@@ -310,7 +311,7 @@ def test_gradient_checkpointing_with_te(hf_fp32):
     plain.train()
     checkpointed.train()
     proteins = random_proteins([50, 7, 300], seed=107, mask_fraction=0.15)
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
     labels = packed["input_ids"].clone()
     plain(**packed, labels=labels).loss.backward()
     checkpointed(**packed, labels=labels).loss.backward()
@@ -338,7 +339,7 @@ def test_activation_offloading_moves_saved_tensors_to_the_host_and_changes_no_gr
         model.train()
     for step in range(3):
         proteins = random_proteins([300] * 8 + [1026, 57], seed=120 + step, mask_fraction=0.15)
-        packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+        packed = packed_on_gpu(proteins)
         losses = []
         for model in (plain, offloaded):
             model.zero_grad(set_to_none=True)
@@ -367,7 +368,7 @@ def test_recompute_mlp_saves_less_and_changes_no_gradient(hf_fp32):
     recomputing = te_model(hf_fp32, torch.float32, cuda_graphs=False, recompute_mlp=True)
     assert all(layer.layernorm_mlp.checkpoint for layer in recomputing.esm.encoder.layers)
     proteins = random_proteins([300] * 8 + [1026, 57], seed=125, mask_fraction=0.15)
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
     saved, losses = {}, []
     for model in (plain, recomputing):
         model.train()
@@ -401,7 +402,7 @@ def test_cudnn_layer_norm_runs_cudnns_kernels_within_bf16_error(hf_fp32, monkeyp
     input_ids, attention_mask = padded_inputs(seed=131)
     keep = attention_mask.bool()
     proteins = random_proteins(LENGTHS, seed=131, mask_fraction=0.15)
-    packed = {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
 
     def te_layer_norm_kernels(model: NVEsmForMaskedLM) -> list[str]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:

@@ -19,7 +19,7 @@ from conftest import (
     make_hf_model,
     make_nv_model,
     max_abs_diff,
-    pack_batch,
+    packed_on_gpu,
     pad_batch,
     random_lengths,
     random_proteins,
@@ -46,10 +46,6 @@ def te_pair(hf, dtype=torch.float32, **overrides):
     eager = make_nv_model(hf, backend="te", cuda_graphs=False, **overrides).to(CUDA, dtype)
     graphed = make_nv_model(hf, backend="te", cuda_graphs=True, **overrides).to(CUDA, dtype)
     return eager, graphed
-
-
-def packed_on_gpu(proteins):
-    return {k: v.to(CUDA) if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
 
 
 def batches(seed: int, count: int, proteins: int = 6, longest: int = 300) -> list[list[torch.Tensor]]:

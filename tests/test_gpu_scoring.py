@@ -18,7 +18,7 @@ import torch
 from test_scoring import random_mutants, random_sequence, reference_per_position, reference_score
 from transformers import EsmTokenizer
 
-from conftest import GPU_MARKS, TINY_CHECKPOINT, make_hf_model, make_nv_model, pack_batch, random_proteins
+from conftest import GPU_MARKS, TINY_CHECKPOINT, make_hf_model, make_nv_model, packed_on_gpu, random_proteins
 from nv_esm import scoring
 
 pytestmark = GPU_MARKS
@@ -119,10 +119,7 @@ def test_command_fp8_keeps_a_proteins_log_probabilities_whatever_is_packed_besid
         model = model.to("cuda", torch.bfloat16)
         with torch.no_grad():
             log_probs = [
-                model(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(batch).items()})
-                .logits[0, : len(protein)]
-                .float()
-                .log_softmax(-1)
+                model(**packed_on_gpu(batch)).logits[0, : len(protein)].float().log_softmax(-1)
                 for batch in ([protein], [protein, neighbour])
             ]
         moved[name] = (log_probs[0] - log_probs[1]).abs().max().item()

@@ -159,11 +159,11 @@ def test_add_bias_residual_refuses_what_it_cannot_add():
 def tiny_te_model_and_batches(lengths: list[int], seed: int) -> tuple:
     """(a tiny TE model on the GPU, no CUDA graphs; the packed inputs of random proteins of `lengths` tokens; the
     same proteins right-padded), all on the GPU."""
-    from conftest import make_hf_model, make_nv_model, pack_batch, pad_batch, random_proteins
+    from conftest import make_hf_model, make_nv_model, packed_on_gpu, pad_batch, random_proteins
 
     model = make_nv_model(make_hf_model("tiny", seed=seed), backend="te", cuda_graphs=False).cuda()
     proteins = random_proteins(lengths, seed=seed)
-    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack_batch(proteins).items()}
+    packed = packed_on_gpu(proteins)
     input_ids, attention_mask = pad_batch(proteins)
     return model, packed, dict(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda())
 

@@ -31,6 +31,7 @@ try:
         holds_fp8_weights,
         import_transformer_engine,
         is_fp8_tensor,
+        quantizes_attention,
         transformer_engine_available,
     )
     from .modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
@@ -57,6 +58,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         holds_fp8_weights,
         import_transformer_engine,
         is_fp8_tensor,
+        quantizes_attention,
         transformer_engine_available,
     )
     from modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
@@ -151,6 +153,8 @@ class ForwardPrecision:
         layer_fp8: per layer, whether it runs in FP8 inside `region` (with `recipe`).
         backend: the layers' backend (`TEBackend` / `TorchBackend`), which makes the regions.
         amax_group: the process group FP8 amaxes are reduced over (tensor or context parallelism), or None.
+        attention_fp8: the FP8 recipe in effect (the model's, else the caller's) quantizes attention too
+            (`quantizes_attention`), so its FP8 layers run Transformer Engine's own forward (`fp8_attention`).
     """
 
     recipe: Any
@@ -158,6 +162,7 @@ class ForwardPrecision:
     layer_fp8: tuple[bool, ...]
     backend: Backend
     amax_group: Any = None
+    attention_fp8: bool = False
 
     @property
     def token_multiple(self) -> int:
@@ -181,6 +186,11 @@ class ForwardPrecision:
         if self.recipe is None or self.layer_fp8[index]:
             return contextlib.nullcontext()
         return self.backend.high_precision()
+
+    def fp8_attention(self, index: int) -> bool:
+        """Whether layer `index` runs FP8 attention (inside `layer(index)`): Transformer Engine's own forward wires
+        it in and rotates q/k itself, so `run_layers` hands that layer its layout without a QKV rotation."""
+        return self.attention_fp8 and (self.recipe is None or self.layer_fp8[index])
 
 
 class NVEsmEncoder(nn.Module):
@@ -290,13 +300,15 @@ class NVEsmEncoder(nn.Module):
             raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
         hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed, precision)
         timing = self.graphs.take_timing_request() if graphed else None  # what `plan` chose to time
-        states = self.graphs.run(self, hidden_states, layout, precision, timing) if layout.static_shape else None
+        states = (
+            self.graphs.run(self, self.body, hidden_states, layout, precision, timing) if layout.static_shape else None
+        )
         if hidden_states.requires_grad:
             self.graphs.last_training_call_replayed = states is not None
         if states is not None:
             return layout.to_input(states), None
         if layout.static_shape:  # its capture failed: the padded batch runs eagerly, rotated as an eager run is
-            layout.qkv_rotation = layout.make_qkv_rotation()
+            layout = layout.with_qkv_rotation(layout.make_qkv_rotation())
         all_hidden_states = [hidden_states] if output_hidden_states else None
         with precision.region(), self.graphs.timed(timing, "eager"):
             states = self.body(hidden_states, layout, precision, all_hidden_states, attention_sink)
@@ -364,6 +376,7 @@ class NVEsmEncoder(nn.Module):
         records event i once it is done: when the gradient of the layer's input is complete, after its weight
         gradients (TE computes them in the same backward calls, on the same stream)."""
         offload = self.activation_offload(hidden_states)
+        te_rotates = layout.with_qkv_rotation(None) if precision.attention_fp8 else None  # FP8 attention
         try:
             for index, layer in enumerate(self.layers):
                 if backward_events is not None and hidden_states.requires_grad:
@@ -371,7 +384,8 @@ class NVEsmEncoder(nn.Module):
                 if attention_sink is not None:
                     attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
                 with precision.layer(index), offload.context if offload else contextlib.nullcontext():
-                    hidden_states = self.run_layer(layer, hidden_states, layout)
+                    layer_layout = te_rotates if precision.fp8_attention(index) else layout
+                    hidden_states = self.run_layer(layer, hidden_states, layer_layout)
                 if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
                     hidden_states = offload.sync(hidden_states)
                 if all_hidden_states is not None:
@@ -572,12 +586,14 @@ class NVEsmEncoder(nn.Module):
         """The precision of a forward called now (`ForwardPrecision`): the model's FP8 layers and recipe, and whether
         the caller turned FP8 on around it, read here once per forward."""
         ranks = self.parallel_ranks  # one set of scales for the weights they share
+        caller_recipe = self.backend.caller_fp8_recipe()
         return ForwardPrecision(
             recipe=self.fp8_recipe,
-            caller_fp8=self.backend.caller_fp8_enabled(),
+            caller_fp8=caller_recipe is not None,
             layer_fp8=tuple(precision == "fp8" for precision in self.config.layer_precision or ()),
             backend=self.backend,
             amax_group=None if ranks is None else ranks.group,
+            attention_fp8=quantizes_attention(self.fp8_recipe if self.fp8_recipe is not None else caller_recipe),
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:

@@ -12,7 +12,7 @@ import importlib
 import inspect
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -69,20 +69,18 @@ class FreshWhenCopied:
 
 
 class StaticShapeLayers(nn.Module):
-    """The encoder's body (`NVEsmEncoder.body`: layers and final LayerNorm) for one static packed shape: what one
-    CUDA graph holds.
-
-    Not a submodule of the encoder (it holds the encoder, whose parameters are the graph's); its `training` flag
-    is set directly, as `.train()` would also switch the encoder's layers.
-    """
+    """What one CUDA graph holds: `body` (the encoder's, handed down: layers and final LayerNorm) for one static
+    packed shape, on the parameters of `owner` (not its submodule: `training` is set directly, as `.train()` would
+    also switch the owner's layers)."""
 
     def __init__(
-        self, encoder: nn.Module, max_length: int, precision: Any, backward_events: list | None = None
+        self, body: Callable, owner: nn.Module, max_length: int, precision: Any, backward_events: list | None = None
     ) -> None:
-        """`precision`: the encoder's `ForwardPrecision` the graph is captured with; `backward_events`: per layer, a
-        CUDA event its backward records once done (training graphs)."""
+        """`body(states, run, precision, backward_events=...)`; `precision`: the `ForwardPrecision` the graph is
+        captured with; `backward_events`: per layer, a CUDA event its backward records once done (training graphs)."""
         super().__init__()
-        self.encoder = encoder
+        self.body = body
+        self.owner = owner
         self.max_length = max_length
         self.precision = precision
         self.backward_events = backward_events
@@ -94,7 +92,7 @@ class StaticShapeLayers(nn.Module):
         num_tokens = hidden_states.shape[0]
         packed = PackedSequences.right_padded(cu_seq_lens, self.max_length, num_tokens)
         run = PackedRun(packed, rotary_angles, num_tokens)
-        return self.encoder.body(hidden_states, run, self.precision, backward_events=self.backward_events)
+        return self.body(hidden_states, run, self.precision, backward_events=self.backward_events)
 
 
 def host_shape(
@@ -311,16 +309,17 @@ class StaticShapeGraphs(FreshWhenCopied):
     def run(
         self,
         encoder: nn.Module,
+        body: Callable,
         hidden_states: torch.Tensor,
         layout: PackedRun,
         precision: Any,
         timing: TimingRequest | None = None,
     ) -> torch.Tensor | None:
-        """Replay (capturing first if new) `encoder`'s graph for the shape of `hidden_states` (padded to a shape
-        `shape_for` gave) in `precision` (the encoder's `ForwardPrecision`: captured with its recipe, replayed in
-        its region); `[T, hidden]` final states, a fresh tensor. None when its capture failed or an earlier one ran
-        out of memory: the encoder then runs it eagerly. `timing` (`take_timing_request`): a replay of a graph
-        captured before this call is timed when it asks."""
+        """Replay (capturing first if new) the graph of `body` (`encoder.body`, handed down) for the shape of
+        `hidden_states` (padded to a shape `shape_for` gave) in `precision` (the encoder's `ForwardPrecision`:
+        captured with its recipe, replayed in its region); `[T, hidden]` final states, a fresh tensor. None when
+        its capture failed or an earlier one ran out of memory: the encoder then runs it eagerly. `timing`
+        (`take_timing_request`): a replay of a graph captured before this call is timed when it asks."""
         if self._out_of_memory:
             return None
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
@@ -329,7 +328,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         key = (*key, *_graph_mode(encoder, hidden_states))
         if key not in self._graphs:
             timing = None  # a capture's first replay is not what the next ones cost
-            graph = self._capture(encoder, hidden_states, packed, layout.rotary_angles, autocast_dtype, precision)
+            graph = self._capture(encoder, body, hidden_states, packed, layout.rotary_angles, autocast_dtype, precision)
             if self._out_of_memory:
                 return None
             self._graphs[key] = graph
@@ -413,6 +412,7 @@ class StaticShapeGraphs(FreshWhenCopied):
     def _capture(
         self,
         encoder: nn.Module,
+        body: Callable,
         hidden_states: torch.Tensor,
         packed: PackedSequences,
         rotary_angles: torch.Tensor,
@@ -423,9 +423,11 @@ class StaticShapeGraphs(FreshWhenCopied):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         training = hidden_states.requires_grad
-        if training and self._backward_events is None:
-            self._backward_events = [torch.cuda.Event(external=True) for _ in encoder.layers]
-        layers = StaticShapeLayers(encoder, packed.max_length, precision, self._backward_events if training else None)
+        events = None
+        if training:
+            self._backward_events = self._backward_events or [torch.cuda.Event(external=True) for _ in encoder.layers]
+            events = self._backward_events
+        layers = StaticShapeLayers(body, encoder, packed.max_length, precision, events)
         layers.training = encoder.training
         sample = (
             hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
@@ -487,7 +489,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             self.clear()
             gc.collect()  # the dropped graphs' pool goes back once they are collected
             torch.cuda.empty_cache()
-            return self._capture(encoder, hidden_states, packed, rotary_angles, autocast_dtype, precision)
+            return self._capture(encoder, body, hidden_states, packed, rotary_angles, autocast_dtype, precision)
         if graph is None:
             if out_of_memory:
                 self._free_after_out_of_memory(encoder)

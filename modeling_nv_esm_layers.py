@@ -90,20 +90,19 @@ def _fp8_state_manager() -> Any:
     return None
 
 
-def fp8_attention_enabled() -> bool:
-    """Whether TE's FP8 region is on with a recipe that quantizes attention too (`fp8_dpa` / `fp8_mha`)."""
-    state = _fp8_state_manager()
-    if state is None or not state.is_fp8_enabled():
-        return False
-    recipe = state.get_fp8_recipe()
+def quantizes_attention(recipe: Any) -> bool:
+    """Whether FP8 `recipe` (None: no FP8) quantizes attention too (`fp8_dpa` / `fp8_mha`): Transformer Engine's own
+    layer forward wires that in, so such a layer leaves the rotation of q/k to TE (`NVEsmTELayer.forward`)."""
     return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
 
 
-def caller_fp8_enabled() -> bool:
-    """Whether Transformer Engine's FP8 autocast is on where the model is called (a caller's `te.autocast`); False
-    without TE."""
+def caller_fp8_recipe() -> Any:
+    """The recipe of a caller's FP8 autocast around the model's call (`te.autocast(enabled=True, recipe=...)`), or
+    None where FP8 is off there or TE is missing."""
     manager = _fp8_state_manager()
-    return manager is not None and bool(manager.is_fp8_enabled())
+    if manager is None or not manager.is_fp8_enabled():
+        return None
+    return manager.get_fp8_recipe()
 
 
 def caller_fp8_weights_recipe() -> Any:
@@ -422,10 +421,10 @@ def te_layer_class() -> type[nn.Module]:
         def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:  # type: ignore[override]
             """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape. TE's `TransformerLayer.forward` as
             NVEsm configures it (pre-LN encoder layer, bias-dropout-add residuals), with the attention block's
-            `rotated_forward`; TE's own forward where the layout leaves the rotation to TE (`QKVRotation.of`) and
-            under an FP8 recipe with FP8 attention (`fp8_dpa`/`fp8_mha`, which TE's forward wires in)."""
+            `rotated_forward`; TE's own forward where the layout leaves the rotation to TE (`QKVRotation.of`; the
+            encoder's `run_layers` also hands a layer that runs FP8 attention a layout without one)."""
             refuse_adapters_on_fused_modules(self)
-            if layout.qkv_rotation is None or fp8_attention_enabled():
+            if layout.qkv_rotation is None:
                 return super().forward(hidden_states, **layout.te_kwargs)
             hidden_states = hidden_states.contiguous()
             if torch.is_autocast_enabled("cuda"):
@@ -545,9 +544,9 @@ class TorchBackend(str):
         """The recipe of a caller's `te.quantized_model_init` around the model's construction, or None."""
         return None
 
-    def caller_fp8_enabled(self) -> bool:
-        """Whether a caller's FP8 autocast is on around the model's call."""
-        return False
+    def caller_fp8_recipe(self) -> Any:
+        """The recipe of a caller's FP8 autocast around the model's call, or None."""
+        return None
 
     def make_layer(
         self,
@@ -621,8 +620,8 @@ class TEBackend(TorchBackend):
     def caller_fp8_weights_recipe(self) -> Any:
         return caller_fp8_weights_recipe()
 
-    def caller_fp8_enabled(self) -> bool:
-        return caller_fp8_enabled()
+    def caller_fp8_recipe(self) -> Any:
+        return caller_fp8_recipe()
 
     def make_layer(
         self,

@@ -13,6 +13,7 @@ Part of the model's Hub remote code: imports `modeling_nv_esm_batch` and `modeli
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,12 @@ class RunLayout:
     te_kwargs: dict[str, Any]
     qkv_rotation: QKVRotation | None = None
     static_shape: bool = False
+
+    def with_qkv_rotation(self, qkv_rotation: QKVRotation | None) -> RunLayout:
+        """A shallow copy that rotates q/k with `qkv_rotation` (None: Transformer Engine's layers rotate them)."""
+        layout = copy.copy(self)
+        layout.qkv_rotation = qkv_rotation
+        return layout
 
     def set_attention(self, attention_kwargs: dict[str, Any]) -> None:
         """Set `attention_kwargs` and the `te_kwargs` that say the same to TE's `TransformerLayer`, with TE's

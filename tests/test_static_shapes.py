@@ -131,6 +131,44 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     assert max_abs_diff(actual[: embeddings.shape[0]], expected) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    ("model_recipe", "layer_fp8", "expected"),
+    [(False, (), (True,) * 3), (True, (True, False, True), (True, False, True)), (True, (False,) * 3, (False,) * 3)],
+)
+def test_layers_with_fp8_attention_get_a_layout_that_leaves_the_rotation_to_transformer_engine(
+    monkeypatch, model_recipe, layer_fp8, expected
+):
+    """`ForwardPrecision.attention_fp8` (a recipe with `fp8_dpa`/`fp8_mha`: the model's own, or only the caller's)
+    is read once per forward; `run_layers` then hands each layer that runs FP8 attention (every layer under the
+    caller's recipe, the FP8 layers under the model's) its layout without a QKV rotation, the others the layout as
+    planned, and never changes the planned one."""
+    import dataclasses
+
+    nv = make_nv_model(make_hf_model("wide_heads", seed=7))
+    encoder = nv.esm.encoder
+    assert len(encoder.layers) == 3
+    batch = pack_batch(random_proteins([5, 9], seed=1))
+    packed = PackedSequences.right_padded(batch["cu_seq_lens_q"], batch["max_length_q"], 14)
+    layout = PackedRun(packed, nv.esm.rotary_embeddings(packed.max_length), packed.num_tokens)
+    rotation = object()  # stands for a QKV rotation (the CPU makes none)
+    layout.qkv_rotation = rotation
+    seen = []
+    monkeypatch.setattr(encoder, "run_layer", lambda layer, states, run: seen.append(run.qkv_rotation) or states)
+    recipe = object() if model_recipe else None
+    plain = encoder.precision()
+    assert not plain.attention_fp8 and not any(plain.fp8_attention(i) for i in range(3))
+    precision = dataclasses.replace(
+        plain, recipe=recipe, caller_fp8=not model_recipe, layer_fp8=layer_fp8, attention_fp8=True
+    )
+    encoder.run_layers(torch.zeros(14, nv.config.hidden_size), layout, precision)
+    assert [value is None for value in seen] == list(expected)
+    assert all(value is rotation for value, te in zip(seen, expected) if not te)
+    assert layout.qkv_rotation is rotation
+    seen.clear()
+    encoder.run_layers(torch.zeros(14, nv.config.hidden_size), layout, plain)
+    assert seen == [rotation] * 3
+
+
 def zero_packed_batch(lengths: list[int], hidden_size: int) -> tuple[torch.Tensor, PackedSequences]:
     cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     num_tokens = int(cu_seq_lens[-1])

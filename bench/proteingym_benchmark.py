@@ -22,7 +22,10 @@ run's tokens/s, start-up included, so an upper bound); checkpoint ~3 minutes, th
 
 Workload: every row of `--reference` (ProteinGym's reference_files/DMS_substitutions.csv; `--limit N`: the first N
 rows) gets a stand-in assay in ProteinGym's layout (`mutant`, `mutated_sequence`, `DMS_score`, `DMS_score_bin`):
-one random single substitution at every position of its `target_seq`, random scores (seed `--seed`), so
+one random single substitution at every position of its `target_seq`, then (`--mutants reference`, the default)
+random rows up to the row's `DMS_number_single_mutants` singles and `DMS_number_multiple_mutants` multiples of 2
+to 4 sites (2.47 million rows, ~1 GB of CSV for the whole file, as the real assays: reading them is part of the
+timed command; `--mutants positions`: the first rows alone), random scores (seed `--seed`), so
 `masked-marginals` masks every position of every wild type once (the command computes a wild type shared by several
 assays once: 4.95e7 tokens for the 187 distinct wild types of the 217 rows; 5.75e7 counted per row). Weights: an
 ESM-2 shape with random weights (`--shape`, seed 0, `random_checkpoint.py`), or `--model` (an NVEsm folder).
@@ -109,34 +112,55 @@ def read_reference(path: Path, limit: int | None, quick: bool) -> tuple[list[str
     return columns, rows
 
 
-def stand_in_mutants(wild_type: str, generator: random.Random) -> list[str]:
-    """One random single substitution at every position of `wild_type` (ProteinGym's notation, 1-based)."""
-    return [
-        f"{letter}{i}{generator.choice([a for a in STANDARD_AMINO_ACIDS if a != letter])}"
-        for i, letter in enumerate(wild_type, 1)
-    ]
+def stand_in_mutants(wild_type: str, generator: random.Random, row: dict[str, str] | None = None) -> list[str]:
+    """One random single substitution at every position of `wild_type` (ProteinGym's notation, 1-based); with the
+    reference `row` (`--mutants reference`), then as many more random rows as its assay has
+    (`DMS_number_single_mutants` singles, `DMS_number_multiple_mutants` of 2 to 4 sites, ':'-joined), so the
+    files are as large as the real ones while the masked copies stay one per position."""
+
+    def substitution(position: int) -> str:
+        letter = wild_type[position]
+        return f"{letter}{position + 1}{generator.choice([a for a in STANDARD_AMINO_ACIDS if a != letter])}"
+
+    mutants = [substitution(i) for i in range(len(wild_type))]
+    if row is None:
+        return mutants
+    singles = max(0, int(row.get("DMS_number_single_mutants") or 0) - len(wild_type))
+    mutants += [substitution(generator.randrange(len(wild_type))) for _ in range(singles)]
+    for _ in range(int(row.get("DMS_number_multiple_mutants") or 0)):
+        sites = generator.sample(range(len(wild_type)), min(len(wild_type), generator.randint(2, 4)))
+        mutants.append(":".join(substitution(position) for position in sorted(sites)))
+    return mutants
 
 
-def write_assays(columns: list[str], rows: list[dict[str, str]], folder: Path, seed: int) -> dict[str, list[str]]:
+def applied(wild_type: str, mutant: str) -> str:
+    """`wild_type` with `mutant`'s substitutions (`A24G:K30R`) applied."""
+    residues = list(wild_type)
+    for part in mutant.split(":"):
+        residues[int(part[1:-1]) - 1] = part[-1]
+    return "".join(residues)
+
+
+def write_assays(
+    columns: list[str], rows: list[dict[str, str]], folder: Path, seed: int, reference_counts: bool = False
+) -> dict[str, list[str]]:
     """The reference's `rows` as `folder/reference.csv` and one stand-in assay per row in `folder/assays/`
     (`mutant`, `mutated_sequence`, `DMS_score` ~ N(0, 1), `DMS_score_bin`: above 0, the scores' median: the row's
-    `DMS_binarization_cutoff` is on its assay's own scale, where N(0, 1) scores can all fall on one side);
-    {DMS_id: its mutants}."""
+    `DMS_binarization_cutoff` is on its assay's own scale, where N(0, 1) scores can all fall on one side; with
+    `reference_counts`, the row's numbers of mutants: `stand_in_mutants`); {DMS_id: its mutants}."""
     generator = random.Random(seed)
     (folder / "assays").mkdir(parents=True)
     mutants_of = {}
     for row in rows:
         wild_type = row["target_seq"]
-        mutants = stand_in_mutants(wild_type, generator)
+        mutants = stand_in_mutants(wild_type, generator, row if reference_counts else None)
         mutants_of[row["DMS_id"]] = mutants
         with (folder / "assays" / row["DMS_filename"]).open("w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"])
             for mutant in mutants:
-                position = int(mutant[1:-1]) - 1
                 score = generator.gauss(0, 1)
-                mutated = wild_type[:position] + mutant[-1] + wild_type[position + 1 :]
-                writer.writerow([mutant, mutated, repr(score), int(score > 0)])
+                writer.writerow([mutant, applied(wild_type, mutant), repr(score), int(score > 0)])
     with (folder / "reference.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, columns, lineterminator="\n")
         writer.writeheader()
@@ -245,10 +269,16 @@ def proteingym_loop(model, tokenizer, wild_type: str, positions: int | None = No
 
 
 def label_scores(log_probs: torch.Tensor, tokenizer, mutants: list[str]) -> torch.Tensor:
-    """ProteinGym's label_row for single substitutions: log p(mt) - log p(wt) at the mutant's token (`[M]` float64)."""
+    """ProteinGym's label_row: per mutant, the sum over its substitutions of log p(mt) - log p(wt) at the
+    substitution's token (`[M]` float64)."""
     vocab = tokenizer.get_vocab()
     host = log_probs.double().cpu()
-    return torch.tensor([(host[int(m[1:-1]), vocab[m[-1]]] - host[int(m[1:-1]), vocab[m[0]]]).item() for m in mutants])
+
+    def score(mutant: str) -> float:
+        sites = [(int(part[1:-1]), part[0], part[-1]) for part in mutant.split(":")]
+        return sum((host[i, vocab[mt]] - host[i, vocab[wt]]).item() for i, wt, mt in sites)
+
+    return torch.tensor([score(mutant) for mutant in mutants], dtype=torch.float64)
 
 
 def command_scores(path: Path) -> torch.Tensor:
@@ -419,6 +449,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="the command on 1 and more GPUs (torchrun)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mutants",
+        choices=("positions", "reference"),
+        default="reference",
+        help="stand-in assays: one substitution per position, or as many rows as the reference row's assay has",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/proteingym_benchmark.json"))
     args = parser.parse_args(argv)
     args.device_given = args.device is not None  # else the command picks its own default device too
@@ -453,13 +489,14 @@ def checkpoint_folders(args: argparse.Namespace, work: Path) -> tuple[Path, Path
 
 def run(args: argparse.Namespace, work: Path) -> None:
     columns, rows = read_reference(args.reference, args.limit, args.quick)
-    mutants_of = write_assays(columns, rows, work / "data", args.seed)
+    mutants_of = write_assays(columns, rows, work / "data", args.seed, args.mutants == "reference")
     device = torch.device(args.device)
     summary = {
         "device": None,  # named after the command's runs: this process touches no GPU before them
         "model": f"ESM-2 {args.shape}, random weights" if args.shape else str(args.model or TINY),
         "reference": str(args.reference),
         "workload": workload(rows),
+        "stand_in_assays": {"mutants": args.mutants, "rows": sum(map(len, mutants_of.values()))},
         "full_reference_workload": workload(read_reference(args.reference, None, False)[1]),
         "tokens_per_batch": args.tokens_per_batch,
         "variants": {},

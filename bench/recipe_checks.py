@@ -373,6 +373,7 @@ LAYOUTS = {
     "replicate": ["--data-parallel", "replicate"],
     "shard": ["--data-parallel", "shard"],
     "hsdp": ["--data-parallel", "shard", "--dp-replicate", "2"],  # 2 replica groups, each sharding over the rest
+    "tp2": ["--tp", "2"],  # pairs of ranks split each layer (FSDP2 over the pairs): a pair runs one micro-batch
 }
 
 

@@ -46,7 +46,7 @@ from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, 
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
-from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, check_assay, run_plans
+from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, RowNames, check_assay, run_plans
 from nv_esm.score import load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
@@ -184,9 +184,10 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         if taken:
             raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
         mutants = [r[MUTANT_COLUMN] for r, _ in assay_rows]
-        names = [
-            f"{path}: row {n} (line {line}), column {MUTANT_COLUMN!r}" for n, (_, line) in enumerate(assay_rows, 1)
-        ]
+        names = RowNames(
+            lambda i, path=path, rows=assay_rows: f"{path}: row {i + 1} (line {rows[i][1]}), column {MUTANT_COLUMN!r}",
+            len(assay_rows),
+        )
         wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
         assay = Assay(dms_id, wild_type, mutants, names)
         assay.parse()

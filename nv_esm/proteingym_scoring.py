@@ -125,8 +125,30 @@ class Assay:
     def parse(self) -> None:
         """Check the wild type and every mutant (`nv_esm.scoring.parse_mutant`: ValueError naming the mutant)."""
         self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
-        self.names = self.names or [f"{self.dms_id}[{i}]" for i in range(len(self.mutants))]
-        self.variants = [parse_mutant(m, self.wild_type, name) for m, name in zip(self.mutants, self.names)]
+        self.names = self.names or RowNames(lambda i: f"{self.dms_id}[{i}]", len(self.mutants))
+        known: dict[str, Substitution] = {}  # each substitution's text is checked once per assay
+        names = self.names
+        self.variants = [
+            parse_mutant(mutant, self.wild_type, lambda i=i: names[i], known) for i, mutant in enumerate(self.mutants)
+        ]
+
+
+class RowNames(Sequence[str]):
+    """Per row `i`, the name `name(i)` (for an error message), made only when asked for: an assay of half a million
+    mutants would otherwise format as many strings that no error needs."""
+
+    def __init__(self, name: Callable[[int], str], count: int) -> None:
+        self.name, self.count = name, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self.name(i) for i in range(*index.indices(self.count))]
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        return self.name(index % self.count)
 
 
 def mutated_sequence(wild_type: str, substitutions: Sequence[Substitution]) -> str:
@@ -148,11 +170,11 @@ def check_assay(assay: Assay, methods: Sequence[str], windows: str, window: int,
             f"{len(assay.wild_type)} residues are over config.max_protein_length - 2 ({longest}); use nv-esm windows."
         )
     joint = [m for m in methods if m == "masked_marginal" or (m == "wt-marginals" and windows == "nv-esm")]
-    for variant, name in zip(assay.variants, assay.names) if joint else ():
+    for i, variant in enumerate(assay.variants) if joint else ():
         try:
             window_bounds(len(assay.wild_type), variant[0].position - 1, variant[-1].position - 1, window)
         except ValueError as error:
-            raise ValueError(f"{name}: {error} {joint[0]} scores a mutant in one forward.") from None
+            raise ValueError(f"{assay.names[i]}: {error} {joint[0]} scores a mutant in one forward.") from None
 
 
 class Plan:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,45 +103,68 @@ class MaskedCopy:
         return self.stop - self.start + self.bos + self.eos
 
 
-def parse_mutant(mutant: str, wild_type: str, name: str) -> tuple[Substitution, ...]:
+def parse_mutant(
+    mutant: str,
+    wild_type: str,
+    name: str | Callable[[], str],
+    known: dict[str, Substitution] | None = None,
+) -> tuple[Substitution, ...]:
     """The substitutions of `mutant` in ProteinGym's notation (`A24G`, `A24G:K30R`; 1-based positions; either
     case), sorted by position. `wild_type` is the protein as `protein_residues` gives it (upper case). ValueError
-    naming `name` (the row) and the position for: an empty or malformed mutant, a position outside the wild type,
-    a wild-type letter that differs from the wild type's, a mutant letter outside ESM-2's alphabet, a position
-    changed twice."""
+    naming `name` (the row; or a function that gives it, called only for an error) and the position for: an empty
+    or malformed mutant, a position outside the wild type, a wild-type letter that differs from the wild type's, a
+    mutant letter outside ESM-2's alphabet, a position changed twice. `known`: the substitutions already checked
+    against this wild type, by their text (filled here; an assay's mutants repeat a few thousand of them)."""
     if not isinstance(mutant, str) or not mutant.strip():
-        raise ValueError(f"{name}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
+        raise ValueError(f"{_named(name)}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
     substitutions: dict[int, Substitution] = {}
-    shown = _quoted(mutant)
     for part in mutant.strip().split(":"):
-        match = _SUBSTITUTION.fullmatch(part.strip())
-        if match is None:
-            raise ValueError(
-                f"{name}: {_quoted(part.strip())} in mutant {shown} is not a substitution such as 'A24G' (wild-type "
-                "letter, 1-based position, mutant letter; ':' between substitutions)."
-            )
-        wild_letter, digits, mutant_letter = match[1].upper(), match[2].lstrip("0") or "0", match[3].upper()
-        # A position longer than the wild type's length in digits is outside it (and may be too long for int()).
-        position = int(digits) if len(digits) <= len(str(len(wild_type))) else len(wild_type) + 1
-        if not 1 <= position <= len(wild_type):
-            raise ValueError(
-                f"{name}: position {_shortened(digits)} of mutant {shown} is outside the wild type (1 to "
-                f"{len(wild_type)})."
-            )
-        if wild_type[position - 1] != wild_letter:
-            raise ValueError(
-                f"{name}: mutant {shown} says position {position} is {wild_letter!r}, but the wild type has "
-                f"{wild_type[position - 1]!r} there."
-            )
-        if mutant_letter not in RESIDUE_LETTERS:
-            raise ValueError(
-                f"{name}: mutant letter {mutant_letter!r} at position {position} of {shown} is not a residue of "
-                "ESM-2's alphabet."
-            )
+        part = part.strip()
+        substitution = None if known is None else known.get(part)
+        if substitution is None:
+            substitution = _substitution(part, mutant, wild_type, name)
+            if known is not None:
+                known[part] = substitution
+        position = substitution.position
         if position in substitutions:
-            raise ValueError(f"{name}: mutant {shown} changes position {position} twice.")
-        substitutions[position] = Substitution(position, wild_letter, mutant_letter)
+            raise ValueError(f"{_named(name)}: mutant {_quoted(mutant)} changes position {position} twice.")
+        substitutions[position] = substitution
+    if len(substitutions) == 1:
+        return (substitution,)
     return tuple(substitutions[position] for position in sorted(substitutions))
+
+
+def _named(name: str | Callable[[], str]) -> str:
+    return name if isinstance(name, str) else name()
+
+
+def _substitution(part: str, mutant: str, wild_type: str, name: str | Callable[[], str]) -> Substitution:
+    """One substitution (`A24G`) of `mutant`, checked against `wild_type` (`parse_mutant`'s errors)."""
+    match = _SUBSTITUTION.fullmatch(part)
+    if match is None:
+        raise ValueError(
+            f"{_named(name)}: {_quoted(part)} in mutant {_quoted(mutant)} is not a substitution such as 'A24G' "
+            "(wild-type letter, 1-based position, mutant letter; ':' between substitutions)."
+        )
+    wild_letter, digits, mutant_letter = match[1].upper(), match[2].lstrip("0") or "0", match[3].upper()
+    # A position longer than the wild type's length in digits is outside it (and may be too long for int()).
+    position = int(digits) if len(digits) <= len(str(len(wild_type))) else len(wild_type) + 1
+    if not 1 <= position <= len(wild_type):
+        raise ValueError(
+            f"{_named(name)}: position {_shortened(digits)} of mutant {_quoted(mutant)} is outside the wild type "
+            f"(1 to {len(wild_type)})."
+        )
+    if wild_type[position - 1] != wild_letter:
+        raise ValueError(
+            f"{_named(name)}: mutant {_quoted(mutant)} says position {position} is {wild_letter!r}, but the wild "
+            f"type has {wild_type[position - 1]!r} there."
+        )
+    if mutant_letter not in RESIDUE_LETTERS:
+        raise ValueError(
+            f"{_named(name)}: mutant letter {mutant_letter!r} at position {position} of {_quoted(mutant)} is not a "
+            "residue of ESM-2's alphabet."
+        )
+    return Substitution(position, wild_letter, mutant_letter)
 
 
 def _shortened(text: str, most: int = 40) -> str:

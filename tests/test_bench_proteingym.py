@@ -87,3 +87,53 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
             assert row["mutant"][0] == wild_type[position] != letter and letter in STANDARD_AMINO_ACIDS
             assert row["mutated_sequence"] == wild_type[:position] + letter + wild_type[position + 1 :]
             assert row["DMS_score_bin"] == str(int(float(row["DMS_score"]) > 0))
+
+
+def test_stand_in_assays_with_the_references_counts_have_its_numbers_of_single_and_multiple_mutants(
+    tmp_path, monkeypatch
+):
+    """`--mutants reference`: a substitution at every position first, then the row's counts (singles up to
+    `DMS_number_single_mutants`, `DMS_number_multiple_mutants` of 2 to 4 distinct sites), each row's
+    `mutated_sequence` the wild type with its substitutions, every letter the wild type's at its site; and the
+    ProteinGym rule's label scores sum over the sites."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from proteingym_benchmark import label_scores, write_assays
+
+    generator = random.Random(11)
+    wild_type = "".join(generator.choices(STANDARD_AMINO_ACIDS, k=30))
+    columns = ["DMS_id", "DMS_filename", "target_seq", "DMS_number_single_mutants", "DMS_number_multiple_mutants"]
+    rows = [
+        dict(zip(columns, ("X", "X.csv", wild_type, "75", "40"))),
+        dict(zip(columns, ("Y", "Y.csv", wild_type, "", ""))),
+    ]
+    mutants_of = write_assays(columns, rows, tmp_path, seed=5, reference_counts=True)
+    assert len(mutants_of["X"]) == 75 + 40 and len(mutants_of["Y"]) == 30
+    with (tmp_path / "assays" / "X.csv").open(newline="") as handle:
+        assay = list(csv.DictReader(handle))
+    assert [row["mutant"] for row in assay] == mutants_of["X"]
+    assert [int(row["mutant"][1:-1]) for row in assay[:30]] == list(range(1, 31))
+    for row in assay:
+        parts = row["mutant"].split(":")
+        sites = [int(part[1:-1]) - 1 for part in parts]
+        assert len(parts) == 1 or (2 <= len(parts) <= 4 and len(set(sites)) == len(parts))
+        expected = list(wild_type)
+        for part, site in zip(parts, sites):
+            assert part[0] == wild_type[site] != part[-1]
+            expected[site] = part[-1]
+        assert row["mutated_sequence"] == "".join(expected)
+    assert sum(":" in mutant for mutant in mutants_of["X"]) == 40
+
+    class Vocab:
+        def get_vocab(self):
+            return {letter: i for i, letter in enumerate(STANDARD_AMINO_ACIDS)}
+
+    log_probs = torch.randn(32, len(STANDARD_AMINO_ACIDS), generator=torch.Generator().manual_seed(2))
+    vocab = Vocab().get_vocab()
+    mutant = next(m for m in mutants_of["X"] if ":" in m)
+    expected_score = sum(
+        log_probs[int(p[1:-1]), vocab[p[-1]]].double() - log_probs[int(p[1:-1]), vocab[p[0]]].double()
+        for p in mutant.split(":")
+    )
+    assert abs(label_scores(log_probs, Vocab(), [mutant]).item() - expected_score.item()) < 1e-12

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,14 +132,16 @@ class ProteinGymSettings:
 
 @dataclass
 class AssayFile:
-    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows, and what the summary
-    groups it by (the reference's `UniProt_ID` and `coarse_selection_type`; None where it lacks the column)."""
+    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows, what the summary
+    groups it by (the reference's `UniProt_ID` and `coarse_selection_type`; None where it lacks the column) and
+    its `MEASURED_COLUMNS` that it has, as floats."""
 
     assay: Assay
     columns: list[str]
     rows: list[dict[str, str | None]]
     uniprot: str | None
     selection_type: str | None
+    measured: dict[str, list[float]]
 
 
 def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
@@ -177,9 +180,8 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         assay_columns, assay_rows = read_csv(path)
         if MUTANT_COLUMN not in assay_columns:
             raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(assay_columns[:20])}).")
-        for name in MEASURED_COLUMNS:  # a value the summary cannot read is refused now, not after the scoring
-            if name in assay_columns:
-                _floats(path, assay_rows, name)
+        # a value the summary cannot read is refused now, not after the scoring
+        measured = {name: _floats(path, assay_rows, name) for name in MEASURED_COLUMNS if name in assay_columns}
         taken = [name for name in args.columns if name in assay_columns]
         if taken:
             raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
@@ -193,7 +195,7 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         assay.parse()
         check_assay(assay, args.methods, args.windows, window, longest)
         groups = (row.get(name) for name in SUMMARY_COLUMNS)
-        files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows], *groups))
+        files.append(AssayFile(assay, assay_columns, [r for r, _ in assay_rows], *groups, measured))
     return files
 
 
@@ -258,13 +260,16 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
         total = sum(tokens[wild_type] for group in mine for wild_type in group)
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
         started = time.perf_counter()
+        scored: dict[str, dict[str, list[float]]] = {}  # this run's scores, by assay and column: for the summary
         for group in mine:
             for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
                 for file, scores in zip(by_wild_type[wild_type], results):
                     write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
+                    columns = zip(settings.columns, scores.values())
+                    scored[file.assay.dms_id] = {column: values.tolist() for column, values in columns}
         progress.close()
         seconds = time.perf_counter() - started
-        barrier(world_size)
+        scored = gathered_on_rank_0(scored, rank, world_size)
         if rank == 0:
             rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s on rank 0"
             rate += f" ({total / max(seconds, 1e-9):,.0f} tokens/s)"
@@ -273,7 +278,7 @@ def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settin
             print(f"{len(files)} assays ({len(files) - len(todo)} were already done); {rate}; wrote {args.output}")
             missing = summary_gap(files)
             if missing is None:
-                summarize_output(args, files, settings.columns)
+                summarize_output(args, files, settings.columns, scored)
             else:
                 print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
 
@@ -289,14 +294,31 @@ def summary_gap(files: list[AssayFile]) -> str | None:
     return None
 
 
-def summarize_output(args: argparse.Namespace, files: list[AssayFile], columns: tuple[str, ...]) -> None:
-    """ProteinGym's metrics of every score column over the assays' output files (`proteingym_metrics`), written to
-    OUT/summary/ with a bar plot of the Spearman per selection type and a scatter of one assay's scores."""
+def gathered_on_rank_0(scored: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Every rank's `scored` (assay -> its scores), merged on rank 0 (an empty dict on the others), after every rank
+    has written its assays."""
+    if world_size == 1:
+        return scored
+    parts: list[Any] | None = [None] * world_size if rank == 0 else None
+    torch.distributed.gather_object(scored, parts, dst=0)
+    return {dms_id: values for part in parts or [] for dms_id, values in part.items()}
+
+
+def summarize_output(
+    args: argparse.Namespace, files: list[AssayFile], columns: tuple[str, ...], scored: dict[str, Any]
+) -> None:
+    """ProteinGym's metrics of every score column over the assays (`proteingym_metrics`), written to OUT/summary/
+    with a bar plot of the Spearman per selection type and a scatter of one assay's scores. The scores of this run
+    (`scored`: assay -> column -> values, as written) are used as they are; an assay an earlier run finished is
+    read from its output file."""
     results, values_of = [], {}
     for file in files:
-        path = output_path(args, file.assay.dms_id)
-        _, rows = read_csv(path)
-        values = {name: _floats(path, rows, name) for name in (*columns, *MEASURED_COLUMNS)}
+        if file.assay.dms_id in scored:
+            values = {**scored[file.assay.dms_id], **file.measured}
+        else:
+            path = output_path(args, file.assay.dms_id)
+            _, rows = read_csv(path)
+            values = {name: _floats(path, rows, name) for name in (*columns, *MEASURED_COLUMNS)}
         values_of[file.assay.dms_id] = values
         results.append(
             proteingym_metrics.assay_result(

@@ -335,6 +335,28 @@ def run_command(checkpoint: Path, reference: Path, out: Path, *options: object) 
     )
 
 
+def summary_texts(folder: Path) -> dict[str, str]:
+    return {path.relative_to(folder).as_posix(): path.read_text() for path in sorted(folder.rglob("*.csv"))}
+
+
+def summary_from_the_files(checkpoint: Path, reference: Path, out: Path, tmp_path: Path) -> dict[str, str]:
+    """The summary's CSV files as `summarize_output` writes them from a copy of `out`'s assay files alone (no score
+    of the run in memory), for the summary the command wrote to compare with."""
+    import shutil
+
+    from nv_esm.embed_model import load_config
+    from nv_esm.scoring import resolve_window
+
+    copy = tmp_path / f"{out.name}_from_files"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("summary"))
+    args = proteingym.parse_args([str(checkpoint), str(reference), str(reference.parent / "assays"), str(copy)], "t")
+    args.columns = tuple(proteingym.score_column(args.model_name, method) for method in args.methods)
+    config = load_config(str(checkpoint))
+    files = proteingym.read_assays(args, resolve_window(config, None), config.max_protein_length - 2)
+    proteingym.summarize_output(args, files, args.columns, {})
+    return summary_texts(copy / "summary")
+
+
 def test_the_command_writes_each_assay_with_its_scores(checkpoint, assays, expected, tmp_path):
     """OUT/<DMS_id>.csv: the assay's columns and rows, then esm2_tiny_nv (masked-marginals, the column ProteinGym's
     config reads) and esm2_tiny_nv_wt-marginals, equal to ProteinGym's loop."""
@@ -392,6 +414,8 @@ def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(check
     assert run_command(checkpoint, reference, out) == 0
     assert sorted(written) == ["S0.csv", "S2.csv"]  # S1 by the first run, one by the killed one: each written once
     assert (out / "S1.csv").read_bytes() == first
+    # the summary of assays finished by earlier runs (read back) and by this one (its scores as written)
+    assert summary_texts(out / "summary") == summary_from_the_files(checkpoint, reference, out, tmp_path)
     capsys.readouterr()
     for changed in (["--methods", "wt-marginals"], ["--windows", "nv-esm"], ["--model-name", "other"]):
         assert run_command(checkpoint, reference, out, *changed) == 1
@@ -482,6 +506,10 @@ def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
         assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
         for ours, theirs in zip(ranks, single):
             assert float(ours["esm2_tiny_nv"]) == pytest.approx(float(theirs["esm2_tiny_nv"]), abs=1e-5)
+    # rank 0 summarises every rank's scores, gathered as written
+    ranks_summary = summary_texts(tmp_path / "ranks" / "summary")
+    assert len(ranks_summary) > 3
+    assert ranks_summary == summary_from_the_files(checkpoint, reference, tmp_path / "ranks", tmp_path)
 
 
 def test_what_a_method_cannot_score_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):

@@ -44,6 +44,7 @@ try:
         TensorParallelRun,
         is_sharded,
         several_ranks,
+        tensor_parallel_layer,
         tensor_parallel_split_dim,
     )
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
@@ -71,6 +72,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         TensorParallelRun,
         is_sharded,
         several_ranks,
+        tensor_parallel_layer,
         tensor_parallel_split_dim,
     )
 
@@ -421,9 +423,8 @@ class NVEsmEncoder(nn.Module):
         old = self.layers
         device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
         with torch.device("meta"):
-            layers = nn.ModuleList(self.backend.make_layer(config, i + 1, tensor_parallel) for i in range(len(old))).to(
-                dtype
-            )
+            parts = (tensor_parallel_layer(self.backend, config, i + 1, tensor_parallel) for i in range(len(old)))
+            layers = nn.ModuleList(parts).to(dtype)
         if device.type != "meta":
             layers.to_empty(device=device)
             with torch.no_grad():

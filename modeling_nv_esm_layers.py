@@ -1,7 +1,7 @@
 """The encoder layers: the backend decision (`resolve_backend`, Transformer Engine imported on demand), FP8 recipes
 and weights held in FP8, the exact PyTorch twin (`NVEsmTorchLayer`), TE's `TransformerLayer` as NVEsm calls it
 (`make_te_layer`) and the switch to cuDNN's LayerNorm kernels (`use_cudnn_layer_norm`). Part of the model's Hub
-remote code: imports the batch, parallel, LoRA and kernels siblings below it.
+remote code: imports the batch, layout, LoRA and kernels siblings below it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ try:
         with_qkv_updates,
         with_update,
     )
-    from .modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
     from modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, add_bias_residual_shapes_fit, rotate_qk
@@ -48,7 +47,6 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         with_qkv_updates,
         with_update,
     )
-    from modeling_nv_esm_parallel import RankGroup, gather_tokens, scatter_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -175,17 +173,12 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 class NVEsmLayerNormLinear(nn.Module):
-    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear`.
+    """LayerNorm then Linear, with the parameter names of `transformer_engine.pytorch.LayerNormLinear` (split
+    column-parallel from outside: `modeling_nv_esm_parallel.tensor_parallel_layer`)."""
 
-    With `tensor_parallel` (column-parallel): `out_features` is this rank's rows; the LayerNormed tokens of all
-    ranks are gathered before the product, `[T / size, in] -> [T, out]`."""
-
-    def __init__(
-        self, in_features: int, out_features: int, eps: float, tensor_parallel: RankGroup | None = None
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.tensor_parallel = tensor_parallel
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -193,8 +186,6 @@ class NVEsmLayerNormLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        if self.tensor_parallel is not None:
-            normed = gather_tokens(normed, self.tensor_parallel)
         return with_qkv_updates(self, normed, F.linear(normed, self.weight, self.bias))
 
     def extra_repr(self) -> str:
@@ -203,20 +194,15 @@ class NVEsmLayerNormLinear(nn.Module):
 
 class NVEsmLinear(nn.Module):
     """Linear with the parameter names of `transformer_engine.pytorch.Linear` (the attention output projection;
-    not an `nn.Linear`, so that PEFT adapts it only as `attention.output.dense`, as on TE).
+    not an `nn.Linear`, so that PEFT adapts it only as `attention.output.dense`, as on TE; split row-parallel from
+    outside)."""
 
-    With `tensor_parallel` (row-parallel): `in_features` is this rank's columns; the ranks' partial products are
-    summed and scattered by tokens before the bias is added, `[T, in] -> [T / size, out]`."""
-
-    def __init__(self, in_features: int, out_features: int, tensor_parallel: RankGroup | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        self.tensor_parallel = tensor_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tensor_parallel is not None:
-            return scatter_tokens(F.linear(x, self.weight), self.tensor_parallel, summed=True) + self.bias
         return with_update(self.__dict__.get("lora_targets"), x, F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
@@ -231,24 +217,13 @@ def recomputed(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 
 
 class NVEsmLayerNormMLP(nn.Module):
-    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP`.
+    """LayerNorm, fc1, GELU, fc2, with the parameter names of `transformer_engine.pytorch.LayerNormMLP` (split from
+    outside: `intermediate_size` a rank's part)."""
 
-    With `tensor_parallel`: `intermediate_size` is this rank's part; fc1 is column-parallel and fc2 row-parallel
-    (tokens gathered after the LayerNorm, summed and scattered before fc2's bias), `[T / size, hidden]` in and out.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        eps: float,
-        tensor_parallel: RankGroup | None = None,
-        recompute: bool = False,
-    ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float, recompute: bool = False) -> None:
         """`recompute` (`config.recompute_mlp`): `recomputed` (TE's `LayerNormMLP(checkpoint=True)` skips fc2)."""
         super().__init__()
         self.eps = eps
-        self.tensor_parallel = tensor_parallel
         self.recompute = recompute
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
         self.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size))
@@ -261,14 +236,7 @@ class NVEsmLayerNormMLP(nn.Module):
         return recomputed(self._mlp, x, self.recompute)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        tp = self.tensor_parallel
-        if tp is None:
-            return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
-        normed = gather_tokens(
-            F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps), tp
-        )
-        activated = gelu(F.linear(normed, self.fc1_weight, self.fc1_bias))
-        return scatter_tokens(F.linear(activated, self.fc2_weight), tp, summed=True) + self.fc2_bias
+        return mlp_with_updates(self, x, gelu, add_fc2_bias=True)
 
     def extra_repr(self) -> str:
         return fused_module_repr(self, "layernorm_mlp")
@@ -279,18 +247,17 @@ class NVEsmSelfAttention(nn.Module):
 
     `layernorm_qkv.weight` rows are interleaved per head, `[h0: q, k, v | h1: q, k, v | ...]`, as TE's
     default `qkv_weight_interleaved=True`. Attention is `torch.nn.functional.scaled_dot_product_attention`.
-    With `tensor_parallel`, this rank's `num_heads / size` heads attend over all tokens.
+    Of `parts` of the heads (tensor parallelism), one: `num_attention_heads / parts` heads.
     """
 
-    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
+    def __init__(self, config: NVEsmConfig, parts: int = 1) -> None:
         super().__init__()
-        size = 1 if tensor_parallel is None else tensor_parallel.size
-        self.num_heads = config.num_attention_heads // size
+        self.num_heads = config.num_attention_heads // parts
         self.head_dim = config.head_dim
         self.dropout = config.attention_probs_dropout_prob
         width = self.num_heads * self.head_dim
-        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * width, config.layer_norm_eps, tensor_parallel)
-        self.proj = NVEsmLinear(width, config.hidden_size, tensor_parallel)
+        self.layernorm_qkv = NVEsmLayerNormLinear(config.hidden_size, 3 * width, config.layer_norm_eps)
+        self.proj = NVEsmLinear(width, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor, layout: RunLayout) -> torch.Tensor:
         """`[B, S, hidden]` (BSHD) or `[T, hidden]` (THD) -> same shape; the layout gives the attention view."""
@@ -307,18 +274,17 @@ class NVEsmSelfAttention(nn.Module):
 
 
 class NVEsmTorchLayer(nn.Module):
-    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it (with
-    `tensor_parallel`: as `set_parallel_mode=True, sequence_parallel=True` configures it)."""
+    """Pure-PyTorch twin of `transformer_engine.pytorch.TransformerLayer` as NVEsm configures it; with `parts`, the
+    shapes of one of that many parts of the heads and MLP columns, which `modeling_nv_esm_parallel` makes a
+    tensor-parallel layer of (as `set_parallel_mode=True, sequence_parallel=True` configures TE's)."""
 
-    def __init__(self, config: NVEsmConfig, tensor_parallel: RankGroup | None = None) -> None:
+    def __init__(self, config: NVEsmConfig, parts: int = 1) -> None:
         super().__init__()
-        self.self_attention = NVEsmSelfAttention(config, tensor_parallel)
-        size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.self_attention = NVEsmSelfAttention(config, parts)
         self.layernorm_mlp = NVEsmLayerNormMLP(
             config.hidden_size,
-            config.intermediate_size // size,
+            config.intermediate_size // parts,
             config.layer_norm_eps,
-            tensor_parallel,
             recompute=config.recompute_mlp,
         )
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
@@ -459,12 +425,12 @@ def te_layer_class() -> type[nn.Module]:
 def make_te_layer(
     config: NVEsmConfig,
     layer_number: int,
-    tensor_parallel: RankGroup | None = None,
+    tensor_parallel: Any = None,
     params_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """A Transformer Engine `TransformerLayer` (`te_layer_class`) shaped as ESM-2's layer `layer_number` (1-based);
-    with `tensor_parallel`, this rank's part of it (`set_parallel_mode`, sequence parallelism). Parameters in
-    `params_dtype` (default: torch's default dtype)."""
+    with `tensor_parallel` (a `RankGroup` of the parallel sibling), this rank's part of it (`set_parallel_mode`,
+    sequence parallelism). Parameters in `params_dtype` (default: torch's default dtype)."""
     init_method = functools.partial(nn.init.normal_, mean=0.0, std=config.initializer_range)
     on_meta = torch.get_default_device().type == "meta"
     parallel: dict[str, Any] = {}
@@ -552,11 +518,12 @@ class TorchBackend(str):
         self,
         config: NVEsmConfig,
         layer_number: int,
-        tensor_parallel: RankGroup | None = None,
+        tensor_parallel: Any = None,
         params_dtype: torch.dtype | None = None,
     ) -> nn.Module:
-        """ESM-2's layer `layer_number` (1-based), with `tensor_parallel` this rank's part of it."""
-        layer = NVEsmTorchLayer(config, tensor_parallel)
+        """ESM-2's layer `layer_number` (1-based); with `tensor_parallel`, the shapes of this rank's part of it
+        (`modeling_nv_esm_parallel.tensor_parallel_layer` makes the part)."""
+        layer = NVEsmTorchLayer(config, 1 if tensor_parallel is None else tensor_parallel.size)
         return layer if params_dtype is None else layer.to(params_dtype)
 
     def make_layers(self, config: NVEsmConfig) -> nn.ModuleList:
@@ -627,7 +594,7 @@ class TEBackend(TorchBackend):
         self,
         config: NVEsmConfig,
         layer_number: int,
-        tensor_parallel: RankGroup | None = None,
+        tensor_parallel: Any = None,
         params_dtype: torch.dtype | None = None,
     ) -> nn.Module:
         return make_te_layer(config, layer_number, tensor_parallel, params_dtype)

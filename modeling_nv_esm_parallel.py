@@ -1,7 +1,8 @@
-"""Running one batch's layers across ranks: tensor parallelism (token scatter/gather, `TENSOR_PARALLEL_SPLITS`, the
-run layout `TensorParallelRun`) and context parallelism (the run layout `ContextParallelLayout`).
+"""Running one batch's layers across ranks, applied from outside the layers: tensor parallelism (token
+scatter/gather, `TENSOR_PARALLEL_SPLITS`, a layer's part `tensor_parallel_layer`, the run layout
+`TensorParallelRun`) and context parallelism (the run layout `ContextParallelLayout`).
 
-Part of the model's Hub remote code: imports the batch and layout siblings below it.
+Part of the model's Hub remote code: imports the batch, layout and layers siblings below it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from torch import nn
 
 try:
     from .modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
+    from .modeling_nv_esm_layers import Backend, NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu
     from .modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
+    from modeling_nv_esm_layers import Backend, NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu
     from modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
 
 # The layer parameters that tensor parallelism splits across its ranks, by name inside a layer, with the dimension
@@ -120,6 +123,59 @@ def gather_tokens(x: torch.Tensor, ranks: RankGroup, replicated: bool = False) -
 def scatter_tokens(x: torch.Tensor, ranks: RankGroup, summed: bool) -> torch.Tensor:
     """`_ScatterTokens`: `[T, ...] -> [T / size, ...]`."""
     return _ScatterTokens.apply(x, ranks, summed)
+
+
+class ColumnParallelLayerNormLinear(NVEsmLayerNormLinear):
+    """The twin's LayerNorm + Linear split column-parallel: `out_features` is this rank's rows; the LayerNormed
+    tokens of all ranks are gathered before the product, `[T / size, in] -> [T, out]`."""
+
+    tensor_parallel: RankGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        return F.linear(gather_tokens(normed, self.tensor_parallel), self.weight, self.bias)
+
+
+class RowParallelLinear(NVEsmLinear):
+    """The twin's Linear split row-parallel: `in_features` is this rank's columns; the ranks' partial products are
+    summed and scattered by tokens before the bias is added, `[T, in] -> [T / size, out]`."""
+
+    tensor_parallel: RankGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_tokens(F.linear(x, self.weight), self.tensor_parallel, summed=True) + self.bias
+
+
+class TensorParallelLayerNormMLP(NVEsmLayerNormMLP):
+    """The twin's MLP split: `intermediate_size` is this rank's part; fc1 column-parallel and fc2 row-parallel
+    (tokens gathered after the LayerNorm, summed and scattered before fc2's bias), `[T / size, hidden]` in and out."""
+
+    tensor_parallel: RankGroup
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        activated = gelu(F.linear(gather_tokens(normed, self.tensor_parallel), self.fc1_weight, self.fc1_bias))
+        return scatter_tokens(F.linear(activated, self.fc2_weight), self.tensor_parallel, summed=True) + self.fc2_bias
+
+
+TENSOR_PARALLEL_TWINS = {
+    NVEsmLayerNormLinear: ColumnParallelLayerNormLinear,
+    NVEsmLinear: RowParallelLinear,
+    NVEsmLayerNormMLP: TensorParallelLayerNormMLP,
+}
+
+
+def tensor_parallel_layer(backend: Backend, config: Any, layer_number: int, tensor_parallel: RankGroup) -> nn.Module:
+    """This rank's part of layer `layer_number` (empty weights of the part's shapes): Transformer Engine's layer
+    built split (`set_parallel_mode`, sequence parallelism, the group's ranks), or the twin's layer of the part's
+    shapes with its products made column- and row-parallel (`TENSOR_PARALLEL_TWINS`, same parameters)."""
+    layer = backend.make_layer(config, layer_number, tensor_parallel)
+    for module in layer.modules():
+        parallel = TENSOR_PARALLEL_TWINS.get(type(module))
+        if parallel is not None:
+            module.__class__ = parallel
+            module.tensor_parallel = tensor_parallel
+    return layer
 
 
 @dataclass(frozen=True)

@@ -127,9 +127,12 @@ class Assay:
         self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
         self.names = self.names or RowNames(lambda i: f"{self.dms_id}[{i}]", len(self.mutants))
         known: dict[str, Substitution] = {}  # each substitution's text is checked once per assay
-        names = self.names
+        names, single = self.names, known.get
         self.variants = [
-            parse_mutant(mutant, self.wild_type, lambda i=i: names[i], known) for i, mutant in enumerate(self.mutants)
+            (found,)
+            if (found := single(mutant)) is not None  # type: ignore[arg-type]
+            else parse_mutant(mutant, self.wild_type, lambda i=i: names[i], known)
+            for i, mutant in enumerate(self.mutants)
         ]
 
 
@@ -196,8 +199,10 @@ class Plan:
         self._copy_of: dict[tuple, int] = {}
         self._reads: list[dict[int, None]] = []  # per copy: the residues it reads (ordered)
         self.pll_targets: dict[int, tuple[int, str]] = {}  # pseudo-ppl copy -> (its sequence, the letter read)
-        # per (assay, method): per mutant, its terms [(weights [(copy, weight)], substitution)]
+        # per (assay, method): a joint method's terms per mutant [(weights [(copy, weight)], substitution)], or a
+        # per-site method's weights per distinct substitution (every mutant holding it reads the same copies)
         self._terms: dict[tuple[int, str], list[list[tuple[list[tuple[int, float]], Substitution]]]] = {}
+        self._site_terms: dict[tuple[int, str], dict[Substitution, list[tuple[int, float]]]] = {}
         self._plls: dict[tuple[int, int], int] = {}  # (assay, mutant) -> sequence of its pseudo-ppl
         self._weights: list[float] | None = None  # overlap_weights(window), once
         self._sites: dict[tuple[str, int, int], list[tuple[int, float]]] = {}  # (method, sequence, residue) -> copies
@@ -206,8 +211,14 @@ class Plan:
                 if method == "pseudo-ppl":
                     for m, variant in enumerate(assay.variants):
                         self._plls[a, m] = self._pseudo_ppl_sequence(mutated_sequence(assay.wild_type, variant))
-                else:
+                elif self._joint(method):
                     self._terms[a, method] = [self._marginal_copies(assay, v, method) for v in assay.variants]
+                else:
+                    sequence, length = self._sequence(assay.wild_type), len(assay.wild_type)
+                    distinct = dict.fromkeys(s for variant in assay.variants for s in variant)
+                    self._site_terms[a, method] = {
+                        s: self._site(method, sequence, length, s.position - 1) for s in distinct
+                    }
         self.copies = [
             MaskedCopy(c.sequence, c.start, c.stop, c.masked, tuple(sorted(reads)), c.bos, c.eos)
             for c, reads in zip(self.copies, self._reads)
@@ -234,16 +245,20 @@ class Plan:
         return index
 
     def _marginal_copies(self, assay: Assay, variant: tuple[Substitution, ...], method: str) -> list:
-        """Per site of `variant`: ([(copy, weight)] whose weighted log-probabilities it reads, the substitution)."""
+        """A joint method's terms (`_joint`): per site of `variant`, ([(the variant's one copy, 1.0)], the
+        substitution)."""
         sequence, length, window = self._sequence(assay.wild_type), len(assay.wild_type), self.scorer.window
-        if method == "masked_marginal" or (method == "wt-marginals" and self.windows == "nv-esm"):  # one copy
-            sites = tuple(s.position - 1 for s in variant)
-            start, stop = window_bounds(length, sites[0], sites[-1], window)
-            masked = sites if method == "masked_marginal" else ()
-            key = (sequence, start, stop, masked, True, True)
-            return [([(self._copy(key, partial(MaskedCopy, sequence, start, stop, masked, ()), p), 1.0)], s)
-                    for p, s in zip(sites, variant)]  # fmt: skip
-        return [(self._site(method, sequence, length, s.position - 1), s) for s in variant]
+        sites = tuple(s.position - 1 for s in variant)
+        start, stop = window_bounds(length, sites[0], sites[-1], window)
+        masked = sites if method == "masked_marginal" else ()
+        key = (sequence, start, stop, masked, True, True)
+        return [([(self._copy(key, partial(MaskedCopy, sequence, start, stop, masked, ()), p), 1.0)], s)
+                for p, s in zip(sites, variant)]  # fmt: skip
+
+    def _joint(self, method: str) -> bool:
+        """Whether `method` reads all sites of a mutant from one copy (`masked_marginal`'s joint mask;
+        `wt-marginals` in nv-esm windows), rather than each site from the copies of its own residue."""
+        return method == "masked_marginal" or (method == "wt-marginals" and self.windows == "nv-esm")
 
     def _site(self, method: str, sequence: int, length: int, p: int) -> list[tuple[int, float]]:
         """[(copy, weight)] of residue `p` of a wild type by a per-site `method` (the same for every mutant)."""
@@ -311,8 +326,14 @@ class Plan:
             for method in self.methods:
                 if method == "pseudo-ppl":
                     values = [plls[self._plls[a, m]] for m in range(len(assay.variants))]
-                else:
+                elif self._joint(method):
                     values = [_marginal_score(rows, terms, ids) for terms in self._terms[a, method]]
+                else:  # each distinct substitution once, then each mutant's sum over its sites
+                    site = {
+                        s: _marginal_score(rows, [(weights, s)], ids)
+                        for s, weights in self._site_terms[a, method].items()
+                    }
+                    values = [site[v[0]] if len(v) == 1 else sum(map(site.__getitem__, v)) for v in assay.variants]
                 scores[method] = torch.tensor(values, dtype=torch.float64)
             results.append(scores)
         return results

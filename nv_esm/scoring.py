@@ -115,6 +115,10 @@ def parse_mutant(
     or malformed mutant, a position outside the wild type, a wild-type letter that differs from the wild type's, a
     mutant letter outside ESM-2's alphabet, a position changed twice. `known`: the substitutions already checked
     against this wild type, by their text (filled here; an assay's mutants repeat a few thousand of them)."""
+    if known is not None and isinstance(mutant, str):  # every part checked before, at distinct positions
+        found = [known.get(part) for part in mutant.split(":")]
+        if None not in found and len({s.position for s in found}) == len(found):  # type: ignore[union-attr]
+            return tuple(sorted(found, key=_position)) if len(found) > 1 else (found[0],)  # type: ignore[arg-type]
     if not isinstance(mutant, str) or not mutant.strip():
         raise ValueError(f"{_named(name)}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
     substitutions: dict[int, Substitution] = {}
@@ -132,6 +136,10 @@ def parse_mutant(
     if len(substitutions) == 1:
         return (substitution,)
     return tuple(substitutions[position] for position in sorted(substitutions))
+
+
+def _position(substitution: Substitution) -> int:
+    return substitution.position
 
 
 def _named(name: str | Callable[[], str]) -> str:

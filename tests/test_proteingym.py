@@ -17,6 +17,7 @@ import csv
 import importlib.util
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -526,3 +527,51 @@ def test_what_a_method_cannot_score_is_refused_before_the_model_loads(checkpoint
         "far.csv: row 2 (line 3), column 'mutant': positions 1 to 1100 span more than the 1024-residue window" in error
     )
     assert "masked_marginal scores a mutant in one forward" in error and len(error.splitlines()) == 1
+
+
+@pytest.mark.parametrize("layout", ["plain", "quoted", "crlf", "blank_line", "short_row", "empty_fields"])
+def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layout):
+    """`read_table` splits a file of plain lines itself and keeps them for the output; any other file goes through
+    `read_csv`. Either way the fields and line numbers are the csv module's, and `write_assay` writes what
+    csv.writer writes for the fields and the scores' reprs."""
+    from nv_esm.score import read_csv as module_read_csv
+
+    generator = random.Random(hash(layout) % 1000)
+    columns = ["mutant", "mutated_sequence", "DMS_score", "note"]
+    rows = [
+        [f"A{i}G", "".join(generator.choices("ACDEFGHIK", k=12)), repr(generator.gauss(0, 1)), f"n{i}"]
+        for i in range(1, 30)
+    ]
+    if layout == "empty_fields":
+        rows[3][3], rows[7][1] = "", ""
+    lines = [",".join(columns), *(",".join(row) for row in rows)]
+    if layout == "quoted":
+        lines[5] = lines[5].rsplit(",", 1)[0] + ',"a, b"'
+    elif layout == "blank_line":
+        lines.insert(9, "")
+    elif layout == "short_row":
+        lines[4] = lines[4].rsplit(",", 1)[0]
+    path = tmp_path / "assay.csv"
+    path.write_bytes(("\r\n" if layout == "crlf" else "\n").join(lines).encode() + b"\n")
+    table = proteingym.read_table(path)
+    expected_columns, expected_rows = module_read_csv(path)
+    assert table.columns == expected_columns
+    assert len(table) == len(expected_rows)
+    for column in expected_columns:
+        assert table.column(column) == [row[column] for row, _ in expected_rows], column
+    assert [table.line(i) for i in range(len(table))] == [line for _, line in expected_rows]
+    assert (table.lines is not None) == (layout in ("plain", "crlf", "empty_fields"))
+    scores = {
+        "masked-marginals": torch.randn(len(table), dtype=torch.float64),
+        "wt": torch.randn(len(table)),
+    }
+    file = proteingym.AssayFile(None, table, None, None, {})
+    proteingym.write_assay(tmp_path / "out.csv", file, ("x", "y"), scores)
+    with open(tmp_path / "expected.csv", "w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow([*expected_columns, "x", "y"])
+        values = zip(*(tensor.tolist() for tensor in scores.values()))
+        writer.writerows(
+            [*(row[c] for c in expected_columns), *map(repr, v)] for (row, _), v in zip(expected_rows, values)
+        )
+    assert (tmp_path / "out.csv").read_text() == (tmp_path / "expected.csv").read_text()

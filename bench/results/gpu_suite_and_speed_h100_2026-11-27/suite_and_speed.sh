@@ -1,0 +1,11 @@
+# One H100 (carry [".gpu"]): the whole suite at the head (FP8-attention layout, graphs handed the body, tensor
+# parallelism from outside the layers, ProteinGym reading), then the 650M speed table (no-regression check).
+source .gpu/activate.sh; export PYTHONPATH=$PWD:$PWD/bench:$PYTHONPATH OMP_NUM_THREADS=1
+start=$(date +%s); left() { echo $(( $1 - ($(date +%s) - start) )); }
+mkdir -p $OUT/r; pack() { tar czf $OUT/r.tgz -C $OUT r; }
+nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/r/gpu.txt
+timeout 270 python -m pytest -v -rfEs -n 14 -p no:cacheprovider --durations=10 tests > $OUT/r/suite.log 2>&1
+echo "suite rc=$? $(( $(date +%s) - start )) s"; grep -E "passed|failed|FAILED|ERROR" $OUT/r/suite.log | tail -8; pack
+timeout $(left 590) python bench/benchmark.py --shapes 650M --proteins 16 64 --modes infer train \
+  --variants te_port nv_thd nv_thd_graphs --out $OUT/r/bench > $OUT/r/bench.log 2>&1
+echo "bench rc=$? $(( $(date +%s) - start )) s"; grep '^{' $OUT/r/bench.log | cut -c1-160; pack

@@ -19,7 +19,8 @@ Every input is checked before the model loads (a one-line error names the file, 
 in groups of whole wild types (`groups_of`; every copy of a group packed in one pass, each
 wild-type position computed once for all the assays of that wild type); an assay's file is written, atomically,
 when its group is done. A rerun skips the assays whose file is there, and refuses an OUT of other settings
-(checkpoint, methods, windows...) unless `--overwrite`. Under torchrun the groups are split over the ranks.
+(checkpoint, methods, windows...) unless `--overwrite`. Under torchrun each rank reads, checks and scores its
+`shares` of the wild types (dealt out before any assay file is read); rank 0 gathers the scores for the summary.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ MUTANT_COLUMN = "mutant"
 # Tokens of masked copies per group of assays (whole wild types): one packed pass each, and what a killed run loses.
 GROUP_TOKENS = 1 << 22
 GROUPS_PER_RANK = 8  # at least this many groups per rank where the wild types allow: the ranks' loads even out
+ROW_TOKENS = 4  # an assay row's host work (read, checked, planned, scored, written) in tokens of model work
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -130,16 +132,28 @@ class ProteinGymSettings:
     fp8: str  # `fp8_setting`
 
 
-@dataclass
-class AssayFile:
-    """One assay of the reference: its `Assay` (mutants parsed), its CSV's columns and rows, what the summary
-    groups it by (the reference's `UniProt_ID` and `coarse_selection_type`; None where it lacks the column) and
-    its `MEASURED_COLUMNS` that it has, as floats."""
+@dataclass(frozen=True)
+class ReferenceEntry:
+    """One assay of the reference, checked without opening its file (`read_reference`): its `DMS_id`, assay file,
+    wild type (`target_seq`), its row (`where`, for errors) and what the summary groups it by (`UniProt_ID`,
+    `coarse_selection_type`; None where the reference lacks the column)."""
 
-    assay: Assay
-    table: AssayTable
+    dms_id: str
+    path: Path
+    wild_type: str
+    where: str
     uniprot: str | None
     selection_type: str | None
+
+
+@dataclass
+class AssayFile:
+    """One assay read (`read_assay`): its reference entry, its `Assay` (mutants parsed), its CSV and its
+    `MEASURED_COLUMNS` that it has, as floats."""
+
+    entry: ReferenceEntry
+    assay: Assay
+    table: AssayTable
     measured: dict[str, list[float]]
 
 
@@ -206,12 +220,10 @@ def read_table(path: Path) -> AssayTable:
     return AssayTable(columns, fields=[[row[c] for c in columns] for row, _ in rows], line_numbers=[n for _, n in rows])
 
 
-def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
-    """The reference's assays (`--assays` of them), every file and mutant row checked: ValueError naming the file,
-    row and column of a missing column, a repeated or unknown DMS_id, a missing assay file, a `DMS_score` or
-    `DMS_score_bin` that is not a number, a malformed mutant, a position outside `target_seq` or a wild-type letter
-    that differs from it, or what the methods cannot score
-    (`check_assay`, with the model's `window` and `longest` protein)."""
+def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
+    """The reference's assays (`--assays` of them), each row checked without opening its assay file: ValueError
+    naming the file, row and column of a missing column, a repeated or unknown DMS_id, a DMS_id that cannot name an
+    output file, a missing assay file or a `target_seq` that is not a protein."""
     columns, rows = read_csv(args.reference)
     missing = [name for name in REFERENCE_COLUMNS if name not in columns]
     if missing:
@@ -230,7 +242,7 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         raise ValueError(f"--assays: {unknown[0]!r} is not a DMS_id of {args.reference}.")
     if args.scatter_assay is not None and args.scatter_assay not in wanted:
         raise ValueError(f"--scatter-assay: {args.scatter_assay!r} is not among the assays scored.")
-    files = []
+    entries = []
     for dms_id in wanted:
         row, line = rows[seen[dms_id] - 1]
         where = f"{args.reference}: row {seen[dms_id]} (line {line})"
@@ -239,26 +251,55 @@ def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[Ass
         path = args.assays_folder / (row["DMS_filename"] or "")
         if not row["DMS_filename"] or not path.is_file():
             raise ValueError(f"{where}, column 'DMS_filename': assay file {path} is missing.")
-        table = read_table(path)
-        if MUTANT_COLUMN not in table.columns:
-            raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(table.columns[:20])}).")
-        # a value the summary cannot read is refused now, not after the scoring
-        measured = {name: table.floats(path, name) for name in MEASURED_COLUMNS if name in table.columns}
-        taken = [name for name in args.columns if name in table.columns]
-        if taken:
-            raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
-        mutants = table.column(MUTANT_COLUMN)
-        names = RowNames(
-            lambda i, path=path, table=table: f"{path}: row {i + 1} (line {table.line(i)}), column {MUTANT_COLUMN!r}",
-            len(mutants),
-        )
         wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
-        assay = Assay(dms_id, wild_type, mutants, names)  # type: ignore[arg-type]
-        assay.parse()
-        check_assay(assay, args.methods, args.windows, window, longest)
-        groups = (row.get(name) for name in SUMMARY_COLUMNS)
-        files.append(AssayFile(assay, table, *groups, measured))
-    return files
+        entries.append(ReferenceEntry(dms_id, path, wild_type, where, *(row.get(name) for name in SUMMARY_COLUMNS)))
+    return entries
+
+
+def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, longest: int) -> AssayFile:
+    """`entry`'s assay file, every row checked: ValueError naming the file, row and column of a missing column, a
+    `DMS_score` or `DMS_score_bin` that is not a number, a malformed mutant, a position outside `target_seq` or a
+    wild-type letter that differs from it, or what the methods cannot score (`check_assay`, with the model's
+    `window` and `longest` protein)."""
+    path = entry.path
+    table = read_table(path)
+    if MUTANT_COLUMN not in table.columns:
+        raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(table.columns[:20])}).")
+    # a value the summary cannot read is refused now, not after the scoring
+    measured = {name: table.floats(path, name) for name in MEASURED_COLUMNS if name in table.columns}
+    taken = [name for name in args.columns if name in table.columns]
+    if taken:
+        raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
+    mutants = table.column(MUTANT_COLUMN)
+    names = RowNames(lambda i: f"{path}: row {i + 1} (line {table.line(i)}), column {MUTANT_COLUMN!r}", len(mutants))
+    assay = Assay(entry.dms_id, entry.wild_type, mutants, names)  # type: ignore[arg-type]
+    assay.parse()
+    check_assay(assay, args.methods, args.windows, window, longest)
+    return AssayFile(entry, assay, table, measured)
+
+
+def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
+    """Every assay of the reference (`read_reference`), read and checked (`read_assay`)."""
+    return [read_assay(args, entry, window, longest) for entry in read_reference(args)]
+
+
+def shares(entries: list[ReferenceEntry], methods: tuple[str, ...], window: int, world_size: int) -> list[list]:
+    """Per rank, the assays it reads, checks and scores, in the reference's order: whole wild types (a wild type's
+    copies serve all its assays), dealt out by `groups_of` over an estimate made before any assay file is read
+    (the same on every rank): per wild type of L residues, a masked copy per position (`min(L + 2, window + 2)`
+    tokens each; the most `masked-marginals` runs), plus per assay row `ROW_TOKENS` for its host work (rows from
+    the file's size), plus what `pseudo-ppl` and `masked_marginal` run per row."""
+    costs: dict[str, int] = {}
+    for entry in entries:
+        length = len(entry.wild_type)
+        copy = min(length + 2, window + 2)
+        if entry.wild_type not in costs:
+            costs[entry.wild_type] = length * copy if {"masked-marginals", "wt-marginals"} & set(methods) else 0
+        rows = entry.path.stat().st_size // (length + 24)
+        per_row = ROW_TOKENS + copy * (("masked_marginal" in methods) + length * ("pseudo-ppl" in methods))
+        costs[entry.wild_type] += rows * per_row
+    ranks = [{wild_type for group in groups for wild_type in group} for groups in groups_of(costs, world_size)]
+    return [[entry for entry in entries if entry.wild_type in wild_types] for wild_types in ranks]
 
 
 def groups_of(tokens: dict[str, int], world_size: int) -> list[list[list[str]]]:
@@ -303,66 +344,71 @@ def write_assay(path: Path, file: AssayFile, columns: tuple[str, ...], scores: d
     write_atomically(path, text.getvalue())
 
 
-def run(args: argparse.Namespace, scorer: Scorer, files: list[AssayFile], settings: ProteinGymSettings,
-        rank: int = 0, world_size: int = 1, set_up_seconds: float | None = None) -> None:  # fmt: skip
-    """Score the assays without an output file (this rank's share of the groups), each written when its group is
-    done; then rank 0 (after every rank) summarises OUT. Rank 0 says how long its scoring took, and its set-up
-    before (`set_up_seconds`: reading the assays, loading the model), if given."""
+def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry], files: list[AssayFile],
+        settings: ProteinGymSettings, rank: int = 0, world_size: int = 1,
+        set_up_seconds: float | None = None) -> None:  # fmt: skip
+    """Score this rank's assays (`files`, its `shares` of the reference's `entries`) that have no output file yet,
+    each written when its group of wild types is done; then rank 0 (after every rank) summarises OUT from every
+    rank's scores and measured values (`gathered_on_rank_0`). Rank 0 says how long its scoring took, and its set-up
+    before (`set_up_seconds`: reading its assays, loading the model), if given."""
     with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
         barrier(world_size)
-        todo = [i for i, file in enumerate(files) if not output_path(args, file.assay.dms_id).exists()]
-        barrier(world_size)  # every rank has its list before any writes an assay: all share one list
+        todo = [file for file in files if not output_path(args, file.assay.dms_id).exists()]
+        barrier(world_size)  # every rank has its list before any writes an assay
         by_wild_type: dict[str, list[AssayFile]] = {}
-        for i in todo:
-            by_wild_type.setdefault(files[i].assay.wild_type, []).append(files[i])
+        for file in todo:
+            by_wild_type.setdefault(file.assay.wild_type, []).append(file)
         plans = {
             wild_type: Plan(scorer, [file.assay for file in group], settings.methods, settings.windows)
             for wild_type, group in by_wild_type.items()
         }
         tokens = {wild_type: plan.tokens() for wild_type, plan in plans.items()}
-        mine = groups_of(tokens, world_size)[rank]
-        total = sum(tokens[wild_type] for group in mine for wild_type in group)
+        [groups] = groups_of(tokens, 1)
+        total = sum(tokens.values())
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
         started = time.perf_counter()
-        scored: dict[str, dict[str, list[float]]] = {}  # this run's scores, by assay and column: for the summary
-        for group in mine:
+        scored: dict[str, dict[str, list[float]]] = {}  # this run's scores and measured values, by assay and column
+        for group in groups:
             for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
                 for file, scores in zip(by_wild_type[wild_type], results):
                     write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
                     columns = zip(settings.columns, scores.values())
-                    scored[file.assay.dms_id] = {column: values.tolist() for column, values in columns}
+                    scored[file.assay.dms_id] = {**{c: v.tolist() for c, v in columns}, **file.measured}
         progress.close()
         seconds = time.perf_counter() - started
-        scored = gathered_on_rank_0(scored, rank, world_size)
+        report = {file.assay.dms_id: (scored.get(file.assay.dms_id), tuple(file.measured)) for file in files}
+        report = gathered_on_rank_0(report, rank, world_size)
         if rank == 0:
+            done = sum(values is None for values, _ in report.values())
             rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s on rank 0"
             rate += f" ({total / max(seconds, 1e-9):,.0f} tokens/s)"
             if set_up_seconds is not None:
                 rate += f" after {set_up_seconds:.2f} s of set-up (assays read, model loaded)"
-            print(f"{len(files)} assays ({len(files) - len(todo)} were already done); {rate}; wrote {args.output}")
-            missing = summary_gap(files)
+            print(f"{len(entries)} assays ({done} were already done); {rate}; wrote {args.output}")
+            missing = summary_gap(entries, report)
             if missing is None:
-                summarize_output(args, files, settings.columns, scored)
+                summarize_output(args, entries, settings.columns, report)
             else:
                 print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
 
 
-def summary_gap(files: list[AssayFile]) -> str | None:
-    """Why the metrics cannot be summarised (a column the summary reads is missing), or None."""
-    for file in files:
-        if file.uniprot is None or file.selection_type is None:
+def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | None:
+    """Why the metrics cannot be summarised (a column the summary reads is missing), or None. `report`: per assay,
+    (its values or None, the `MEASURED_COLUMNS` its file has)."""
+    for entry in entries:
+        if entry.uniprot is None or entry.selection_type is None:
             return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
-        absent = [name for name in MEASURED_COLUMNS if name not in file.table.columns]
+        absent = [name for name in MEASURED_COLUMNS if name not in report[entry.dms_id][1]]
         if absent:
-            return f"assay {file.assay.dms_id} has no {absent[0]} column"
+            return f"assay {entry.dms_id} has no {absent[0]} column"
     return None
 
 
 def gathered_on_rank_0(scored: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """Every rank's `scored` (assay -> its scores), merged on rank 0 (an empty dict on the others), after every rank
-    has written its assays."""
+    """Every rank's `scored` (assay -> what it has of it), merged on rank 0 (an empty dict on the others), after
+    every rank has written its assays."""
     if world_size == 1:
         return scored
     parts: list[Any] | None = [None] * world_size if rank == 0 else None
@@ -371,26 +417,25 @@ def gathered_on_rank_0(scored: dict[str, Any], rank: int, world_size: int) -> di
 
 
 def summarize_output(
-    args: argparse.Namespace, files: list[AssayFile], columns: tuple[str, ...], scored: dict[str, Any]
+    args: argparse.Namespace, entries: list[ReferenceEntry], columns: tuple[str, ...], report: dict[str, Any]
 ) -> None:
     """ProteinGym's metrics of every score column over the assays (`proteingym_metrics`), written to OUT/summary/
-    with a bar plot of the Spearman per selection type and a scatter of one assay's scores. The scores of this run
-    (`scored`: assay -> column -> values, as written) are used as they are; an assay an earlier run finished is
-    read from its output file."""
+    with a bar plot of the Spearman per selection type and a scatter of one assay's scores. The values of this run
+    (`report`: assay -> (its scores as written and measured values, ...)) are used as they are; an assay an earlier
+    run finished is read from its output file."""
     results, values_of = [], {}
-    for file in files:
-        if file.assay.dms_id in scored:
-            values = {**scored[file.assay.dms_id], **file.measured}
-        else:
-            path = output_path(args, file.assay.dms_id)
+    for entry in entries:
+        values = report.get(entry.dms_id, (None,))[0]
+        if values is None:
+            path = output_path(args, entry.dms_id)
             table = read_table(path)
             values = {name: table.floats(path, name) for name in (*columns, *MEASURED_COLUMNS)}
-        values_of[file.assay.dms_id] = values
+        values_of[entry.dms_id] = values
         results.append(
             proteingym_metrics.assay_result(
-                file.assay.dms_id,
-                file.uniprot,
-                file.selection_type,
+                entry.dms_id,
+                entry.uniprot,
+                entry.selection_type,
                 values["DMS_score"],
                 values["DMS_score_bin"],
                 {name: values[name] for name in columns},
@@ -401,8 +446,8 @@ def summarize_output(
     proteingym_metrics.write_summary(summary, folder)
     spearman = summary.metrics["Spearman"]
     averages = ", ".join(f"{name} {spearman.average[i]:.3f}" for i, name in enumerate(summary.methods))
-    print(f"average Spearman over selection types ({len(files)} assays): {averages}; wrote {folder}")
-    chosen = args.scatter_assay or files[0].assay.dms_id
+    print(f"average Spearman over selection types ({len(entries)} assays): {averages}; wrote {folder}")
+    chosen = args.scatter_assay or entries[0].dms_id
     result = next(result for result in results if result.DMS_id == chosen)
     panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values_of[chosen][name] for name in columns}
     plotted = [
@@ -421,9 +466,9 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
         config = load_config(args.checkpoint)
         window = resolve_window(config, None)
         args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
-        files = read_assays(
-            args, window, config.max_protein_length - 2
-        )  # before loading: a bad row stops the run at once
+        entries = read_reference(args)  # before loading: a bad row stops the run at once
+        mine = shares(entries, args.methods, window, world_size)[rank]  # each rank reads only the assays it scores
+        files = [read_assay(args, entry, window, config.max_protein_length - 2) for entry in mine]
         own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
         settings = ProteinGymSettings(
             checkpoint=checkpoint_fingerprint(args.checkpoint, config),
@@ -453,7 +498,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             progress=not args.no_progress,
         )
         scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
-        run(args, scorer, files, settings, rank, world_size, time.perf_counter() - started)
+        run(args, scorer, entries, files, settings, rank, world_size, time.perf_counter() - started)
 
     return run_on_ranks(args.device, score_on, f"finished assays in {args.output} are kept, a rerun resumes", prog)
 

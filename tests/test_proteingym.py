@@ -353,8 +353,8 @@ def summary_from_the_files(checkpoint: Path, reference: Path, out: Path, tmp_pat
     args = proteingym.parse_args([str(checkpoint), str(reference), str(reference.parent / "assays"), str(copy)], "t")
     args.columns = tuple(proteingym.score_column(args.model_name, method) for method in args.methods)
     config = load_config(str(checkpoint))
-    files = proteingym.read_assays(args, resolve_window(config, None), config.max_protein_length - 2)
-    proteingym.summarize_output(args, files, args.columns, {})
+    proteingym.read_assays(args, resolve_window(config, None), config.max_protein_length - 2)  # as the command does
+    proteingym.summarize_output(args, proteingym.read_reference(args), args.columns, {})
     return summary_texts(copy / "summary")
 
 
@@ -488,6 +488,53 @@ def test_groups_spread_the_wild_types_over_the_ranks():
         assert max(loads) - min(loads) <= largest
 
 
+def test_each_rank_reads_whole_wild_types_of_the_reference_dealt_out_by_their_estimated_cost(tmp_path):
+    """`shares`: every assay on exactly one rank, in the reference's order, the assays of one wild type together;
+    the same split at every call (each rank computes it alone, before reading any assay); the ranks' estimated
+    loads within the largest wild type's of each other; one rank reads all."""
+    generator = torch.Generator().manual_seed(4508)
+    small = {}
+    for i in range(12):
+        wild_type = random_sequence(int(torch.randint(20, 60, (1,), generator=generator)), generator)
+        rows = int(torch.randint(1, 40, (1,), generator=generator))
+        small[f"S{i}"] = (wild_type, random_mutants(wild_type, generator, [1, 5, 9], rows))
+    small["T0"] = (small["S3"][0], small["S3"][1][:2])  # another assay of S3's wild type
+    reference = write_benchmark(tmp_path, small, generator)
+    args = proteingym.parse_args([str(tmp_path), str(reference), str(tmp_path / "assays"), str(tmp_path / "out")], "t")
+    entries = proteingym.read_reference(args)
+    assert [entry.dms_id for entry in entries] == list(small)
+    assert proteingym.shares(entries, args.methods, 1022, 1) == [entries]
+    for world_size in (2, 3):
+        ranks = proteingym.shares(entries, args.methods, 1022, world_size)
+        assert ranks == proteingym.shares(entries, args.methods, 1022, world_size) and len(ranks) == world_size
+        assert sorted(entry.dms_id for rank in ranks for entry in rank) == sorted(small)
+        assert all(rank == [entry for entry in entries if entry in rank] for rank in ranks)  # reference order
+        owner = {entry.dms_id: r for r, rank in enumerate(ranks) for entry in rank}
+        assert owner["T0"] == owner["S3"]
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_stop_with_the_error_of_the_rank_that_reads_a_bad_assay(checkpoint, tmp_path):
+    """Each rank checks only the assays it reads: a wrong wild-type letter in one assay stops the run with that
+    rank's one-line error naming the file, row and column, and a non-zero exit status."""
+    generator = torch.Generator().manual_seed(4509)
+    small = {
+        f"S{i}": (wt := random_sequence(30 + i, generator), random_mutants(wt, generator, [2, 6], 5)) for i in range(4)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+    bad = tmp_path / "assays" / "S2.csv"
+    rows = bad.read_text().splitlines()
+    wrong = "W" if small["S2"][0][2] != "W" else "Y"
+    rows[3] = f"{wrong}3A," + rows[3].split(",", 1)[1]
+    bad.write_text("\n".join(rows) + "\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nv_esm"]
+    command += ["proteingym", str(checkpoint), str(reference), str(tmp_path / "assays"), str(tmp_path / "out"), *CPU]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode != 0
+    assert f"S2.csv: row 3 (line 4), column 'mutant': mutant '{wrong}3A' says position 3 is {wrong!r}" in result.stderr
+
+
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
     generator = torch.Generator().manual_seed(4506)
@@ -565,7 +612,7 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         "masked-marginals": torch.randn(len(table), dtype=torch.float64),
         "wt": torch.randn(len(table)),
     }
-    file = proteingym.AssayFile(None, table, None, None, {})
+    file = proteingym.AssayFile(None, None, table, {})
     proteingym.write_assay(tmp_path / "out.csv", file, ("x", "y"), scores)
     with open(tmp_path / "expected.csv", "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")

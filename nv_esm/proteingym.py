@@ -188,8 +188,13 @@ class AssayTable:
 
     def floats(self, path: Path, name: str) -> list[float]:
         """The column's values as floats; ValueError naming the file, row and column of one that is not a number."""
+        column = self.column(name)
+        try:
+            return list(map(float, column))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass  # found below, with its row
         values = []
-        for number, value in enumerate(self.column(name), 1):
+        for number, value in enumerate(column, 1):
             try:
                 values.append(float(value))  # type: ignore[arg-type]
             except (TypeError, ValueError):

@@ -2,7 +2,7 @@
 scatter/gather, `TENSOR_PARALLEL_SPLITS`, a layer's part `tensor_parallel_layer`, the run layout
 `TensorParallelRun`) and context parallelism (the run layout `ContextParallelLayout`).
 
-Part of the model's Hub remote code: imports the batch, layout and layers siblings below it.
+Part of the model's Hub remote code: imports the batch, layout, LoRA and layers siblings below it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ try:
     from .modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
     from .modeling_nv_esm_layers import Backend, NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu
     from .modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
+    from .modeling_nv_esm_lora import with_qkv_updates
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from modeling_nv_esm_batch import InputBatch, PackedSequences, positions_in_proteins, sequence_index_of_tokens
     from modeling_nv_esm_layers import Backend, NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu
     from modeling_nv_esm_layout import AttentionView, PackedRun, RotaryTable, apply_rotary
+    from modeling_nv_esm_lora import with_qkv_updates
 
 # The layer parameters that tensor parallelism splits across its ranks, by name inside a layer, with the dimension
 # they are split along: query/key/value rows (interleaved per head, so each rank gets whole heads) and fc1 rows
@@ -132,8 +134,10 @@ class ColumnParallelLayerNormLinear(NVEsmLayerNormLinear):
     tensor_parallel: RankGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        return F.linear(gather_tokens(normed, self.tensor_parallel), self.weight, self.bias)
+        normed = gather_tokens(
+            F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps), self.tensor_parallel
+        )
+        return with_qkv_updates(self, normed, F.linear(normed, self.weight, self.bias))
 
 
 class RowParallelLinear(NVEsmLinear):

@@ -212,7 +212,9 @@ def read_table(path: Path) -> AssayTable:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text ({error.reason}).") from None
-    if '"' not in text:  # line endings read as universal newlines: "\r\n" and "\r" end a record, as in the csv module
+    # line endings read as universal newlines: "\r\n" and "\r" end a record, as in the csv module (which refuses a NUL
+    # byte on Python 3.10: such a file takes its path)
+    if '"' not in text and "\x00" not in text:
         lines = text.split("\n")
         if lines and lines[-1] == "":
             lines.pop()

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, reduce
+from itertools import chain
 from typing import Any
 
 import torch
@@ -125,6 +127,8 @@ class Assay:
     def parse(self) -> None:
         """Check the wild type and every mutant (`nv_esm.scoring.parse_mutant`: ValueError naming the mutant)."""
         self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
+        if self.names is not None and len(self.names) != len(self.mutants):
+            raise ValueError(f"{self.dms_id}: {len(self.names)} names for {len(self.mutants)} mutants.")
         self.names = self.names or RowNames(lambda i: f"{self.dms_id}[{i}]", len(self.mutants))
         known: dict[str, Substitution] = {}  # each substitution's text is checked once per assay
         names, single = self.names, known.get
@@ -328,12 +332,8 @@ class Plan:
                     values = [plls[self._plls[a, m]] for m in range(len(assay.variants))]
                 elif self._joint(method):
                     values = [_marginal_score(rows, terms, ids) for terms in self._terms[a, method]]
-                else:  # each distinct substitution once, then each mutant's sum over its sites
-                    site = {
-                        s: _marginal_score(rows, [(weights, s)], ids)
-                        for s, weights in self._site_terms[a, method].items()
-                    }
-                    values = [site[v[0]] if len(v) == 1 else sum(map(site.__getitem__, v)) for v in assay.variants]
+                else:
+                    values = _site_scores(rows, self._site_terms[a, method], assay.variants, ids)
                 scores[method] = torch.tensor(values, dtype=torch.float64)
             results.append(scores)
         return results
@@ -361,6 +361,30 @@ def run_plans(plans: Sequence[Plan], progress: Any = None) -> list[list[dict[str
                 rows[k].update({(local, position): values[offset + j] for j, position in enumerate(read)})
             offset += len(read)
     return [plan.scores(rows[k], plls[k]) for k, plan in enumerate(plans)]
+
+
+def _site_scores(
+    rows: dict[tuple[int, int], list[float]],
+    site_terms: dict[Substitution, list[tuple[int, float]]],
+    variants: list[tuple[Substitution, ...]],
+    ids: dict[str, int],
+) -> list[float]:
+    """A per-site method's score of each variant, as `_marginal_score` gives it, with each distinct substitution's
+    terms (per copy of its residue, weight x (log p(mutant letter) - log p(wild-type letter))) computed once: a
+    score adds its sites' terms from 0.0 one by one, in `_marginal_score`'s order (`sum` would not: Python >= 3.12
+    compensates float sums)."""
+    terms = {
+        s: [
+            weight * (rows[c, s.position - 1][ids[s.mutant]] - rows[c, s.position - 1][ids[s.wild_type]])
+            for c, weight in weights
+        ]
+        for s, weights in site_terms.items()
+    }
+    single = {s: reduce(operator.add, values, 0.0) for s, values in terms.items()}
+    return [
+        single[v[0]] if len(v) == 1 else reduce(operator.add, chain.from_iterable(map(terms.__getitem__, v)), 0.0)
+        for v in variants
+    ]
 
 
 def _marginal_score(rows: dict[tuple[int, int], list[float]], terms: list, ids: dict[str, int]) -> float:

@@ -622,3 +622,28 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
             [*(row[c] for c in expected_columns), *map(repr, v)] for (row, _), v in zip(expected_rows, values)
         )
     assert (tmp_path / "out.csv").read_text() == (tmp_path / "expected.csv").read_text()
+
+
+def test_per_site_scores_equal_the_per_mutant_sum_bit_for_bit():
+    """`_site_scores` (each distinct substitution's terms once) gives every mutant exactly the float that
+    `_marginal_score` adds up term by term for it, also where a site reads several weighted copies (overlapping
+    windows) and a mutant has several sites."""
+    from nv_esm.scoring import Substitution
+
+    generator = random.Random(4510)
+    letters = list(STANDARD_AMINO_ACIDS)
+    ids = {letter: i for i, letter in enumerate(letters)}
+    rows = {(c, p): [generator.uniform(-9, 0) for _ in letters] for c in range(6) for p in range(40)}
+    site_terms, variants = {}, []
+    for _ in range(300):
+        sites = generator.sample(range(1, 41), generator.randint(1, 4))
+        variant = []
+        for position in sorted(sites):
+            wild, mutant = generator.sample(letters, 2)
+            s = Substitution(position, wild, mutant)
+            copies = generator.sample(range(6), generator.randint(1, 3))
+            site_terms.setdefault(s, [(c, generator.uniform(0.1, 1.0)) for c in copies])
+            variant.append(s)
+        variants.append(tuple(variant))
+    expected = [proteingym_scoring._marginal_score(rows, [(site_terms[s], s) for s in v], ids) for v in variants]
+    assert proteingym_scoring._site_scores(rows, site_terms, variants, ids) == expected

@@ -81,7 +81,7 @@ from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm import scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config, load_model
-from nv_esm.proteingym_scoring import Assay, score_assays
+from nv_esm.proteingym_scoring import Assay, mutated_sequence, score_assays
 from nv_esm.rank_statistics import spearman
 from nv_esm.shapes import ESM2_SHAPES
 
@@ -133,14 +133,6 @@ def stand_in_mutants(wild_type: str, generator: random.Random, row: dict[str, st
     return mutants
 
 
-def applied(wild_type: str, mutant: str) -> str:
-    """`wild_type` with `mutant`'s substitutions (`A24G:K30R`) applied."""
-    residues = list(wild_type)
-    for part in mutant.split(":"):
-        residues[int(part[1:-1]) - 1] = part[-1]
-    return "".join(residues)
-
-
 def write_assays(
     columns: list[str], rows: list[dict[str, str]], folder: Path, seed: int, reference_counts: bool = False
 ) -> dict[str, list[str]]:
@@ -155,12 +147,14 @@ def write_assays(
         wild_type = row["target_seq"]
         mutants = stand_in_mutants(wild_type, generator, row if reference_counts else None)
         mutants_of[row["DMS_id"]] = mutants
+        known: dict = {}  # `parse_mutant`'s cache of this wild type's substitutions
         with (folder / "assays" / row["DMS_filename"]).open("w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"])
             for mutant in mutants:
                 score = generator.gauss(0, 1)
-                writer.writerow([mutant, applied(wild_type, mutant), repr(score), int(score > 0)])
+                mutated = mutated_sequence(wild_type, scoring.parse_mutant(mutant, wild_type, mutant, known))
+                writer.writerow([mutant, mutated, repr(score), int(score > 0)])
     with (folder / "reference.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, columns, lineterminator="\n")
         writer.writeheader()

@@ -148,10 +148,9 @@ class ReferenceEntry:
 
 @dataclass
 class AssayFile:
-    """One assay read (`read_assay`): its reference entry, its `Assay` (mutants parsed), its CSV and its
-    `MEASURED_COLUMNS` that it has, as floats."""
+    """One assay read (`read_assay`): its `Assay` (mutants parsed), its CSV and its `MEASURED_COLUMNS` that it has,
+    as floats."""
 
-    entry: ReferenceEntry
     assay: Assay
     table: AssayTable
     measured: dict[str, list[float]]
@@ -191,17 +190,16 @@ class AssayTable:
         column = self.column(name)
         try:
             return list(map(float, column))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            pass  # found below, with its row
-        values = []
-        for number, value in enumerate(column, 1):
-            try:
-                values.append(float(value))  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"{path}: row {number} (line {self.line(number - 1)}), column {name!r}: {value!r} is not a number."
-                ) from None
-        return values
+        except (TypeError, ValueError):  # name the first value that is not a number, with its row
+            for number, value in enumerate(column, 1):
+                try:
+                    float(value)  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    raise ValueError(
+                        f"{path}: row {number} (line {self.line(number - 1)}), column {name!r}: {value!r} is not a "
+                        "number."
+                    ) from None
+            raise
 
 
 def read_table(path: Path) -> AssayTable:
@@ -282,12 +280,7 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
     assay = Assay(entry.dms_id, entry.wild_type, mutants, names)  # type: ignore[arg-type]
     assay.parse()
     check_assay(assay, args.methods, args.windows, window, longest)
-    return AssayFile(entry, assay, table, measured)
-
-
-def read_assays(args: argparse.Namespace, window: int, longest: int) -> list[AssayFile]:
-    """Every assay of the reference (`read_reference`), read and checked (`read_assay`)."""
-    return [read_assay(args, entry, window, longest) for entry in read_reference(args)]
+    return AssayFile(assay, table, measured)
 
 
 def shares(entries: list[ReferenceEntry], methods: tuple[str, ...], window: int, world_size: int) -> list[list]:

@@ -133,8 +133,6 @@ def parse_mutant(
         if position in substitutions:
             raise ValueError(f"{_named(name)}: mutant {_quoted(mutant)} changes position {position} twice.")
         substitutions[position] = substitution
-    if len(substitutions) == 1:
-        return (substitution,)
     return tuple(substitutions[position] for position in sorted(substitutions))
 
 

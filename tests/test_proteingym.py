@@ -345,15 +345,10 @@ def summary_from_the_files(checkpoint: Path, reference: Path, out: Path, tmp_pat
     of the run in memory), for the summary the command wrote to compare with."""
     import shutil
 
-    from nv_esm.embed_model import load_config
-    from nv_esm.scoring import resolve_window
-
     copy = tmp_path / f"{out.name}_from_files"
     shutil.copytree(out, copy, ignore=shutil.ignore_patterns("summary"))
     args = proteingym.parse_args([str(checkpoint), str(reference), str(reference.parent / "assays"), str(copy)], "t")
     args.columns = tuple(proteingym.score_column(args.model_name, method) for method in args.methods)
-    config = load_config(str(checkpoint))
-    proteingym.read_assays(args, resolve_window(config, None), config.max_protein_length - 2)  # as the command does
     proteingym.summarize_output(args, proteingym.read_reference(args), args.columns, {})
     return summary_texts(copy / "summary")
 
@@ -612,7 +607,7 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         "masked-marginals": torch.randn(len(table), dtype=torch.float64),
         "wt": torch.randn(len(table)),
     }
-    file = proteingym.AssayFile(None, None, table, {})
+    file = proteingym.AssayFile(None, table, {})
     proteingym.write_assay(tmp_path / "out.csv", file, ("x", "y"), scores)
     with open(tmp_path / "expected.csv", "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")

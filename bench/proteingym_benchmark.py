@@ -34,8 +34,12 @@ Timed: `python -m nv_esm proteingym CHECKPOINT REFERENCE ASSAYS OUT --methods ma
 variant: `bf16` (the command's default: bf16, CUDA graphs on Transformer Engine; on the CPU, fp32), `fp8`
 (`--fp8 all`, block scaling: the command's default) and `fp8_current` (`--fp8 all --fp8-scaling current`). Wall
 time from process start to exit (imports, model load, scoring, the assays' files, the summary and its plots),
-tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS; and, from the
-command's own last line, rank 0's seconds of set-up (assays read, model loaded) and of scoring.
+tokens/s, masked copies, the process's peak GPU memory (nvidia-smi, polled every 0.2 s) and peak RSS; from the
+command's own line after the scoring, rank 0's seconds of set-up (assays read while the model loads) and of scoring
+(its last files written); and, its output read line by line as it comes (Python unbuffered), the seconds from the
+start at which that line (`seconds_at_scored_line`) and the summary's (`seconds_at_summary_line`: then the plots
+and the exit) appeared. Once per run, `import_seconds`: importing the command's modules (Transformer Engine where it
+imports, `nv_esm.proteingym`) in a fresh Python process.
 
 Side by side, on `--baseline-wild-types` K (3) distinct wild types under 1,022 residues drawn at random (seed):
 - ProteinGym's loop (their baselines/esm/compute_fitness.py, masked-marginals: the tokens `<cls>` + wild type +
@@ -64,6 +68,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -211,9 +216,61 @@ class GpuMemoryPoll:
         return self.peak
 
 
+FINAL_LINES = {  # the command's last two lines: scoring done (assays written), summary written
+    "seconds_at_scored_line": lambda line: "assays (" in line,
+    "seconds_at_summary_line": lambda line: line.startswith("average Spearman"),
+}
+IMPORT_TIMING = """import time
+start = time.perf_counter()
+try:
+    import transformer_engine.pytorch
+except Exception:  # not importable (the CPU): the command runs without it
+    pass
+import nv_esm.proteingym
+print(time.perf_counter() - start)
+"""
+
+
+def logged_run(command: list[str], log: Path) -> tuple[int, float, resource.struct_rusage, dict[str, float | None]]:
+    """Run `command` (Python unbuffered), its stdout and stderr copied line by line to `log` by a thread: (exit
+    status, wall seconds, its resource usage from os.wait4, the seconds from its start at which each of
+    `FINAL_LINES` first appeared, None where none did)."""
+    seen: dict[str, float | None] = dict.fromkeys(FINAL_LINES)
+    with log.open("w", encoding="utf-8") as handle:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, encoding="utf-8",
+                                   errors="replace")  # fmt: skip
+
+        def copy() -> None:
+            for line in process.stdout:
+                now = time.perf_counter() - start
+                handle.write(line)
+                for key, matches in FINAL_LINES.items():
+                    if seen[key] is None and matches(line):
+                        seen[key] = now
+
+        reader = threading.Thread(target=copy, daemon=True)
+        reader.start()
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        reader.join()
+        process.stdout.close()
+    return process.returncode, seconds, usage, seen
+
+
+def import_seconds() -> float:
+    """Seconds to import the command's modules (Transformer Engine where it imports, `nv_esm.proteingym`) in a
+    fresh Python process."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_TIMING], capture_output=True, text=True, cwd=ROOT, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, variant: str, gpus: int = 1) -> dict:
     """Run `nv-esm proteingym` on the stand-in assays as a subprocess (under torchrun on `gpus` GPUs where more
-    than one): wall seconds, its peak GPU memory (the most on one GPU) and RSS (the largest process's)."""
+    than one): wall seconds, when its last two lines appeared (`FINAL_LINES`), its peak GPU memory (the most on
+    one GPU) and RSS (the largest process's)."""
     output = folder / (f"out_{variant}" if gpus == 1 else f"out_{variant}_{gpus}gpu")
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"] if gpus > 1 else []
     command = [sys.executable, *launcher, "-m", "nv_esm", "proteingym", str(checkpoint), str(folder / "reference.csv"),
@@ -224,17 +281,12 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
     if args.device_given:
         command += ["--device", args.device]
     log = folder / f"log_{variant}_{gpus}gpu.txt"
-    with log.open("w") as handle:
-        poll = GpuMemoryPoll()
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
-        _, status, usage = os.wait4(process.pid, 0)
-        seconds = time.perf_counter() - start
-        process.returncode = os.waitstatus_to_exitcode(status)
+    poll = GpuMemoryPoll()
+    returncode, seconds, usage, seen = logged_run(command, log)
     peak_gpu = poll.stop()
     text = log.read_text()
-    if process.returncode != 0:
-        raise SystemExit(f"nv-esm proteingym ({variant}) exited with {process.returncode}:\n{text[-4000:]}")
+    if returncode != 0:
+        raise SystemExit(f"nv-esm proteingym ({variant}) exited with {returncode}:\n{text[-4000:]}")
     written = sorted(output.glob("*.csv"))
     phases = re.search(r"in ([\d.]+) s on rank 0 .* after ([\d.]+) s of set-up", text)  # the command's own timing
     return {
@@ -242,6 +294,7 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
         "seconds": seconds,
         "rank0_scoring_seconds": float(phases[1]) if phases else None,
         "rank0_set_up_seconds": float(phases[2]) if phases else None,  # reading the assays, loading the model
+        **seen,  # from the start: scoring (and writing) done; the summary written (then its plots, the exit)
         "assay_files_written": len(written),
         "peak_gpu_gb": peak_gpu,
         "peak_rss_gb": usage.ru_maxrss / 2**20,  # KiB on Linux
@@ -498,6 +551,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     started = time.perf_counter()
     checkpoint, hf_folder = checkpoint_folders(args, work)
     summary["checkpoint_seconds"] = time.perf_counter() - started
+    summary["import_seconds"] = import_seconds()  # of the command's start-up, in a fresh process
     tokens = summary["workload"]["tokens"]
     for variant in args.variants:
         for gpus in args.gpus:

@@ -15,12 +15,14 @@ Then OUT/summary/ gets ProteinGym's metrics of every score column (`nv_esm.prote
 UniProt_ID and selection type, their mean and bootstrap standard error; CSV files named as their benchmarks/ folder's),
 `Spearman.png` (per selection type) and `<DMS_id>.png` (one assay's scores against DMS_score, `--scatter-assay`).
 
-Every input is checked before the model loads (a one-line error names the file, row and column). The assays run
-in groups of whole wild types (`groups_of`; every copy of a group packed in one pass, each
-wild-type position computed once for all the assays of that wild type); an assay's file is written, atomically,
-when its group is done. A rerun skips the assays whose file is there, and refuses an OUT of other settings
-(checkpoint, methods, windows...) unless `--overwrite`. Under torchrun each rank reads, checks and scores its
-`shares` of the wild types (dealt out before any assay file is read); rank 0 gathers the scores for the summary.
+Every input is checked before anything is scored or written (a one-line error names the file, row and column): the
+reference before the model loads, the assays in a thread while it loads (`AssayReading`). The assays run in groups
+of whole wild types (`groups_of`; every copy of a group packed in one pass, each wild-type position computed once
+for all the assays of that wild type); an assay's file is written, atomically, when its group is done, by a thread
+while the next group is scored (`AssayWriter`). A rerun skips the assays whose file is there, and refuses an OUT
+of other settings (checkpoint, methods, windows...) unless `--overwrite`. Under torchrun each rank reads, checks
+and scores its `shares` of the wild types (dealt out before any assay file is read); rank 0 gathers the scores for
+the summary.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import csv
 import io
 import re
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,6 +287,46 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
     return AssayFile(assay, table, measured)
 
 
+class AssayReading:
+    """This rank's assays (`entries`) read and checked (`read_assay`, in the reference's order) in a thread of its
+    own while the main thread loads the model: `files` waits for them and raises the first bad assay's error.
+    Leaving the `with` block on a ValueError, OSError or RuntimeError of the main thread (a model that does not
+    load...), the reading finishes first and a bad assay's error is the one raised, as when the assays were read
+    before anything else; on any other (Ctrl-C), the thread stops after the file it is reading."""
+
+    def __init__(self, args: argparse.Namespace, entries: list[ReferenceEntry], window: int, longest: int) -> None:
+        self.stopped = threading.Event()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="proteingym-read")
+        self.future = self.executor.submit(self._read, args, entries, window, longest)
+
+    def _read(
+        self, args: argparse.Namespace, entries: list[ReferenceEntry], window: int, longest: int
+    ) -> list[AssayFile]:
+        files = []
+        for entry in entries:
+            if self.stopped.is_set():
+                break
+            files.append(read_assay(args, entry, window, longest))
+        return files
+
+    def files(self) -> list[AssayFile]:
+        """Every assay read, in the order of `entries`."""
+        return self.future.result()
+
+    def __enter__(self) -> AssayReading:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        try:
+            if isinstance(error, (ValueError, OSError, RuntimeError)):
+                failure = self.future.exception()  # waits for the reading
+                if failure is not None and failure is not error:
+                    raise failure
+        finally:
+            self.stopped.set()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
 def shares(entries: list[ReferenceEntry], methods: tuple[str, ...], window: int, world_size: int) -> list[list]:
     """Per rank, the assays it reads, checks and scores, in the reference's order: whole wild types (a wild type's
     copies serve all its assays), dealt out by `groups_of` over an estimate made before any assay file is read
@@ -348,9 +392,10 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
         settings: ProteinGymSettings, rank: int = 0, world_size: int = 1,
         set_up_seconds: float | None = None) -> None:  # fmt: skip
     """Score this rank's assays (`files`, its `shares` of the reference's `entries`) that have no output file yet,
-    each written when its group of wild types is done; then rank 0 (after every rank) summarises OUT from every
-    rank's scores and measured values (`gathered_on_rank_0`). Rank 0 says how long its scoring took, and its set-up
-    before (`set_up_seconds`: reading its assays, loading the model), if given."""
+    each written when its group of wild types is done (by `AssayWriter`, while the next group is scored); then rank
+    0 (after every rank) summarises OUT from every rank's scores and measured values (`gathered_on_rank_0`). Rank 0
+    says how long its scoring took (its last files written), and its set-up before (`set_up_seconds`: reading its
+    assays, loading the model), if given."""
     with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
@@ -369,15 +414,14 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
         total = sum(tokens.values())
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
         started = time.perf_counter()
-        scored: dict[str, dict[str, list[float]]] = {}  # this run's scores and measured values, by assay and column
-        for group in groups:
-            for wild_type, results in zip(group, run_plans([plans[wild_type] for wild_type in group], progress)):
-                for file, scores in zip(by_wild_type[wild_type], results):
-                    write_assay(output_path(args, file.assay.dms_id), file, settings.columns, scores)
-                    columns = zip(settings.columns, scores.values())
-                    scored[file.assay.dms_id] = {**{c: v.tolist() for c, v in columns}, **file.measured}
+        with AssayWriter(args, settings.columns) as writer:
+            for group in groups:
+                results = run_plans([plans[wild_type] for wild_type in group], progress)
+                writer.write([pair for w, r in zip(group, results) for pair in zip(by_wild_type[w], r)])
+            writer.finish()
         progress.close()
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started  # the last group's files written
+        scored = writer.scored
         report = {file.assay.dms_id: (scored.get(file.assay.dms_id), tuple(file.measured)) for file in files}
         report = gathered_on_rank_0(report, rank, world_size)
         if rank == 0:
@@ -392,6 +436,54 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
                 summarize_output(args, entries, settings.columns, report)
             else:
                 print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
+
+
+class AssayWriter:
+    """One thread that writes the scored groups' assay files (`write_assay`, atomically, in the order handed over)
+    while the main thread scores the next group, and keeps their values for the summary (`scored`: per assay, its
+    score columns as lists and its measured values). After a failed write (an OSError, a KeyboardInterrupt) no later
+    one runs, and the main thread raises the failure at its next `write` or at `finish`. Leaving the `with` block
+    on an error of the main thread, the writes already handed over finish (their assays were scored)."""
+
+    def __init__(self, args: argparse.Namespace, columns: tuple[str, ...]) -> None:
+        self.args, self.columns = args, columns
+        self.scored: dict[str, dict[str, list[float]]] = {}
+        self.failed = threading.Event()
+        self.pending: list[Future] = []  # in order of submission: one worker runs them first to last
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="proteingym-write")
+
+    def write(self, done: list[tuple[AssayFile, dict[str, torch.Tensor]]]) -> None:
+        """Hand over a group's assays with their scores (method -> `[rows]`); first raise a failed write's error."""
+        self.check()
+        self.pending.append(self.executor.submit(self._write, done))
+
+    def check(self) -> None:
+        """Raise the error of the first write that failed among those finished."""
+        while self.pending and self.pending[0].done():
+            self.pending.pop(0).result()
+
+    def finish(self) -> None:
+        """Wait for every write handed over; raise the first one's error that failed."""
+        while self.pending:
+            self.pending.pop(0).result()
+
+    def _write(self, done: list[tuple[AssayFile, dict[str, torch.Tensor]]]) -> None:
+        for file, scores in done:
+            if self.failed.is_set():
+                return
+            try:
+                write_assay(output_path(self.args, file.assay.dms_id), file, self.columns, scores)
+            except BaseException:
+                self.failed.set()
+                raise
+            values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
+            self.scored[file.assay.dms_id] = {**values, **file.measured}
+
+    def __enter__(self) -> AssayWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.executor.shutdown(wait=True)
 
 
 def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | None:
@@ -468,35 +560,36 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
         args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
         entries = read_reference(args)  # before loading: a bad row stops the run at once
         mine = shares(entries, args.methods, window, world_size)[rank]  # each rank reads only the assays it scores
-        files = [read_assay(args, entry, window, config.max_protein_length - 2) for entry in mine]
-        own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
-        settings = ProteinGymSettings(
-            checkpoint=checkpoint_fingerprint(args.checkpoint, config),
-            model_code="checkpoint" if own_code else "installed",
-            methods=args.methods,
-            windows=args.windows,
-            window=window,
-            columns=args.columns,
-            precision=command_precision(device),
-            backend=command_backend(args, device).name,
-            fp8=fp8_setting(args.fp8, args.fp8_scaling),
-        )
-        check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
-        barrier(world_size)  # every rank has read OUT before rank 0 changes it
-        tokenizer = load_tokenizer(args.checkpoint)
-        model = load_model(
-            args.checkpoint,
-            config,
-            settings.backend,
-            args.fp8,
-            args.cuda_graphs is not False,
-            device,
-            args.trust_remote_code,
-            fp8_scaling=args.fp8_scaling,
-            masked_lm=True,
-            contacts=False,
-            progress=not args.no_progress,
-        )
+        with AssayReading(args, mine, window, config.max_protein_length - 2) as reading:  # while the model loads
+            own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
+            settings = ProteinGymSettings(
+                checkpoint=checkpoint_fingerprint(args.checkpoint, config),
+                model_code="checkpoint" if own_code else "installed",
+                methods=args.methods,
+                windows=args.windows,
+                window=window,
+                columns=args.columns,
+                precision=command_precision(device),
+                backend=command_backend(args, device).name,
+                fp8=fp8_setting(args.fp8, args.fp8_scaling),
+            )
+            check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
+            tokenizer = load_tokenizer(args.checkpoint)
+            model = load_model(
+                args.checkpoint,
+                config,
+                settings.backend,
+                args.fp8,
+                args.cuda_graphs is not False,
+                device,
+                args.trust_remote_code,
+                fp8_scaling=args.fp8_scaling,
+                masked_lm=True,
+                contacts=False,
+                progress=not args.no_progress,
+            )
+            files = reading.files()  # a bad assay stops the run here, before OUT is touched
+        barrier(world_size)  # every rank has read its assays and OUT before rank 0 changes it
         scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
         run(args, scorer, entries, files, settings, rank, world_size, time.perf_counter() - started)
 

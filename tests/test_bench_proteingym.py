@@ -55,6 +55,8 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     assert abs(bf16["tokens_per_s"] * bf16["seconds"] - result["workload"]["tokens"]) < 1e-6 * bf16["tokens_per_s"]
     phases = bf16["rank0_set_up_seconds"] + bf16["rank0_scoring_seconds"]  # the command's own timing, within it
     assert 0 < bf16["rank0_scoring_seconds"] and phases < bf16["seconds"]
+    assert phases < bf16["seconds_at_scored_line"] <= bf16["seconds_at_summary_line"] < bf16["seconds"]
+    assert 0 < result["import_seconds"] < bf16["seconds"]
     assert set(result["versions"]) >= {"torch", "transformers"} and result["device"] == "cpu"
     baseline = result["baseline"]
     assert len(baseline["assays"]) == 2 and baseline["assays"][0] != "B_THREE" != baseline["assays"][1]
@@ -137,3 +139,30 @@ def test_stand_in_assays_with_the_references_counts_have_its_numbers_of_single_a
         for p in mutant.split(":")
     )
     assert abs(label_scores(log_probs, Vocab(), [mutant]).item() - expected_score.item()) < 1e-12
+
+
+def test_the_commands_output_is_logged_line_by_line_with_the_seconds_its_last_lines_came(tmp_path, monkeypatch):
+    """`logged_run`: every line of stdout and stderr in the log, the seconds at which the command's scoring line and
+    summary line appeared (as they came: Python runs unbuffered), its exit status and its peak RSS (os.wait4)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from proteingym_benchmark import logged_run
+
+    script = (
+        "import sys, time\n"
+        "print('set-up')\n"
+        "time.sleep(0.4)\n"
+        "print('2 assays (0 were already done); this run: ...')\n"
+        "print('a warning', file=sys.stderr)\n"
+        "time.sleep(0.4)\n"
+        "print('average Spearman over selection types (2 assays): bench 0.1')\n"
+        "time.sleep(0.2)\n"
+        "sys.exit(3)\n"
+    )
+    log = tmp_path / "log.txt"
+    status, seconds, usage, seen = logged_run([sys.executable, "-c", script], log)
+    assert status == 3 and usage.ru_maxrss > 0
+    lines = log.read_text().splitlines()
+    assert lines[0] == "set-up" and lines[1].startswith("2 assays (") and lines[-1].startswith("average Spearman")
+    assert "a warning" in lines
+    scored, summary = seen["seconds_at_scored_line"], seen["seconds_at_summary_line"]
+    assert 0.4 <= scored < summary < seconds and summary - scored >= 0.35 and seconds - summary >= 0.15

@@ -21,6 +21,8 @@ import random
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -511,7 +513,8 @@ def test_each_rank_reads_whole_wild_types_of_the_reference_dealt_out_by_their_es
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_stop_with_the_error_of_the_rank_that_reads_a_bad_assay(checkpoint, tmp_path):
     """Each rank checks only the assays it reads: a wrong wild-type letter in one assay stops the run with that
-    rank's one-line error naming the file, row and column, and a non-zero exit status."""
+    rank's one-line error naming the file, row and column, and a non-zero exit status, before OUT is made (the
+    ranks wait for each other's reading before rank 0 makes it)."""
     generator = torch.Generator().manual_seed(4509)
     small = {
         f"S{i}": (wt := random_sequence(30 + i, generator), random_mutants(wt, generator, [2, 6], 5)) for i in range(4)
@@ -528,6 +531,7 @@ def test_two_ranks_under_torchrun_stop_with_the_error_of_the_rank_that_reads_a_b
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
     assert result.returncode != 0
     assert f"S2.csv: row 3 (line 4), column 'mutant': mutant '{wrong}3A' says position 3 is {wrong!r}" in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -555,20 +559,143 @@ def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
     assert ranks_summary == summary_from_the_files(checkpoint, reference, tmp_path / "ranks", tmp_path)
 
 
-def test_what_a_method_cannot_score_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys, monkeypatch):
+def test_what_a_method_cannot_score_is_refused_before_anything_is_scored_or_written(
+    checkpoint, tmp_path, capsys, monkeypatch
+):
     """masked_marginal masks a mutant's sites in one forward: sites over 1,024 residues apart are refused, naming
-    the row, before the model loads."""
+    the row, before anything is scored or OUT is made."""
     generator = torch.Generator().manual_seed(4507)
     wild_type = random_sequence(1100, generator)
     far = f"{wild_type[0]}1A:{wild_type[1099]}1100C"
     reference = write_benchmark(tmp_path, {"far": (wild_type, [f"{wild_type[4]}5A", far])}, generator)
-    monkeypatch.setattr(proteingym, "load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr(proteingym, "run", lambda *args, **kwargs: pytest.fail("the assays were scored"))
     assert run_command(checkpoint, reference, tmp_path / "out", "--methods", "masked_marginal") == 1
     error = capsys.readouterr().err
     assert (
         "far.csv: row 2 (line 3), column 'mutant': positions 1 to 1100 span more than the 1024-residue window" in error
     )
     assert "masked_marginal scores a mutant in one forward" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def slow_reading_benchmark(tmp_path: Path, monkeypatch, count: int, seconds: float) -> tuple[Path, list]:
+    """`count` assays of their own wild types (S0, S1...), each `read_assay` taking `seconds` longer; the list
+    gets (DMS_id, reading thread, start, end) per assay read."""
+    generator = torch.Generator().manual_seed(4511)
+    small = {
+        f"S{i}": (wt := random_sequence(20 + i, generator), random_mutants(wt, generator, [1, 7], 3))
+        for i in range(count)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+    reads = []
+    real_read = proteingym.read_assay
+
+    def slow_read(args, entry, *rest):
+        start = time.perf_counter()
+        time.sleep(seconds)
+        try:
+            return real_read(args, entry, *rest)
+        finally:
+            reads.append((entry.dms_id, threading.current_thread(), start, time.perf_counter()))
+
+    monkeypatch.setattr(proteingym, "read_assay", slow_read)
+    return reference, reads
+
+
+@pytest.mark.parametrize("load", ["loads", "fails"])
+def test_the_assays_are_read_while_the_model_loads_and_the_first_bad_ones_error_comes_first(
+    checkpoint, tmp_path, capsys, monkeypatch, load
+):
+    """The assays are read in a thread while the model loads: two bad assays (S1, S2) stop the run with the first
+    one's one-line error, before OUT is made. A model that fails to load meanwhile (a RuntimeError) gives way to
+    the bad assay's error, as when the assays were read before it loaded; with good assays, its own is reported."""
+    reference, reads = slow_reading_benchmark(tmp_path, monkeypatch, 4, 0.1)
+    real_load = proteingym.load_model
+    loading = []
+
+    def slow_load(*args, **kwargs):
+        start = time.perf_counter()
+        time.sleep(0.3)
+        if load == "fails":
+            raise RuntimeError("the model does not load")
+        model = real_load(*args, **kwargs)
+        loading.append((threading.current_thread(), start, time.perf_counter()))
+        return model
+
+    monkeypatch.setattr(proteingym, "load_model", slow_load)
+    assays = tmp_path / "assays"
+    good = {}
+    for dms_id in ("S1", "S2"):
+        good[dms_id] = (assays / f"{dms_id}.csv").read_text()
+        lines = good[dms_id].splitlines(keepends=True)
+        lines[2] = "Q99A" + lines[2][lines[2].index(",") :]
+        (assays / f"{dms_id}.csv").write_text("".join(lines))
+    assert run_command(checkpoint, reference, tmp_path / "out") == 1
+    error = capsys.readouterr().err
+    assert error.startswith("nv-esm proteingym: error:") and len(error.splitlines()) == 1
+    assert "S1.csv: row 2 (line 3), column 'mutant': position 99 of mutant 'Q99A' is outside the wild type" in error
+    assert not (tmp_path / "out").exists()
+    assert [read[0] for read in reads] == ["S0", "S1"]  # in the reference's order, stopped at the first bad one
+    assert all(read[1] is not threading.main_thread() for read in reads)
+    if load == "loads":
+        [(thread, start, end)] = loading
+        assert thread is threading.main_thread() and reads[0][2] < end and start < reads[-1][3]  # at the same time
+    else:
+        for dms_id, text in good.items():
+            (assays / f"{dms_id}.csv").write_text(text)
+        assert run_command(checkpoint, reference, tmp_path / "out") == 1
+        assert capsys.readouterr().err == "nv-esm proteingym: error: the model does not load\n"
+        assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_the_model_loads_stops_the_reading(checkpoint, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the model loads: exit status 130 at once, the reading thread stops after the assay it is
+    reading, OUT untouched."""
+    reference, reads = slow_reading_benchmark(tmp_path, monkeypatch, 6, 0.5)
+
+    def interrupted(*args, **kwargs):
+        time.sleep(0.1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(proteingym, "load_model", interrupted)
+    started = time.perf_counter()
+    assert run_command(checkpoint, reference, tmp_path / "out") == 130
+    assert time.perf_counter() - started < 2.0  # not the 3 s of reading every assay
+    assert "interrupted" in capsys.readouterr().err
+    for _ in range(50):
+        if not any(thread.name.startswith("proteingym-read") for thread in threading.enumerate()):
+            break
+        time.sleep(0.05)
+    assert not any(thread.name.startswith("proteingym-read") for thread in threading.enumerate())
+    assert len(reads) <= 2 and not (tmp_path / "out").exists()
+
+
+def test_a_failed_write_stops_the_run_and_no_later_assay_is_written(checkpoint, tmp_path, capsys, monkeypatch):
+    """The files are written by a thread while the next group is scored: an OSError writing the second assay stops
+    the run with exit status 1 and a one-line error; the first assay's file is there, no later one is written (the
+    groups run largest first: S3, S2...)."""
+    generator = torch.Generator().manual_seed(4512)
+    small = {
+        f"S{i}": (wt := random_sequence(20 + i, generator), random_mutants(wt, generator, [1, 7], 3)) for i in range(4)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+    real_write = proteingym.write_assay
+    written = []
+
+    def full_disk_at_the_second(path, *args):
+        written.append(path.name)
+        if len(written) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        real_write(path, *args)
+
+    monkeypatch.setattr(proteingym, "write_assay", full_disk_at_the_second)
+    out = tmp_path / "out"
+    assert run_command(checkpoint, reference, out) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("nv-esm proteingym: error:") and len(error.splitlines()) == 1
+    assert "No space left on device" in error and written[1] in error and len(written) == 2
+    assert [path.name for path in out.glob("*.csv")] == written[:1]
+    assert not any(thread.name.startswith("proteingym-write") for thread in threading.enumerate())
 
 
 @pytest.mark.parametrize("layout", ["plain", "quoted", "crlf", "blank_line", "short_row", "empty_fields"])

@@ -172,7 +172,9 @@ class StaticShapeGraphs(FreshWhenCopied):
     way (`CudaEventClock`): its first replay, then one batch of it run eagerly. When the eager run took
     `eager_margin` less time per token of the batch, the GPU was busy enough that the graph saved no launch time and
     its padding cost more: the shape runs eagerly from then on (and, if captured, hosts no other batch), so graphs
-    stay on only where they are faster.
+    stay on only where they are faster. A shape found faster eagerly in its own graph also sends every uncaptured
+    shape of as many tokens or more (same mode) to eager runs, with no capture or timing: a larger batch keeps the
+    GPU busier still.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
@@ -197,26 +199,18 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._runs_eagerly: dict[tuple, bool] = {}  # timed inference keys -> whether they ran faster eagerly
         self._timed_in: dict[tuple, tuple[int, int, int]] = {}  # inference key -> the graph its replay is timed in
         self._unhosted: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
+        self._eager_from: dict[tuple, int] = {}  # mode -> fewest tokens of a shape found faster eagerly in its graph
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
         (PyTorch's allocator asserts, the capture fails and leaves the CUDA generator in capture mode, so every
         later random op on the GPU raises)."""
-        self._graphs.clear()
-        self._uses.clear()
-        self._padding.clear()
-        self._pool = None
-        self._awaiting_backward = False
-        self._weights = None
-        self._backward_events = None
-        self.last_training_call_replayed = False
-        self._out_of_memory = False
-        self._timings.clear()
-        self._runs_eagerly.clear()
-        self._timed_in.clear()
-        self._unhosted.clear()
-        self._request = None
+        shapes = (self._graphs, self._uses, self._padding, self._timings, self._runs_eagerly, self._timed_in)
+        for per_shape in (*shapes, self._unhosted, self._eager_from):
+            per_shape.clear()
+        self._pool = self._weights = self._backward_events = self._request = None
+        self._awaiting_backward = self.last_training_call_replayed = self._out_of_memory = False
 
     def awaiting_backward(self) -> bool:
         """Whether a training replay's backward has not started yet."""
@@ -238,6 +232,8 @@ class StaticShapeGraphs(FreshWhenCopied):
             return own
         if key in self._graphs:  # its own graph (or its failed capture); `_timed_choice` says replay or eager
             return self._timed_choice(key, own, packed.num_tokens)
+        if own[0] >= self._eager_from.get(mode, own[0] + 1):  # as large as a shape that ran faster eagerly
+            return None
         captured = [
             shape[:3]
             for shape, graph in self._graphs.items()
@@ -286,6 +282,8 @@ class StaticShapeGraphs(FreshWhenCopied):
             self._unhosted.add(key)
         else:
             self._runs_eagerly[key] = eagerly
+            if eagerly:
+                self._eager_from[key[3:]] = min(key[0], self._eager_from.get(key[3:], key[0]))
         if eagerly:
             logger.info(f"cuda_graphs: shape {key[:3]} runs eagerly, faster than graph {shape} ({per_token} ms/token)")
         return None if eagerly else shape

@@ -243,8 +243,9 @@ def timed_call(graphs: StaticShapeGraphs, encoder, batch) -> tuple:
 def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(eager_per_replay_token):
     """`StaticShapeGraphs` times a captured inference shape's next replay, then one eager run of it; once both are
     done it keeps the faster per token: eager only when over `eager_margin` (3%) faster per token (the eager batch
-    has fewer tokens in the same shape), and then the shape hosts no smaller batch either. A span not finished yet
-    is read at a later batch; `clear()` forgets the timings; with `time_shapes` off nothing is timed."""
+    has fewer tokens in the same shape), and then the shape hosts no smaller batch either, and a larger shape not
+    captured yet runs eagerly without a capture. A span not finished yet is read at a later batch; `clear()` forgets
+    the timings; with `time_shapes` off nothing is timed."""
     nv = make_nv_model(make_hf_model("wide_heads", seed=7)).eval()
     encoder, graphs, hidden = nv.esm.encoder, StaticShapeGraphs(), nv.config.hidden_size
     graphs.clock = FakeClock([10.0, None, 1.0, 5.0])
@@ -261,8 +262,15 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
     assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(None if eager else large_shape, None)] * 3
     hosted = (large_shape, "replay")  # hosted, and timed there (the next test)
     assert timed_call(graphs, encoder, small) == ((None, None) if eager else hosted)
+    # a larger uncaptured shape: eager at once for good after an eager verdict (no capture, no timing), else
+    # eager at its first use and captured at its second (`capture_at_use`)
+    larger = zero_packed_batch([300] * 12, hidden)
+    larger_shape = static_shape(3600, 12, 300)
+    expected = [(None, None)] * 3 if eager else [(None, None), (larger_shape, None), (larger_shape, None)]
+    assert [timed_call(graphs, encoder, larger) for _ in range(3)] == expected
     graphs.clear()
-    assert not graphs._timings and not graphs._runs_eagerly and graphs.take_timing_request() is None
+    assert not graphs._timings and not graphs._runs_eagerly and not graphs._eager_from
+    assert graphs.take_timing_request() is None
     graphs.time_shapes = False
     graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
     assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(large_shape, None)] * 3

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class MaskedCopy:
         return self.stop - self.start + self.bos + self.eos
 
 
+_POSITION = operator.attrgetter("position")
+
+
 def parse_mutant(
     mutant: str,
     wild_type: str,
@@ -116,9 +120,19 @@ def parse_mutant(
     mutant letter outside ESM-2's alphabet, a position changed twice. `known`: the substitutions already checked
     against this wild type, by their text (filled here; an assay's mutants repeat a few thousand of them)."""
     if known is not None and isinstance(mutant, str):  # every part checked before, at distinct positions
-        found = [known.get(part) for part in mutant.split(":")]
-        if None not in found and len({s.position for s in found}) == len(found):  # type: ignore[union-attr]
-            return tuple(sorted(found, key=_position)) if len(found) > 1 else (found[0],)  # type: ignore[arg-type]
+        try:
+            found = [known[part] for part in mutant.split(":")]
+        except KeyError:
+            pass
+        else:
+            if len(found) == 1:
+                return (found[0],)
+            if len(found) == 2:  # most multiple mutants: no set or sort
+                first, second = found
+                if first.position != second.position:
+                    return (first, second) if first.position < second.position else (second, first)
+            elif len(set(map(_POSITION, found))) == len(found):
+                return tuple(sorted(found, key=_POSITION))
     if not isinstance(mutant, str) or not mutant.strip():
         raise ValueError(f"{_named(name)}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
     substitutions: dict[int, Substitution] = {}
@@ -134,10 +148,6 @@ def parse_mutant(
             raise ValueError(f"{_named(name)}: mutant {_quoted(mutant)} changes position {position} twice.")
         substitutions[position] = substitution
     return tuple(substitutions[position] for position in sorted(substitutions))
-
-
-def _position(substitution: Substitution) -> int:
-    return substitution.position
 
 
 def _named(name: str | Callable[[], str]) -> str:

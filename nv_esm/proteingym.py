@@ -47,13 +47,13 @@ from nv_esm import proteingym_metrics
 from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, write_atomically
 from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
-from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
+from nv_esm.embed_model import load_config, runs_checkpoint_code
 from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, RowNames, check_assay, run_plans
-from nv_esm.score import load_tokenizer, read_csv
+from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
 PROTEINGYM_FOLDER = OutputFolder(
@@ -575,19 +575,7 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             )
             check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
             tokenizer = load_tokenizer(args.checkpoint)
-            model = load_model(
-                args.checkpoint,
-                config,
-                settings.backend,
-                args.fp8,
-                args.cuda_graphs is not False,
-                device,
-                args.trust_remote_code,
-                fp8_scaling=args.fp8_scaling,
-                masked_lm=True,
-                contacts=False,
-                progress=not args.no_progress,
-            )
+            model = load_masked_lm(args, config, settings.backend, device)
             files = reading.files()  # a bad assay stops the run here, before OUT is touched
         barrier(world_size)  # every rank has read its assays and OUT before rank 0 changes it
         scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)

@@ -316,25 +316,31 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
         check_output_folder(parts_folder(args.output), job.settings, args.overwrite, SCORE_FOLDER)
         barrier(world_size)  # every rank has read the parts folder before rank 0 changes it
         tokenizer = load_tokenizer(args.checkpoint)
-        graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
-        model = load_model(
-            args.checkpoint,
-            config,
-            job.settings.backend,
-            args.fp8,
-            graphs,
-            device,
-            args.trust_remote_code,
-            fp8_scaling=args.fp8_scaling,
-            masked_lm=True,
-            contacts=False,
-            progress=not args.no_progress,
-        )
+        model = load_masked_lm(args, config, job.settings.backend, device)
         scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
         run(args, scorer, job, rank, world_size)
 
     kept = f"finished parts in {parts_folder(args.output)} are kept, a rerun resumes"
     return run_on_ranks(args.device, score_on, kept, prog)
+
+
+def load_masked_lm(args: argparse.Namespace, config: Any, backend: str, device: torch.device) -> torch.nn.Module:
+    """The masked-LM model a scoring command (`nv-esm score`, `nv-esm proteingym`) runs: `load_model` with its
+    options (`--fp8`, `--fp8-scaling`, `--cuda-graphs`, which the model uses on Transformer Engine only,
+    `--trust-remote-code`, `--no-progress`), without the contact head."""
+    return load_model(
+        args.checkpoint,
+        config,
+        backend,
+        args.fp8,
+        args.cuda_graphs is not False,
+        device,
+        args.trust_remote_code,
+        fp8_scaling=args.fp8_scaling,
+        masked_lm=True,
+        contacts=False,
+        progress=not args.no_progress,
+    )
 
 
 def load_tokenizer(checkpoint: str) -> Any:

@@ -610,7 +610,7 @@ def test_the_assays_are_read_while_the_model_loads_and_the_first_bad_ones_error_
     one's one-line error, before OUT is made. A model that fails to load meanwhile (a RuntimeError) gives way to
     the bad assay's error, as when the assays were read before it loaded; with good assays, its own is reported."""
     reference, reads = slow_reading_benchmark(tmp_path, monkeypatch, 4, 0.1)
-    real_load = proteingym.load_model
+    real_load = proteingym.load_masked_lm
     loading = []
 
     def slow_load(*args, **kwargs):
@@ -622,7 +622,7 @@ def test_the_assays_are_read_while_the_model_loads_and_the_first_bad_ones_error_
         loading.append((threading.current_thread(), start, time.perf_counter()))
         return model
 
-    monkeypatch.setattr(proteingym, "load_model", slow_load)
+    monkeypatch.setattr(proteingym, "load_masked_lm", slow_load)
     assays = tmp_path / "assays"
     good = {}
     for dms_id in ("S1", "S2"):
@@ -657,7 +657,7 @@ def test_ctrl_c_while_the_model_loads_stops_the_reading(checkpoint, tmp_path, ca
         time.sleep(0.1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(proteingym, "load_model", interrupted)
+    monkeypatch.setattr(proteingym, "load_masked_lm", interrupted)
     started = time.perf_counter()
     assert run_command(checkpoint, reference, tmp_path / "out") == 130
     assert time.perf_counter() - started < 2.0  # not the 3 s of reading every assay

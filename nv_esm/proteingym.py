@@ -441,9 +441,10 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
 class AssayWriter:
     """One thread that writes the scored groups' assay files (`write_assay`, atomically, in the order handed over)
     while the main thread scores the next group, and keeps their values for the summary (`scored`: per assay, its
-    score columns as lists and its measured values). After a failed write (an OSError, a KeyboardInterrupt) no later
-    one runs, and the main thread raises the failure at its next `write` or at `finish`. Leaving the `with` block
-    on an error of the main thread, the writes already handed over finish (their assays were scored)."""
+    score columns as lists and its measured values). After a failed write (an OSError such as a full disk, or any
+    other error there) no later one runs, and the main thread raises the failure at its next `write` or at `finish`.
+    Leaving the `with` block on an error of the main thread, the writes already handed over finish (their assays
+    were scored), and a write that failed meanwhile is said in a note (before that error is reported), not lost."""
 
     def __init__(self, args: argparse.Namespace, columns: tuple[str, ...]) -> None:
         self.args, self.columns = args, columns
@@ -473,17 +474,21 @@ class AssayWriter:
                 return
             try:
                 write_assay(output_path(self.args, file.assay.dms_id), file, self.columns, scores)
+                values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
+                self.scored[file.assay.dms_id] = {**values, **file.measured}
             except BaseException:
                 self.failed.set()
                 raise
-            values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
-            self.scored[file.assay.dms_id] = {**values, **file.measured}
 
     def __enter__(self) -> AssayWriter:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
         self.executor.shutdown(wait=True)
+        failures = [future.exception() for future in self.pending] if error is not None else []
+        failure = next((failure for failure in failures if failure is not None), None)
+        if failure is not None:  # the main thread's error is the one raised: this one is said here
+            print(f"note: writing an assay failed too: {failure}", file=sys.stderr)
 
 
 def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | None:

@@ -698,6 +698,36 @@ def test_a_failed_write_stops_the_run_and_no_later_assay_is_written(checkpoint, 
     assert not any(thread.name.startswith("proteingym-write") for thread in threading.enumerate())
 
 
+def test_a_write_that_fails_while_the_next_group_fails_too_is_not_lost(checkpoint, tmp_path, capsys, monkeypatch):
+    """A write failing in its thread while the next group's scoring fails: the run stops with the scoring's one-line
+    error, after a note that the write failed too."""
+    generator = torch.Generator().manual_seed(4513)
+    small = {
+        f"S{i}": (wt := random_sequence(20 + i, generator), random_mutants(wt, generator, [1, 7], 3)) for i in range(4)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+
+    def full_disk(path, *args):
+        raise OSError(28, "No space left on device", str(path))
+
+    real_run_plans, calls = proteingym.run_plans, []
+
+    def second_group_fails(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            time.sleep(0.3)  # the first group's write fails meanwhile
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real_run_plans(*args, **kwargs)
+
+    monkeypatch.setattr(proteingym, "write_assay", full_disk)
+    monkeypatch.setattr(proteingym, "run_plans", second_group_fails)
+    assert run_command(checkpoint, reference, tmp_path / "out") == 1
+    error = capsys.readouterr().err.splitlines()
+    assert error[0].startswith("note: writing an assay failed too:") and "No space left on device" in error[0]
+    assert error[1] == "nv-esm proteingym: error: CUDA error: an illegal memory access"
+    assert len(error) == 2 and not list((tmp_path / "out").glob("*.csv"))
+
+
 @pytest.mark.parametrize("layout", ["plain", "quoted", "crlf", "blank_line", "short_row", "empty_fields"])
 def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layout):
     """`read_table` splits a file of plain lines itself and keeps them for the output; any other file goes through

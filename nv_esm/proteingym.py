@@ -373,14 +373,15 @@ def output_path(args: argparse.Namespace, dms_id: str) -> Path:
     return args.output / f"{dms_id}.csv"
 
 
-def write_assay(path: Path, file: AssayFile, columns: tuple[str, ...], scores: dict[str, torch.Tensor]) -> None:
-    """The assay's CSV (its rows, in order) with one column per method, written atomically: each plain line as it
-    was, the scores after it (`AssayTable.lines`), else each row written anew."""
+def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> None:
+    """The assay's CSV (its rows, in order) with one column per score column of `scores` (column name -> a value per
+    row), written atomically: each plain line as it was, the scores after it (`AssayTable.lines`), else each row
+    written anew."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     table = file.table
-    writer.writerow([*table.columns, *columns])
-    values = list(zip(*(scores[method].tolist() for method in scores)))
+    writer.writerow([*table.columns, *scores])
+    values = list(zip(*scores.values()))
     if table.lines is not None:
         text.write("".join(f"{line},{','.join(map(repr, row))}\n" for line, row in zip(table.lines, values)))
     else:
@@ -473,8 +474,8 @@ class AssayWriter:
             if self.failed.is_set():
                 return
             try:
-                write_assay(output_path(self.args, file.assay.dms_id), file, self.columns, scores)
                 values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
+                write_assay(output_path(self.args, file.assay.dms_id), file, values)
                 self.scored[file.assay.dms_id] = {**values, **file.measured}
             except BaseException:
                 self.failed.set()

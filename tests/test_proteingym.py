@@ -765,7 +765,7 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         "wt": torch.randn(len(table)),
     }
     file = proteingym.AssayFile(None, table, {})
-    proteingym.write_assay(tmp_path / "out.csv", file, ("x", "y"), scores)
+    proteingym.write_assay(tmp_path / "out.csv", file, dict(zip(("x", "y"), (t.tolist() for t in scores.values()))))
     with open(tmp_path / "expected.csv", "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow([*expected_columns, "x", "y"])

@@ -69,8 +69,14 @@ def packed_batch(device: torch.device, seed: int, proteins: int = 12) -> dict:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(40, 300, (proteins,), generator=generator)
     lengths[-1] += (-int(lengths.sum())) % 16
+    return packed_proteins(lengths.tolist(), generator, device)
+
+
+def packed_proteins(lengths: list[int], generator: torch.Generator, device: torch.device) -> dict:
+    """Random proteins of `lengths` tokens (`<cls>` ... `<eos>`, residue ids drawn from `generator`), 15% of tokens
+    labelled with themselves, packed on `device`."""
     proteins = [torch.cat([torch.tensor([0]), torch.randint(4, 24, (n - 2,), generator=generator), torch.tensor([2])])
-                for n in lengths.tolist()]  # fmt: skip
+                for n in lengths]  # fmt: skip
     labels = [torch.where(torch.rand(p.shape, generator=generator) < 0.15, p, -100) for p in proteins]
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_proteins(proteins, labels).items()}
 
@@ -166,10 +172,7 @@ def packed_tokens(device: torch.device, seed: int, tokens: int) -> dict:
     while sum(lengths) < tokens - 640:  # the last protein takes the rest: 41 to 640 tokens
         lengths.append(int(torch.randint(40, 600, (1,), generator=generator)))
     lengths.append(tokens - sum(lengths))
-    proteins = [torch.cat([torch.tensor([0]), torch.randint(4, 24, (n - 2,), generator=generator), torch.tensor([2])])
-                for n in lengths]  # fmt: skip
-    labels = [torch.where(torch.rand(p.shape, generator=generator) < 0.15, p, -100) for p in proteins]
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_proteins(proteins, labels).items()}
+    return packed_proteins(lengths, generator, device)
 
 
 def speed(variant: str, recipe: str, shape_name: str, tokens: int, steps: int, device: torch.device) -> dict:

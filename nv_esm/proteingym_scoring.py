@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from modeling_nv_esm_batch import protein_residues
-from nv_esm.scoring import MaskedCopy, Scorer, Substitution, copy_tokens, parse_mutant, progress_bar, window_bounds
+from nv_esm.scoring import MaskedCopy, Scorer, Substitution, copy_tokens, parse_mutants, progress_bar, window_bounds
 
 PROTEINGYM_METHODS = ("masked-marginals", "wt-marginals", "pseudo-ppl")
 METHODS = (*PROTEINGYM_METHODS, "masked_marginal")
@@ -125,19 +125,12 @@ class Assay:
     variants: list[tuple[Substitution, ...]] = field(default_factory=list, init=False)
 
     def parse(self) -> None:
-        """Check the wild type and every mutant (`nv_esm.scoring.parse_mutant`: ValueError naming the mutant)."""
+        """Check the wild type and every mutant (`nv_esm.scoring.parse_mutants`: ValueError naming the mutant)."""
         self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
         if self.names is not None and len(self.names) != len(self.mutants):
             raise ValueError(f"{self.dms_id}: {len(self.names)} names for {len(self.mutants)} mutants.")
         self.names = self.names or RowNames(lambda i: f"{self.dms_id}[{i}]", len(self.mutants))
-        known: dict[str, Substitution] = {}  # each substitution's text is checked once per assay
-        names, single = self.names, known.get
-        self.variants = [
-            (found,)
-            if (found := single(mutant)) is not None  # type: ignore[arg-type]
-            else parse_mutant(mutant, self.wild_type, lambda i=i: names[i], known)
-            for i, mutant in enumerate(self.mutants)
-        ]
+        self.variants = parse_mutants(self.mutants, self.wild_type, self.names)
 
 
 class RowNames(Sequence[str]):

@@ -46,6 +46,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -148,6 +149,58 @@ def parse_mutant(
             raise ValueError(f"{_named(name)}: mutant {_quoted(mutant)} changes position {position} twice.")
         substitutions[position] = substitution
     return tuple(substitutions[position] for position in sorted(substitutions))
+
+
+def parse_mutants(mutants: Sequence[str], wild_type: str, names: Sequence[str]) -> list[tuple[Substitution, ...]]:
+    """`parse_mutant` of every one of `mutants` (a whole assay; errors name `names[i]`, made only for an error). The
+    quick way checks each distinct substitution's text once and assembles the rows from them; where it finds
+    anything unusual (a value that is not text, spaces, a bad substitution, a position changed twice), every row is
+    parsed on its own, so the first bad row's error is `parse_mutant`'s."""
+    quick = _assembled(mutants, wild_type) if mutants else []
+    if quick is not None:
+        return quick
+    known: dict[str, Substitution] = {}
+    return [parse_mutant(mutant, wild_type, lambda i=i: names[i], known) for i, mutant in enumerate(mutants)]
+
+
+def _assembled(mutants: Sequence[str], wild_type: str) -> list[tuple[Substitution, ...]] | None:
+    """`parse_mutants`' quick way: the rows' substitutions, sorted by position, or None where a row needs
+    `parse_mutant`."""
+    try:
+        parts = ":".join(mutants).split(":")
+    except TypeError:  # a value that is not text
+        return None
+    known: dict[str, Substitution] = {}
+    for part in set(parts):
+        if _SUBSTITUTION.fullmatch(part) is None:
+            return None
+        try:
+            known[part] = _substitution(part, part, wild_type, part)
+        except ValueError:
+            return None
+    found = list(map(known.__getitem__, parts))
+    if len(found) == len(mutants):
+        return [(substitution,) for substitution in found]
+    variants: list[tuple[Substitution, ...]] = []
+    append, i = variants.append, 0
+    for colons in map(str.count, mutants, repeat(":")):
+        if colons == 0:
+            append((found[i],))
+        elif colons == 1:
+            first, second = found[i], found[i + 1]
+            if first.position < second.position:
+                append((first, second))
+            elif first.position > second.position:
+                append((second, first))
+            else:
+                return None
+        else:
+            row = sorted(found[i : i + colons + 1], key=_POSITION)
+            if len(set(map(_POSITION, row))) < len(row):
+                return None
+            append(tuple(row))
+        i += colons + 1
+    return variants
 
 
 def _named(name: str | Callable[[], str]) -> str:

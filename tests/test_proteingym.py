@@ -14,6 +14,7 @@ forwards stay cheap): every case of each window rule runs. Scores are compared w
 from __future__ import annotations
 
 import csv
+import gc
 import importlib.util
 import math
 import os
@@ -635,6 +636,7 @@ def test_the_assays_are_read_while_the_model_loads_and_the_first_bad_ones_error_
     assert error.startswith("nv-esm proteingym: error:") and len(error.splitlines()) == 1
     assert "S1.csv: row 2 (line 3), column 'mutant': position 99 of mutant 'Q99A' is outside the wild type" in error
     assert not (tmp_path / "out").exists()
+    assert gc.isenabled()  # the reading pauses the garbage collector, and turns it back on after an error too
     assert [read[0] for read in reads] == ["S0", "S1"]  # in the reference's order, stopped at the first bad one
     assert all(read[1] is not threading.main_thread() for read in reads)
     if load == "loads":

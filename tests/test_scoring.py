@@ -205,6 +205,51 @@ def test_bad_mutants_are_named_with_their_row_and_position(model, tokenizer):
     assert scoring.score_variants(model, wild_type, [], tokenizer).shape == (0,)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_parsing_a_whole_assay_equals_parsing_each_mutant(seed):
+    """`parse_mutants` (an assay's mutants at once) gives each row what `parse_mutant` gives it alone, for random
+    singles and multiples (2 to 5 sites, in any order, either case, leading zeros), and for a table with one bad row
+    the error `parse_mutant` raises for the first bad row (with its name)."""
+    generator = torch.Generator().manual_seed(seed)
+    wild_type = random_sequence(int(torch.randint(1, 60, (1,), generator=generator)), generator)
+    letters = STANDARD_AMINO_ACIDS
+
+    def site(position: int) -> str:
+        text = f"{wild_type[position]}{'0' * int(torch.randint(0, 2, (1,), generator=generator))}{position + 1}"
+        text += letters[int(torch.randint(len(letters), (1,), generator=generator))]
+        return text.lower() if torch.rand(1, generator=generator) < 0.1 else text
+
+    mutants = []
+    for _ in range(int(torch.randint(1, 400, (1,), generator=generator))):
+        sites = min(len(wild_type), int(torch.randint(1, 6, (1,), generator=generator)))
+        positions = torch.randperm(len(wild_type), generator=generator)[:sites].tolist()
+        mutants.append(":".join(site(position) for position in positions))
+    names = [f"row {i}" for i in range(len(mutants))]
+    expected = [scoring.parse_mutant(mutant, wild_type, name) for mutant, name in zip(mutants, names)]
+    assert scoring.parse_mutants(mutants, wild_type, names) == expected
+    assert scoring.parse_mutants(mutants[:1], wild_type, names) == expected[:1]
+    assert scoring.parse_mutants([], wild_type, []) == []
+    first = f"{wild_type[0]}1A"
+    other = next((m for m, sites in zip(mutants, expected) if all(s.position > 1 for s in sites)), "")
+    for unusual in (f" {first}", f"{other} : {first}".lstrip(" :")):
+        row = int(torch.randint(len(mutants) + 1, (1,), generator=generator))
+        table = [*mutants[:row], unusual, *mutants[row:]]
+        names = [f"row {i}" for i in range(len(table))]
+        alone = [scoring.parse_mutant(mutant, wild_type, name) for mutant, name in zip(table, names)]
+        assert scoring.parse_mutants(table, wild_type, names) == alone  # spaces: each row parsed on its own
+    bad_rows = [f"{first}:{first.lower()}", "X1A", f"{wild_type[0]}{len(wild_type) + 1}A", "", None]
+    for bad in bad_rows:
+        row = int(torch.randint(len(mutants) + 1, (1,), generator=generator))
+        table = [*mutants[:row], bad, *mutants[row:]]
+        table_names = [f"row {i}" for i in range(len(table))]
+        with pytest.raises(ValueError) as alone:
+            for mutant, name in zip(table, table_names):
+                scoring.parse_mutant(mutant, wild_type, name)  # type: ignore[arg-type]
+        with pytest.raises(ValueError) as together:
+            scoring.parse_mutants(table, wild_type, table_names)  # type: ignore[arg-type]
+        assert str(together.value) == str(alone.value) and f"row {row}:" in str(alone.value), bad
+
+
 def test_the_api_refuses_what_it_cannot_score(model, reference, tokenizer):
     for other in (model.esm, reference):  # the base model; transformers' model (it would read a packed row as one)
         with pytest.raises(TypeError, match="needs an NVEsm masked-LM model"):

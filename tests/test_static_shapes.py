@@ -239,10 +239,10 @@ def timed_call(graphs: StaticShapeGraphs, encoder, batch) -> tuple:
     return shape, None if request is None else request.kind
 
 
-@pytest.mark.parametrize("eager_per_replay_token", [0.96, 0.98], ids=["eager_faster", "graph_kept"])
+@pytest.mark.parametrize("eager_per_replay_token", [0.96, 1.02], ids=["eager_faster", "graph_kept"])
 def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(eager_per_replay_token):
     """`StaticShapeGraphs` times a captured inference shape's next replay, then one eager run of it; once both are
-    done it keeps the faster per token: eager only when over `eager_margin` (3%) faster per token (the eager batch
+    done it keeps the faster per token (eager when faster by over `eager_margin`, 0: the faster) (the eager batch
     has fewer tokens in the same shape), and then the shape hosts no smaller batch either, and a larger shape not
     captured yet runs eagerly without a capture. A span not finished yet is read at a later batch; `clear()` forgets
     the timings; with `time_shapes` off nothing is timed."""
@@ -258,7 +258,7 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
     assert timed_call(graphs, encoder, fewer) == (None, "eager")  # still running when next read:
     assert [timed_call(graphs, encoder, large) for _ in range(2)] == [(large_shape, None)] * 2  # replays meanwhile
     graphs.clock.finish(eager_per_replay_token * 10.0 / 3000 * 2850)
-    eager = eager_per_replay_token < 0.97
+    eager = eager_per_replay_token < 1 - graphs.eager_margin
     assert [timed_call(graphs, encoder, large) for _ in range(3)] == [(None if eager else large_shape, None)] * 3
     hosted = (large_shape, "replay")  # hosted, and timed there (the next test)
     assert timed_call(graphs, encoder, small) == ((None, None) if eager else hosted)
@@ -277,7 +277,7 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
     assert graphs.clock.milliseconds == ([1.0, 5.0] if eager else [5.0])  # nothing more was timed
 
 
-@pytest.mark.parametrize("eager_ms", [5.0, 9.9], ids=["eager_faster", "graph_kept"])
+@pytest.mark.parametrize("eager_ms", [5.0, 10.1], ids=["eager_faster", "graph_kept"])
 def test_a_batch_padded_into_a_larger_graph_is_timed_both_ways_and_runs_the_faster_way(eager_ms):
     """A shape with no graph of its own, replayed padded in a larger captured one (`host_shape`), is timed too:
     that hosted replay, then one eager run, per token of its own batch. Graph kept: it stays hosted, its padding

@@ -169,12 +169,12 @@ class StaticShapeGraphs(FreshWhenCopied):
     the shared weight-gradient buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
 
     An inference shape that replays (in its own graph, or padded in a larger one that hosts it) is timed once each
-    way (`CudaEventClock`): its first replay, then one batch of it run eagerly. When the eager run took
-    `eager_margin` less time per token of the batch, the GPU was busy enough that the graph saved no launch time and
-    its padding cost more: the shape runs eagerly from then on (and, if captured, hosts no other batch), so graphs
-    stay on only where they are faster. A shape found faster eagerly in its own graph also sends every uncaptured
-    shape of as many tokens or more (same mode) to eager runs, with no capture or timing: a larger batch keeps the
-    GPU busier still.
+    way (`CudaEventClock`): its first replay, then one batch of it run eagerly. When the eager run took less time
+    per token of the batch, by more than the fraction `eager_margin` (0: any less), the GPU was busy enough that
+    the graph saved no launch time and its padding cost more: the shape runs eagerly from then on (and, if
+    captured, hosts no other batch), so graphs stay on only where they are faster. A shape found faster eagerly in
+    its own graph also sends every uncaptured shape of as many tokens or more (same mode) to eager runs, with no
+    capture or timing: a larger batch keeps the GPU busier still.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays

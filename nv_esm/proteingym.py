@@ -291,8 +291,9 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
 
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-    """Python's automatic garbage collection off inside the block (back on after, if it was on): the objects made
-    there are kept, not cycles to collect, and each full collection would walk them all again."""
+    """Python's automatic garbage collection off inside the block (back on after, if it was on), for the whole
+    process, every thread: the objects made there are kept, not cycles to collect, and each full collection would
+    walk them all again. Whoever else turns it off meanwhile finds it back on after the block."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -410,7 +411,7 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
         set_up_seconds: float | None = None) -> None:  # fmt: skip
     """Score this rank's assays (`files`, its `shares` of the reference's `entries`) that have no output file yet,
     each written when its group of wild types is done (by `AssayWriter`, while the next group is scored); then rank
-    0 (after every rank) summarises OUT from every rank's scores and measured values (`gathered_on_rank_0`). Rank 0
+    0 (after every rank) summarises OUT from every rank's assay metrics (`gathered_on_rank_0`). Rank 0
     says how long its scoring took (its last files written), and its set-up before (`set_up_seconds`: reading its
     assays, loading the model), if given."""
     with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
@@ -431,15 +432,15 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
         total = sum(tokens.values())
         progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
         started = time.perf_counter()
-        with AssayWriter(args, settings.columns) as writer:
+        with AssayWriter(args, settings.columns, entries) as writer:
             for group in groups:
                 results = run_plans([plans[wild_type] for wild_type in group], progress)
                 writer.write([pair for w, r in zip(group, results) for pair in zip(by_wild_type[w], r)])
             writer.finish()
         progress.close()
         seconds = time.perf_counter() - started  # the last group's files written
-        scored = writer.scored
-        report = {file.assay.dms_id: (scored.get(file.assay.dms_id), tuple(file.measured)) for file in files}
+        summarized = writer.summarized
+        report = {file.assay.dms_id: (summarized.get(file.assay.dms_id), tuple(file.measured)) for file in files}
         report = gathered_on_rank_0(report, rank, world_size)
         if rank == 0:
             done = sum(values is None for values, _ in report.values())
@@ -457,15 +458,16 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
 
 class AssayWriter:
     """One thread that writes the scored groups' assay files (`write_assay`, atomically, in the order handed over)
-    while the main thread scores the next group, and keeps their values for the summary (`scored`: per assay, its
-    score columns as lists and its measured values). After a failed write (an OSError such as a full disk, or any
+    while the main thread scores the next group, and computes each one's metrics for the summary there
+    (`summarized`: per assay, `assay_summary`'s). After a failed write (an OSError such as a full disk, or any
     other error there) no later one runs, and the main thread raises the failure at its next `write` or at `finish`.
     Leaving the `with` block on an error of the main thread, the writes already handed over finish (their assays
     were scored), and a write that failed meanwhile is said in a note (before that error is reported), not lost."""
 
-    def __init__(self, args: argparse.Namespace, columns: tuple[str, ...]) -> None:
+    def __init__(self, args: argparse.Namespace, columns: tuple[str, ...], entries: list[ReferenceEntry]) -> None:
         self.args, self.columns = args, columns
-        self.scored: dict[str, dict[str, list[float]]] = {}
+        self.entries = {entry.dms_id: entry for entry in entries}
+        self.summarized: dict[str, proteingym_metrics.AssayResult | ValueError | None] = {}
         self.failed = threading.Event()
         self.pending: list[Future] = []  # in order of submission: one worker runs them first to last
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="proteingym-write")
@@ -492,7 +494,8 @@ class AssayWriter:
             try:
                 values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
                 write_assay(output_path(self.args, file.assay.dms_id), file, values)
-                self.scored[file.assay.dms_id] = {**values, **file.measured}
+                entry = self.entries[file.assay.dms_id]
+                self.summarized[entry.dms_id] = assay_summary(entry, {**values, **file.measured}, self.columns)
             except BaseException:
                 self.failed.set()
                 raise
@@ -530,31 +533,51 @@ def gathered_on_rank_0(scored: dict[str, Any], rank: int, world_size: int) -> di
     return {dms_id: values for part in parts or [] for dms_id, values in part.items()}
 
 
+def assay_summary(
+    entry: ReferenceEntry, values: dict[str, list[float]], columns: tuple[str, ...]
+) -> proteingym_metrics.AssayResult | ValueError | None:
+    """The assay's metrics for the summary (`values`: its score `columns` and `MEASURED_COLUMNS`, row by row), the
+    ValueError saying why they cannot be computed (a constant column, bins of one class...: raised when the summary
+    is made), or None where there will be no summary (`summary_gap`: a column it reads is missing)."""
+    if entry.uniprot is None or entry.selection_type is None or any(name not in values for name in MEASURED_COLUMNS):
+        return None
+    try:
+        return proteingym_metrics.assay_result(
+            entry.dms_id,
+            entry.uniprot,
+            entry.selection_type,
+            values["DMS_score"],
+            values["DMS_score_bin"],
+            {name: values[name] for name in columns},
+        )
+    except ValueError as error:
+        return error
+
+
+def read_values(args: argparse.Namespace, dms_id: str, columns: tuple[str, ...]) -> dict[str, list[float]]:
+    """An assay's score `columns` and `MEASURED_COLUMNS`, as its output file holds them."""
+    path = output_path(args, dms_id)
+    table = read_table(path)
+    return {name: table.floats(path, name) for name in (*columns, *MEASURED_COLUMNS)}
+
+
 def summarize_output(
     args: argparse.Namespace, entries: list[ReferenceEntry], columns: tuple[str, ...], report: dict[str, Any]
 ) -> None:
     """ProteinGym's metrics of every score column over the assays (`proteingym_metrics`), written to OUT/summary/
-    with a bar plot of the Spearman per selection type and a scatter of one assay's scores. The values of this run
-    (`report`: assay -> (its scores as written and measured values, ...)) are used as they are; an assay an earlier
-    run finished is read from its output file."""
-    results, values_of = [], {}
+    with a bar plot of the Spearman per selection type and a scatter of one assay's scores. The metrics of this run's
+    assays (`report`: assay -> (`assay_summary`'s, ...), computed as each was written) are used as they are (the
+    first assay's error, in the reference's order, is raised); an assay an earlier run finished is read from its
+    output file, as is the scatter's."""
+    results, read = [], {}
     for entry in entries:
-        values = report.get(entry.dms_id, (None,))[0]
-        if values is None:
-            path = output_path(args, entry.dms_id)
-            table = read_table(path)
-            values = {name: table.floats(path, name) for name in (*columns, *MEASURED_COLUMNS)}
-        values_of[entry.dms_id] = values
-        results.append(
-            proteingym_metrics.assay_result(
-                entry.dms_id,
-                entry.uniprot,
-                entry.selection_type,
-                values["DMS_score"],
-                values["DMS_score_bin"],
-                {name: values[name] for name in columns},
-            )
-        )
+        result = report.get(entry.dms_id, (None,))[0]
+        if result is None:
+            read[entry.dms_id] = read_values(args, entry.dms_id, columns)
+            result = assay_summary(entry, read[entry.dms_id], columns)
+        if isinstance(result, ValueError):
+            raise result
+        results.append(result)
     summary = proteingym_metrics.summarize(results)
     folder = args.output / SUMMARY_FOLDER
     proteingym_metrics.write_summary(summary, folder)
@@ -563,10 +586,11 @@ def summarize_output(
     print(f"average Spearman over selection types ({len(entries)} assays): {averages}; wrote {folder}")
     chosen = args.scatter_assay or entries[0].dms_id
     result = next(result for result in results if result.DMS_id == chosen)
-    panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values_of[chosen][name] for name in columns}
+    values = read.get(chosen) or read_values(args, chosen, columns)
+    panels = {f"{name}: Spearman {result.metrics[name]['Spearman']:.3f}": values[name] for name in columns}
     plotted = [
         plot_category_bars(*proteingym_metrics.category_bars(summary, "Spearman"), folder / "Spearman.png"),
-        plot_scores(panels, values_of[chosen]["DMS_score"], folder / f"{chosen}.png", "DMS_score"),
+        plot_scores(panels, values["DMS_score"], folder / f"{chosen}.png", "DMS_score"),
     ]
     if None in plotted:
         print(PLOTS_HINT.format(what="the summary"), file=sys.stderr)

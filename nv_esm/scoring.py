@@ -156,7 +156,7 @@ def parse_mutants(mutants: Sequence[str], wild_type: str, names: Sequence[str]) 
     quick way checks each distinct substitution's text once and assembles the rows from them; where it finds
     anything unusual (a value that is not text, spaces, a bad substitution, a position changed twice), every row is
     parsed on its own, so the first bad row's error is `parse_mutant`'s."""
-    quick = _assembled(mutants, wild_type) if mutants else []
+    quick = _assembled(mutants, wild_type) if len(mutants) else []
     if quick is not None:
         return quick
     known: dict[str, Substitution] = {}

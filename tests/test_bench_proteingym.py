@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import random
 import subprocess
@@ -57,7 +56,7 @@ def test_quick_run_writes_the_benchmark_fields(tmp_path, monkeypatch):
     phases = bf16["rank0_set_up_seconds"] + bf16["rank0_scoring_seconds"]  # the command's own timing, within it
     assert 0 < bf16["rank0_scoring_seconds"] and phases < bf16["seconds"]
     assert phases < bf16["seconds_at_scored_line"] <= bf16["seconds_at_summary_line"] < bf16["seconds"]
-    assert 0 < result["import_seconds"] < math.inf  # its own process: under a loaded test run it may take longer
+    assert result["import_seconds"] > 0  # its own process (under a loaded test run it may take longer than the run)
     assert set(result["versions"]) >= {"torch", "transformers"} and result["device"] == "cpu"
     baseline = result["baseline"]
     assert len(baseline["assays"]) == 2 and baseline["assays"][0] != "B_THREE" != baseline["assays"][1]

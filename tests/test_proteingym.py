@@ -381,6 +381,35 @@ def test_the_command_writes_each_assay_with_its_scores(checkpoint, assays, expec
         assert {path.name for path in (tmp_path / "out" / "summary").glob("*.png")} == {"Spearman.png", "A_one.png"}
 
 
+def test_an_assay_whose_metrics_cannot_be_computed_is_named_after_every_file_is_written(checkpoint, tmp_path, capsys):
+    """An assay whose `DMS_score_bin` is of one class has no AUC (ProteinGym's script would write NaN): the run writes
+    every assay's scores, then stops with a one-line error naming that assay and column, whether its metrics were
+    computed as it was written (this run) or from its file (a rerun: every assay done)."""
+    generator = torch.Generator().manual_seed(4506)
+    small = {
+        f"S{i}": (wt := random_sequence(20 + i, generator), random_mutants(wt, generator, [1, 7, 12], 6))
+        for i in range(3)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+    path = tmp_path / "assays" / "S1.csv"
+    rows = read_csv(path)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**row, "DMS_score_bin": "1"} for row in rows)
+    out = tmp_path / "out"
+    for run in ("scored", "rerun"):
+        assert run_command(checkpoint, reference, out) == 1, run
+        error = capsys.readouterr().err
+        assert error.startswith("nv-esm proteingym: error: S1, column esm2_tiny_nv: every DMS_score_bin is 1;"), run
+        assert len(error.splitlines()) == 1 and sorted(p.name for p in out.glob("*.csv")) == [
+            "S0.csv",
+            "S1.csv",
+            "S2.csv",
+        ]
+        assert not (out / "summary").exists()
+
+
 def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(checkpoint, tmp_path, monkeypatch, capsys):
     generator = torch.Generator().manual_seed(4504)
     small = {

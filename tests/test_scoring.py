@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from transformers import EsmForMaskedLM
@@ -227,11 +228,12 @@ def test_parsing_a_whole_assay_equals_parsing_each_mutant(seed):
     names = [f"row {i}" for i in range(len(mutants))]
     expected = [scoring.parse_mutant(mutant, wild_type, name) for mutant, name in zip(mutants, names)]
     assert scoring.parse_mutants(mutants, wild_type, names) == expected
+    assert scoring.parse_mutants(numpy.array(mutants), wild_type, names) == expected  # a column as an array
     assert scoring.parse_mutants(mutants[:1], wild_type, names) == expected[:1]
     assert scoring.parse_mutants([], wild_type, []) == []
     first = f"{wild_type[0]}1A"
-    other = next((m for m, sites in zip(mutants, expected) if all(s.position > 1 for s in sites)), "")
-    for unusual in (f" {first}", f"{other} : {first}".lstrip(" :")):
+    other = next((m for m, sites in zip(mutants, expected) if all(s.position > 1 for s in sites)), None)
+    for unusual in (f" {first}", f"{first}\t", *([f"{other} : {first}"] if other else [])):
         row = int(torch.randint(len(mutants) + 1, (1,), generator=generator))
         table = [*mutants[:row], unusual, *mutants[row:]]
         names = [f"row {i}" for i in range(len(table))]

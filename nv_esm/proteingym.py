@@ -21,8 +21,8 @@ of whole wild types (`groups_of`; every copy of a group packed in one pass, each
 for all the assays of that wild type); an assay's file is written, atomically, when its group is done, by a thread
 while the next group is scored (`AssayWriter`). A rerun skips the assays whose file is there, and refuses an OUT
 of other settings (checkpoint, methods, windows...) unless `--overwrite`. Under torchrun each rank reads, checks
-and scores its `shares` of the wild types (dealt out before any assay file is read); rank 0 gathers the scores for
-the summary.
+and scores its `shares` of the wild types (dealt out before any assay file is read); each assay's metrics are
+computed as it is written, and rank 0 gathers them for the summary.
 """
 
 from __future__ import annotations
@@ -439,11 +439,11 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
             writer.finish()
         progress.close()
         seconds = time.perf_counter() - started  # the last group's files written
-        summarized = writer.summarized
-        report = {file.assay.dms_id: (summarized.get(file.assay.dms_id), tuple(file.measured)) for file in files}
+        summarized, ids = writer.summarized, [file.assay.dms_id for file in files]
+        report = {i: (summarized.get(i), tuple(file.measured), i in summarized) for i, file in zip(ids, files)}
         report = gathered_on_rank_0(report, rank, world_size)
         if rank == 0:
-            done = sum(values is None for values, _ in report.values())
+            done = sum(not scored for _, _, scored in report.values())
             rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s on rank 0"
             rate += f" ({total / max(seconds, 1e-9):,.0f} tokens/s)"
             if set_up_seconds is not None:
@@ -513,7 +513,7 @@ class AssayWriter:
 
 def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | None:
     """Why the metrics cannot be summarised (a column the summary reads is missing), or None. `report`: per assay,
-    (its values or None, the `MEASURED_COLUMNS` its file has)."""
+    (its `assay_summary` or None, the `MEASURED_COLUMNS` its file has, whether this run scored it)."""
     for entry in entries:
         if entry.uniprot is None or entry.selection_type is None:
             return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
@@ -523,13 +523,13 @@ def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | 
     return None
 
 
-def gathered_on_rank_0(scored: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """Every rank's `scored` (assay -> what it has of it), merged on rank 0 (an empty dict on the others), after
+def gathered_on_rank_0(report: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Every rank's `report` (assay -> what it has of it), merged on rank 0 (an empty dict on the others), after
     every rank has written its assays."""
     if world_size == 1:
-        return scored
+        return report
     parts: list[Any] | None = [None] * world_size if rank == 0 else None
-    torch.distributed.gather_object(scored, parts, dst=0)
+    torch.distributed.gather_object(report, parts, dst=0)
     return {dms_id: values for part in parts or [] for dms_id, values in part.items()}
 
 
@@ -551,7 +551,7 @@ def assay_summary(
             {name: values[name] for name in columns},
         )
     except ValueError as error:
-        return error
+        return error.with_traceback(None)  # not its frames: they hold the assay's values until the summary
 
 
 def read_values(args: argparse.Namespace, dms_id: str, columns: tuple[str, ...]) -> dict[str, list[float]]:

@@ -410,6 +410,35 @@ def test_an_assay_whose_metrics_cannot_be_computed_is_named_after_every_file_is_
         assert not (out / "summary").exists()
 
 
+def test_without_a_column_the_summary_reads_the_assays_are_scored_and_the_summary_left_out(
+    checkpoint, tmp_path, capsys
+):
+    """A reference without `UniProt_ID`, or an assay without `DMS_score_bin`: every assay is scored and written, no
+    summary is made (a note says why), and the count of assays done by earlier runs counts only those."""
+    generator = torch.Generator().manual_seed(4507)
+    small = {
+        f"S{i}": (wt := random_sequence(20 + i, generator), random_mutants(wt, generator, [1, 7, 12], 4))
+        for i in range(3)
+    }
+    reference = write_benchmark(tmp_path, small, generator)
+    rows = read_csv(reference)
+    with open(reference, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[name for name in rows[0] if name != "UniProt_ID"])
+        writer.writeheader()
+        writer.writerows({name: value for name, value in row.items() if name != "UniProt_ID"} for row in rows)
+    out = tmp_path / "out"
+    for done in (0, 2):
+        assert run_command(checkpoint, reference, out) == 0
+        captured = capsys.readouterr()
+        assert f"3 assays ({done} were already done); this run:" in captured.out
+        assert (
+            "note: no summary of the metrics: the reference has no UniProt_ID or coarse_selection_type" in captured.err
+        )
+        assert sorted(p.name for p in out.glob("*.csv")) == ["S0.csv", "S1.csv", "S2.csv"]
+        assert not (out / "summary").exists()
+        (out / "S1.csv").unlink()  # the rerun scores S1 alone
+
+
 def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(checkpoint, tmp_path, monkeypatch, capsys):
     generator = torch.Generator().manual_seed(4504)
     small = {
@@ -583,7 +612,7 @@ def test_two_ranks_under_torchrun_write_the_same_scores(checkpoint, tmp_path):
         assert [row["mutant"] for row in ranks] == [row["mutant"] for row in single]
         for ours, theirs in zip(ranks, single):
             assert float(ours["esm2_tiny_nv"]) == pytest.approx(float(theirs["esm2_tiny_nv"]), abs=1e-5)
-    # rank 0 summarises every rank's scores, gathered as written
+    # rank 0 summarises every rank's assay metrics, computed as each was written
     ranks_summary = summary_texts(tmp_path / "ranks" / "summary")
     assert len(ranks_summary) > 3
     assert ranks_summary == summary_from_the_files(checkpoint, reference, tmp_path / "ranks", tmp_path)

@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -512,15 +512,19 @@ class AssayWriter:
 
 
 def summary_gap(entries: list[ReferenceEntry], report: dict[str, Any]) -> str | None:
-    """Why the metrics cannot be summarised (a column the summary reads is missing), or None. `report`: per assay,
-    (its `assay_summary` or None, the `MEASURED_COLUMNS` its file has, whether this run scored it)."""
-    for entry in entries:
-        if entry.uniprot is None or entry.selection_type is None:
-            return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
-        absent = [name for name in MEASURED_COLUMNS if name not in report[entry.dms_id][1]]
-        if absent:
-            return f"assay {entry.dms_id} has no {absent[0]} column"
-    return None
+    """Why the metrics cannot be summarised (`missing_for_summary` of the first assay that lacks a column), or None.
+    `report`: per assay, (its `assay_summary` or None, the `MEASURED_COLUMNS` its file has, whether this run scored
+    it)."""
+    return next(filter(None, (missing_for_summary(entry, report[entry.dms_id][1]) for entry in entries)), None)
+
+
+def missing_for_summary(entry: ReferenceEntry, columns: Collection[str]) -> str | None:
+    """What the summary reads that `entry` lacks: a `SUMMARY_COLUMNS` value of the reference, or one of the
+    `MEASURED_COLUMNS` among its assay's `columns`; None when it has everything."""
+    if entry.uniprot is None or entry.selection_type is None:
+        return f"the reference has no {' or '.join(SUMMARY_COLUMNS)} column"
+    absent = [name for name in MEASURED_COLUMNS if name not in columns]
+    return f"assay {entry.dms_id} has no {absent[0]} column" if absent else None
 
 
 def gathered_on_rank_0(report: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -538,8 +542,8 @@ def assay_summary(
 ) -> proteingym_metrics.AssayResult | ValueError | None:
     """The assay's metrics for the summary (`values`: its score `columns` and `MEASURED_COLUMNS`, row by row), the
     ValueError saying why they cannot be computed (a constant column, bins of one class...: raised when the summary
-    is made), or None where there will be no summary (`summary_gap`: a column it reads is missing)."""
-    if entry.uniprot is None or entry.selection_type is None or any(name not in values for name in MEASURED_COLUMNS):
+    is made), or None where there will be no summary (`missing_for_summary`: a column it reads is missing)."""
+    if missing_for_summary(entry, values) is not None:
         return None
     try:
         return proteingym_metrics.assay_result(

@@ -410,8 +410,23 @@ def test_an_assay_whose_metrics_cannot_be_computed_is_named_after_every_file_is_
         assert not (out / "summary").exists()
 
 
+def drop_column(path: Path, column: str) -> None:
+    rows = read_csv(path)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[name for name in rows[0] if name != column])
+        writer.writeheader()
+        writer.writerows({name: value for name, value in row.items() if name != column} for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("dropped", "why"),
+    [
+        ("UniProt_ID", "the reference has no UniProt_ID or coarse_selection_type column"),
+        ("DMS_score_bin", "assay S2 has no DMS_score_bin column"),
+    ],
+)
 def test_without_a_column_the_summary_reads_the_assays_are_scored_and_the_summary_left_out(
-    checkpoint, tmp_path, capsys
+    checkpoint, tmp_path, capsys, dropped, why
 ):
     """A reference without `UniProt_ID`, or an assay without `DMS_score_bin`: every assay is scored and written, no
     summary is made (a note says why), and the count of assays done by earlier runs counts only those."""
@@ -421,19 +436,13 @@ def test_without_a_column_the_summary_reads_the_assays_are_scored_and_the_summar
         for i in range(3)
     }
     reference = write_benchmark(tmp_path, small, generator)
-    rows = read_csv(reference)
-    with open(reference, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=[name for name in rows[0] if name != "UniProt_ID"])
-        writer.writeheader()
-        writer.writerows({name: value for name, value in row.items() if name != "UniProt_ID"} for row in rows)
+    drop_column(reference if dropped == "UniProt_ID" else tmp_path / "assays" / "S2.csv", dropped)
     out = tmp_path / "out"
     for done in (0, 2):
         assert run_command(checkpoint, reference, out) == 0
         captured = capsys.readouterr()
         assert f"3 assays ({done} were already done); this run:" in captured.out
-        assert (
-            "note: no summary of the metrics: the reference has no UniProt_ID or coarse_selection_type" in captured.err
-        )
+        assert f"note: no summary of the metrics: {why}" in captured.err
         assert sorted(p.name for p in out.glob("*.csv")) == ["S0.csv", "S1.csv", "S2.csv"]
         assert not (out / "summary").exists()
         (out / "S1.csv").unlink()  # the rerun scores S1 alone

@@ -152,13 +152,13 @@ def write_assays(
         wild_type = row["target_seq"]
         mutants = stand_in_mutants(wild_type, generator, row if reference_counts else None)
         mutants_of[row["DMS_id"]] = mutants
-        known: dict = {}  # `parse_mutant`'s cache of this wild type's substitutions
+        variants = scoring.parse_mutants(mutants, wild_type, mutants)
         with (folder / "assays" / row["DMS_filename"]).open("w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(["mutant", "mutated_sequence", "DMS_score", "DMS_score_bin"])
-            for mutant in mutants:
+            for mutant, substitutions in zip(mutants, variants):
                 score = generator.gauss(0, 1)
-                mutated = mutated_sequence(wild_type, scoring.parse_mutant(mutant, wild_type, mutant, known))
+                mutated = mutated_sequence(wild_type, substitutions)
                 writer.writerow([mutant, mutated, repr(score), int(score > 0)])
     with (folder / "reference.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, columns, lineterminator="\n")

@@ -120,20 +120,6 @@ def parse_mutant(
     or malformed mutant, a position outside the wild type, a wild-type letter that differs from the wild type's, a
     mutant letter outside ESM-2's alphabet, a position changed twice. `known`: the substitutions already checked
     against this wild type, by their text (filled here; an assay's mutants repeat a few thousand of them)."""
-    if known is not None and isinstance(mutant, str):  # every part checked before, at distinct positions
-        try:
-            found = [known[part] for part in mutant.split(":")]
-        except KeyError:
-            pass
-        else:
-            if len(found) == 1:
-                return (found[0],)
-            if len(found) == 2:  # most multiple mutants: no set or sort
-                first, second = found
-                if first.position != second.position:
-                    return (first, second) if first.position < second.position else (second, first)
-            elif len(set(map(_POSITION, found))) == len(found):
-                return tuple(sorted(found, key=_POSITION))
     if not isinstance(mutant, str) or not mutant.strip():
         raise ValueError(f"{_named(name)}: no mutant (expected e.g. 'A24G' or 'A24G:K30R').")
     substitutions: dict[int, Substitution] = {}
@@ -172,8 +158,6 @@ def _assembled(mutants: Sequence[str], wild_type: str) -> list[tuple[Substitutio
         return None
     known: dict[str, Substitution] = {}
     for part in set(parts):
-        if _SUBSTITUTION.fullmatch(part) is None:
-            return None
         try:
             known[part] = _substitution(part, part, wild_type, part)
         except ValueError:

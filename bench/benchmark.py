@@ -14,6 +14,7 @@ Variants (random weights of the ESM-2 shape):
   nv_thd_graphs      nv_thd with cuda_graphs=True: batches padded to static shapes, layers replayed as CUDA graphs
   nv_thd_graphs_fp8  nv_thd_graphs with every layer in FP8 (DelayedScaling)
   nv_thd_graphs_cudnn_ln  nv_thd_graphs with cudnn_layer_norm=True (cuDNN's LayerNorm kernels in TE's layers)
+  nv_thd_graphs_bf16w  nv_thd_graphs training bf16 weights, AdamW on fp32 master copies (as nv_thd_bf16w)
   te_port       the plain TE port (`te_port.py`): a `te.TransformerLayer` stack fed THD keyword arguments directly,
                 ESM-2's embedding and LM head around it, nothing else; the floor any TE port gets
 
@@ -75,12 +76,13 @@ VARIANT_CONFIGS = {
     "nv_thd_graphs_unchecked": dict(cuda_graphs=True, check_inputs=False),
     "nv_thd_graphs_fp8": dict(cuda_graphs=True, fp8=True),
     "nv_thd_graphs_cudnn_ln": dict(cuda_graphs=True, cudnn_layer_norm=True),
+    "nv_thd_graphs_bf16w": dict(cuda_graphs=True),
     "nv_thd_fp8_current": dict(check_inputs=False, fp8=True, fp8_recipe="current"),
     "nv_thd_graphs_fp8_current": dict(cuda_graphs=True, fp8=True, fp8_recipe="current"),
 }
 VARIANTS = ("transformers", "te_port", *VARIANT_CONFIGS)
 PACKED_VARIANTS = {"te_port", *(name for name in VARIANT_CONFIGS if name.startswith("nv_thd"))}
-MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w"}
+MASTER_WEIGHT_VARIANTS = {"nv_thd_bf16w", "nv_thd_graphs_bf16w"}
 MAX_BATCH_VARIANTS = {"transformers", "nv_thd_unchecked"}
 PEAK_TFLOPS = shapes.PEAK_BF16_TFLOPS["H100"]
 MEDIAN_RESIDUES, LENGTH_SIGMA, MAX_RESIDUES = 270, 0.7, 1024

@@ -53,10 +53,11 @@ def record_trace(model, batches: list[dict], optimizer, path: Path, with_stack: 
     profiler.export_chrome_trace(str(path))
 
 
-def traced(model, batches: list[dict], optimizer, path: Path) -> dict:
-    """Trace `batches` (one `train_step_i` span each) into `path`; its `trace_summary` with the idle fraction."""
+def traced(model, batches: list[dict], optimizer, path: Path, top: int = 12) -> dict:
+    """Trace `batches` (one `train_step_i` span each) into `path`; its `trace_summary` (the `top` kernels) with the
+    idle fraction."""
     record_trace(model, batches, optimizer, path)
-    summary = trace_summary.summarise(path, top=12)
+    summary = trace_summary.summarise(path, top=top)
     times = summary["ms_per_step"]
     summary["gpu_idle_fraction"] = round(times["gpu_idle"] / times["wall"], 3)
     return summary
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--trace-dir", type=Path, help="where the traces go (default: --out)")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per trace, by GPU time")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     trace_dir = args.trace_dir or args.out
@@ -107,10 +109,10 @@ def main() -> None:
             for proteins in args.proteins:
                 raw = draw_batches(args.trace_steps, proteins, seed=9)
                 batches = [packed(*mlm_inputs(b, seed=99 + i)) for i, b in enumerate(raw)]
-                for _ in range(2):  # warm passes: captures (an inference shape's at its second batch) and set-up
-                    step_times(model, batches, optimizer)  # stay out of the trace
+                for _ in range(4):  # warm passes, as benchmark.py's: captures (an inference shape's at its second
+                    step_times(model, batches, optimizer)  # batch), its timing both ways, set-up: out of the trace
                 name = f"{variant}_{mode}_{proteins}"
-                summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz")
+                summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz", args.top)
                 run = dict(variant=variant, mode=mode, proteins=proteins, **summary)
                 if args.experiments:
                     run["experiments"] = experiments(model, optimizer, args, proteins, seed=7)

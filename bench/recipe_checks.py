@@ -113,12 +113,12 @@ def check_weak_scaling(out: Path, shape: str, steps: int, budget: int, *extra: s
     return dict(shape=shape, token_budget=budget, options=extra, one_gpu=one, two_gpus=two, efficiency=efficiency)
 
 
-def check_profile(out: Path, shape: str, budget: int, *extra: str) -> dict:
-    """Traces of 3 steps (after 10) on 1 and on 2 GPUs with `budget` tokens per GPU, summarised per rank; the 2-GPU
-    run with the recipe options `extra` too (e.g. `--data-parallel shard`)."""
+def check_profile(out: Path, shape: str, budget: int, several: list[int], *extra: str) -> dict:
+    """Traces of 3 steps (after 10) on 1 GPU and on each of `several` GPUs with `budget` tokens per GPU, summarised
+    per rank; the runs on several GPUs with the recipe options `extra` too (e.g. `--data-parallel shard`)."""
     config = write_config(out, shape)
     summaries = {}
-    for gpus in (1, 2):
+    for gpus in (1, *several):
         run = out / f"profile_{shape}_{budget}_{gpus}gpu{option_tag(extra) if gpus > 1 else ''}"
         common = ["--steps", "13", "--token-budget", str(budget), "--profile-steps", "3", "--no-checkpoint"]
         launch(run, gpus, config, *common, *(extra if gpus > 1 else ()))
@@ -438,7 +438,9 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="fit: pass --activation-checkpointing to the recipe"
     )
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="fp8, offload, fit: GPUs per run; scale: each")
+    parser.add_argument(
+        "--gpus", type=int, nargs="+", default=[2], help="fp8, offload, fit: GPUs per run; scale, profile: each"
+    )
     args = parser.parse_args()
     gpus = args.gpus[0]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -458,7 +460,7 @@ def main() -> None:
     elif args.check == "offload":
         result = check_offload(args.out, args.shape or "3B", args.steps or 16, args.budget, gpus)
     elif args.check == "profile":
-        result = check_profile(args.out, args.shape or "650M", args.budget, *args.extra)
+        result = check_profile(args.out, args.shape or "650M", args.budget, args.gpus, *args.extra)
     elif args.check == "layouts":
         result = check_layouts(args.out, args.shape or "650M", args.steps or 24, args.budget)
     elif args.check == "scale":

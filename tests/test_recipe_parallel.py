@@ -26,6 +26,7 @@ from nv_esm.train.config import parse_config
 
 RANKS = 4
 LOSS_RTOL = 1e-5
+BF16_REDUCE_LOSS_RTOL = 1e-2  # --reduce-dtype bf16 against fp32 sums, over 6 steps
 
 
 def refusal_on_ranks(monkeypatch: pytest.MonkeyPatch, ranks: int, *args: str, out: Path) -> subprocess.CompletedProcess:
@@ -53,7 +54,8 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     """4 ranks: flat FSDP2, HSDP 2x2, FSDP2's pure replication (4x1) and whole models with all-reduced gradients
     (`--data-parallel replicate`, what `auto` picks for a model this small) give the flat run's losses; a run of
     whole models stopped at step 3 and resumed as HSDP goes on with the flat run's losses (DCP reshards the model
-    and optimizer state). The gradient norms (what clipping scales by) of the sharded runs equal the whole models'."""
+    and optimizer state). The gradient norms (what clipping scales by) of the sharded runs equal the whole models'.
+    FSDP2 reducing in bf16 (`--reduce-dtype bf16`) trains within bf16's rounding of the flat run."""
     steps = 6
     run = {
         name: (tmp_path / name, mlm_args(tiny_config, steps, "--no-export", *extra))
@@ -62,10 +64,12 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
             "hybrid": ("--dp-replicate", "2"),
             "replicated": ("--dp-replicate", "4"),
             "whole": (),
+            "bf16_reduce": ("--reduce-dtype", "bf16"),  # FSDP2's option: auto shards
         }.items()
     }
     meshes = {
         "flat": "dp_shard=4",
+        "bf16_reduce": "dp_shard=4",
         "hybrid": "dp_replicate=2 x dp_shard=2",
         "replicated": "dp_replicate=4 x dp_shard=1",
         "whole": "whole model on each (gradients all-reduced)",
@@ -94,6 +98,12 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     resumed = losses(switched)
     for step in flat:
         assert resumed[step] == pytest.approx(flat[step], rel=LOSS_RTOL), step
+    # gradients summed in bf16 (8 bits of mantissa): the same training within bf16's rounding, and not bit-equal
+    bf16_reduced = losses(run["bf16_reduce"][0])
+    assert sorted(bf16_reduced) == sorted(flat)
+    for step in flat:
+        assert bf16_reduced[step] == pytest.approx(flat[step], rel=BF16_REDUCE_LOSS_RTOL), step
+    assert any(bf16_reduced[step] != flat[step] for step in flat)
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
 
 
@@ -181,7 +191,7 @@ def test_what_tensor_and_context_parallelism_do_not_support_is_refused(
         parse_config(argv).validate()
 
 
-@pytest.mark.parametrize("option", ["--tp 2", "--dp-replicate 2", "--keep-gathered"])
+@pytest.mark.parametrize("option", ["--tp 2", "--dp-replicate 2", "--keep-gathered", "--reduce-dtype bf16"])
 def test_whole_models_refuse_the_options_of_sharded_ones(tiny_config: Path, tmp_path: Path, option: str) -> None:
     argv = [*mlm_args(tiny_config, 2, "--data-parallel", "replicate", *option.split()), "--out", str(tmp_path / "x")]
     with pytest.raises(
@@ -192,10 +202,13 @@ def test_whole_models_refuse_the_options_of_sharded_ones(tiny_config: Path, tmp_
 
 def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--data-parallel auto` holds whole models when the training state (16 bytes a parameter) and a micro-batch's
-    activations fit in 80% of a device; an option that shards (here --dp-replicate 2's mesh) keeps FSDP2."""
+    activations fit in 80% of a device; an option of FSDP2's (a hybrid or tensor-parallel mesh, --keep-gathered,
+    --reduce-dtype bf16) keeps FSDP2."""
+    import dataclasses
+
     from configuration_nv_esm import NVEsmConfig
     from nv_esm.train import materialize
-    from nv_esm.train.config import DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+    from nv_esm.train.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from nv_esm.train.parallel import Dist
 
     class Mesh:
@@ -213,8 +226,9 @@ def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pyt
         monkeypatch.setattr(materialize, "device_memory", lambda device, memory=memory: int(memory))
         world = Dist(0, 2, torch.device("cpu"), Mesh(("dp_shard",)))
         assert materialize.data_parallel_layout(config, nv_config, world).replicated is replicated
-        hybrid = Dist(0, 2, torch.device("cpu"), Mesh(("dp_replicate", "dp_shard")))
-        assert not materialize.data_parallel_layout(config, nv_config, hybrid).replicated
+        for sharding in (dict(dp_replicate=2), dict(tp=2), dict(keep_gathered=True), dict(reduce_dtype="bf16")):
+            asks = dataclasses.replace(config, parallel=ParallelConfig(**sharding))
+            assert not materialize.data_parallel_layout(asks, nv_config, world).replicated, sharding
         alone = Dist(0, 1, torch.device("cpu"), Mesh(("dp_shard",)))
         assert not materialize.data_parallel_layout(config, nv_config, alone).replicated
 

@@ -254,7 +254,8 @@ def check_fsdp_keeps_rotary_angles_in_float32() -> None:
     seen = []
     for layer in layers:
         layer.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].rotary_angles)))
-    shard(nv, layers, SimpleNamespace(fsdp_mesh=init_device_mesh("cpu", (RANKS,))), torch.bfloat16, True)
+    world = SimpleNamespace(fsdp_mesh=init_device_mesh("cpu", (RANKS,)))
+    shard(nv, layers, world, torch.bfloat16, torch.float32, reshard_after_forward=True)
     batch = pack_batch(random_proteins([600, 30], seed=5))
     nv(**batch).logits.float().mean().backward()
     expected = nv.esm.rotary_embeddings(batch["max_length_q"])

@@ -221,6 +221,12 @@ class ParallelConfig:
         "keep layers gathered between forward and backward (FSDP2 "
         "reshard_after_forward=False): one all-gather less per layer and step, more memory",
     )
+    reduce_dtype: str = option(
+        "fp32",
+        "dtype FSDP2 reduce-scatters gradients in: fp32 (exact sums of the bf16 gradients), or bf16 (half the "
+        "bytes; NVIDIA's ESM-2 recipes reduce in bf16); an FSDP2 option, so --data-parallel auto shards with it",
+        choices=("fp32", "bf16"),
+    )
     data_parallel: str = option(
         "auto",
         "how the data-parallel ranks hold the model: replicate (each rank a whole copy in fp32, CUDA graphs on, "
@@ -245,6 +251,17 @@ class ParallelConfig:
         "protein (for proteins too long for one GPU; --max-length sets the crop)",
     )
     compile: bool = option(False, "torch.compile each layer (torch backend)")
+
+    def sharding_options(self) -> list[str]:
+        """The options given that only FSDP2 runs (sharded models): `--data-parallel replicate` refuses them and
+        `auto` shards for them."""
+        given = {
+            "--tp": self.tp > 1,
+            "--dp-replicate": self.dp_replicate > 1,
+            "--keep-gathered": self.keep_gathered,
+            "--reduce-dtype": self.reduce_dtype != "fp32",
+        }
+        return [option for option, asked in given.items() if asked]
 
 
 @dataclass
@@ -430,16 +447,12 @@ class TrainConfig:
         if self.parallel.offloaded_layers and not self.parallel.offload_activations:
             raise ValueError("--offloaded-layers counts the layers that --offload-activations offloads: give both.")
         refuse_option_combinations(self.parallel, self.model.lora_rank)
-        parallel = self.parallel
-        if parallel.data_parallel == "replicate":
-            sharding = {"--tp": parallel.tp > 1, "--dp-replicate": parallel.dp_replicate > 1}
-            sharding["--keep-gathered"] = parallel.keep_gathered
-            asked = [option for option, given in sharding.items() if given]
-            if asked:
-                raise ValueError(
-                    f"--data-parallel replicate holds a whole model on each rank; {asked[0]} is for sharded models "
-                    "(--data-parallel shard or auto)."
-                )
+        asked = self.parallel.sharding_options()
+        if self.parallel.data_parallel == "replicate" and asked:
+            raise ValueError(
+                f"--data-parallel replicate holds a whole model on each rank; {asked[0]} is for sharded models "
+                "(--data-parallel shard or auto)."
+            )
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 

@@ -138,9 +138,8 @@ def training_state_bytes(nv_config: NVEsmConfig) -> int:
 def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> Dist:
     """`world` with the run's data-parallel layout decided (`Dist.replicated`): whole models on every rank for
     `--data-parallel replicate`, or for `auto` when the training state and a micro-batch's activations fit in
-    `REPLICATE_MEMORY_FRACTION` of a device and no option shards (--tp or --dp-replicate above 1, which
-    `init_distributed` put in the mesh; --cp ranks hold whole weights either way); else FSDP2 shards. One rank is
-    neither."""
+    `REPLICATE_MEMORY_FRACTION` of a device and no option of FSDP2's is given (`ParallelConfig.sharding_options`;
+    --cp ranks hold whole weights either way); else FSDP2 shards. One rank is neither."""
     mode = config.parallel.data_parallel
     if world.world_size == 1 or mode == "shard":
         return dataclasses.replace(world, replicated=False)
@@ -148,8 +147,7 @@ def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dis
         return dataclasses.replace(world, replicated=True)
     activations = config.data.token_budget * activation_bytes_per_token(config, nv_config, world.device)
     fits = training_state_bytes(nv_config) + activations <= REPLICATE_MEMORY_FRACTION * device_memory(world.device)
-    unsharded_mesh = set(world.mesh.mesh_dim_names) <= {"dp_shard", "cp"}
-    return dataclasses.replace(world, replicated=fits and unsharded_mesh)
+    return dataclasses.replace(world, replicated=fits and not config.parallel.sharding_options())
 
 
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:

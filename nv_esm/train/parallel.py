@@ -192,7 +192,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
             layer.compile()
     if sharded(world):
         dtype = compute_dtype(settings, world.device)
-        shard(model, layers, world, dtype, reshard_after_forward=not settings.keep_gathered)
+        reduce_dtype = torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32
+        shard(model, layers, world, dtype, reduce_dtype, reshard_after_forward=not settings.keep_gathered)
 
 
 def sharded(world: Dist) -> bool:
@@ -210,16 +211,22 @@ def forward_context(settings: ParallelConfig, world: Dist) -> contextlib.Abstrac
 
 
 def shard(
-    model: nn.Module, layers: list[nn.Module], world: Dist, dtype: torch.dtype, reshard_after_forward: bool
+    model: nn.Module,
+    layers: list[nn.Module],
+    world: Dist,
+    dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
 ) -> None:
     """`fully_shard` each layer, then the rest (embeddings, tied LM decoder, heads) as the root group, computing in
-    `dtype` with fp32 gradient reduction; each layer then prefetches its neighbour's gather (`prefetch_layers`).
+    `dtype` and reducing gradients in `reduce_dtype`; each layer then prefetches its neighbour's gather
+    (`prefetch_layers`).
     On a 2-D mesh FSDP2 shards over "dp_shard" and replicates over "dp_replicate" (HSDP): gradients are
     reduce-scattered within a replica group, then all-reduced across the groups. With "tp", each tensor-parallel
     rank's FSDP2 group is the ranks of its "tp" index; context-parallel ranks shard too (`Dist.fsdp_mesh`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     mesh = world.fsdp_mesh
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -109,8 +109,8 @@ def main() -> None:
             for proteins in args.proteins:
                 raw = draw_batches(args.trace_steps, proteins, seed=9)
                 batches = [packed(*mlm_inputs(b, seed=99 + i)) for i, b in enumerate(raw)]
-                for _ in range(4):  # warm passes, as benchmark.py's: captures (an inference shape's at its second
-                    step_times(model, batches, optimizer)  # batch), its timing both ways, set-up: out of the trace
+                for _ in range(4):  # 4 warm passes, as benchmark.py's, kept out of the trace: set-up, captures (an
+                    step_times(model, batches, optimizer)  # inference shape's at its 2nd batch) and its 2 timings
                 name = f"{variant}_{mode}_{proteins}"
                 summary = traced(model, batches, optimizer, trace_dir / f"trace_{name}.json.gz", args.top)
                 run = dict(variant=variant, mode=mode, proteins=proteins, **summary)

@@ -3,7 +3,7 @@
     python bench/recipe_checks.py scaling --out $OUT/recipe   # 1 vs 2 GPUs, same global batch: losses, tokens/s
     python bench/recipe_checks.py resume --out $OUT/recipe    # kill -9 mid-run, resume, compare with an unbroken run
     python bench/recipe_checks.py fp8 --out $OUT/recipe       # FP8 vs bf16 over 200 steps from the same init
-    python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 GPUs
+    python bench/recipe_checks.py profile --out $OUT/recipe   # where a step's time goes, 1 vs 2 (--gpus) GPUs
     python bench/recipe_checks.py fit --shape 15B --gpus 4 --activation-checkpointing --out $OUT/r --extra --fp8 all
     python bench/recipe_checks.py graphs --out $OUT/recipe    # 1 GPU: eager vs CUDA graphs vs graphs + FP8
     python bench/recipe_checks.py offload --shape 3B --gpus 1 --out $OUT/recipe   # activation offloading vs not
@@ -118,7 +118,7 @@ def check_profile(out: Path, shape: str, budget: int, several: list[int], *extra
     per rank; the runs on several GPUs with the recipe options `extra` too (e.g. `--data-parallel shard`)."""
     config = write_config(out, shape)
     summaries = {}
-    for gpus in (1, *several):
+    for gpus in sorted({1, *several}):
         run = out / f"profile_{shape}_{budget}_{gpus}gpu{option_tag(extra) if gpus > 1 else ''}"
         common = ["--steps", "13", "--token-budget", str(budget), "--profile-steps", "3", "--no-checkpoint"]
         launch(run, gpus, config, *common, *(extra if gpus > 1 else ()))

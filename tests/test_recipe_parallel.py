@@ -26,7 +26,7 @@ from nv_esm.train.config import parse_config
 
 RANKS = 4
 LOSS_RTOL = 1e-5
-BF16_REDUCE_LOSS_RTOL = 1e-2  # --reduce-dtype bf16 against fp32 sums, over 6 steps
+BF16_REDUCE_LOSS_RTOL = 1e-3  # --reduce-dtype bf16 against fp32 sums, over 6 steps (measured: up to 4.3e-5)
 
 
 def refusal_on_ranks(monkeypatch: pytest.MonkeyPatch, ranks: int, *args: str, out: Path) -> subprocess.CompletedProcess:
@@ -98,12 +98,14 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
     resumed = losses(switched)
     for step in flat:
         assert resumed[step] == pytest.approx(flat[step], rel=LOSS_RTOL), step
-    # gradients summed in bf16 (8 bits of mantissa): the same training within bf16's rounding, and not bit-equal
+    # gradients summed in bf16 (8 bits of mantissa): the same training within bf16's rounding; the first step's
+    # gradient norm (the same weights and data) is off by bf16's rounding, far more than the fp32 layouts differ
     bf16_reduced = losses(run["bf16_reduce"][0])
     assert sorted(bf16_reduced) == sorted(flat)
     for step in flat:
         assert bf16_reduced[step] == pytest.approx(flat[step], rel=BF16_REDUCE_LOSS_RTOL), step
-    assert any(bf16_reduced[step] != flat[step] for step in flat)
+    first_norm, flat_norm = grad_norms(run["bf16_reduce"][0])[1], grad_norms(run["flat"][0])[1]
+    assert abs(first_norm - flat_norm) > 10 * LOSS_RTOL * flat_norm
     assert sum(list(flat.values())[-3:]) < sum(list(flat.values())[:3])
 
 
@@ -202,7 +204,7 @@ def test_whole_models_refuse_the_options_of_sharded_ones(tiny_config: Path, tmp_
 
 def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--data-parallel auto` holds whole models when the training state (16 bytes a parameter) and a micro-batch's
-    activations fit in 80% of a device; an option of FSDP2's (a hybrid or tensor-parallel mesh, --keep-gathered,
+    activations fit in 80% of a device; any of FSDP2's own options (--dp-replicate or --tp above 1, --keep-gathered,
     --reduce-dtype bf16) keeps FSDP2."""
     import dataclasses
 

@@ -41,10 +41,10 @@ One GPU holds the whole model (fp32 weights, bf16 autocast) and replays the Tran
 graphs (`--no-cuda-graphs`: eagerly). On several ranks, each holds the whole model the same way and the gradients
 are all-reduced once per step when it fits a device (`--data-parallel auto`, or `replicate`); otherwise each
 transformer layer and then the whole model are wrapped with `torch.distributed.fsdp.fully_shard` (bf16 compute,
-fp32 master weights and gradient reduction; `--data-parallel shard`). The model is built on the meta device
-and each rank materialises only its own shard: read from a converted checkpoint's safetensors row slices
-(`--model`) or drawn from scratch (`--config`) with one seeded generator per tensor, so every world size starts
-from the same weights.
+fp32 master weights, gradient reduction in fp32 or `--reduce-dtype bf16`; `--data-parallel shard`). The model is
+built on the meta device and each rank materialises only its own shard: read from a converted checkpoint's
+safetensors row slices (`--model`) or drawn from scratch (`--config`) with one seeded generator per tensor, so every
+world size starts from the same weights.
 
 Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` tokens. With W ranks and
 `--grad-accum` A, the data is split into W*A streams and rank r owns streams r*A .. r*A+A-1, so a step sees the
@@ -223,16 +223,16 @@ class ParallelConfig:
     )
     reduce_dtype: str = option(
         "fp32",
-        "dtype FSDP2 reduce-scatters gradients in: fp32 (exact sums of the bf16 gradients), or bf16 (half the "
-        "bytes; NVIDIA's ESM-2 recipes reduce in bf16); an FSDP2 option, so --data-parallel auto shards with it",
+        "dtype FSDP2 (sharded models) reduce-scatters gradients in: fp32 sums, or bf16 (half the bytes, as NVIDIA's "
+        "ESM-2 recipes reduce when they train bf16 weights)",
         choices=("fp32", "bf16"),
     )
     data_parallel: str = option(
         "auto",
         "how the data-parallel ranks hold the model: replicate (each rank a whole copy in fp32, CUDA graphs on, "
         "gradients all-reduced once per step), shard (FSDP2), or auto: replicate when the weights, gradients, AdamW "
-        "state and a micro-batch's activations fit in 80%% of a device, else shard (--tp and --dp-replicate above 1 "
-        "shard)",
+        "state and a micro-batch's activations fit in 80%% of a device, else shard (FSDP2's own options shard: --tp "
+        "or --dp-replicate above 1, --keep-gathered, --reduce-dtype bf16)",
         choices=DATA_PARALLEL_CHOICES,
     )
     dp_replicate: int = option(
@@ -253,15 +253,15 @@ class ParallelConfig:
     compile: bool = option(False, "torch.compile each layer (torch backend)")
 
     def sharding_options(self) -> list[str]:
-        """The options given that only FSDP2 runs (sharded models): `--data-parallel replicate` refuses them and
-        `auto` shards for them."""
+        """The options given that only FSDP2 (sharded models) acts on, by flag: `--data-parallel replicate` refuses
+        them and `auto` shards when any is given."""
         given = {
             "--tp": self.tp > 1,
             "--dp-replicate": self.dp_replicate > 1,
             "--keep-gathered": self.keep_gathered,
             "--reduce-dtype": self.reduce_dtype != "fp32",
         }
-        return [option for option, asked in given.items() if asked]
+        return [flag for flag, asked in given.items() if asked]
 
 
 @dataclass

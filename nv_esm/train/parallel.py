@@ -155,6 +155,11 @@ def compute_dtype(settings: ParallelConfig, device: torch.device) -> torch.dtype
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def reduce_dtype(settings: ParallelConfig) -> torch.dtype:
+    """The dtype FSDP2 reduce-scatters gradients in: `settings.reduce_dtype` (fp32 by default, or bf16)."""
+    return torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32
+
+
 def find_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers (`...encoder.layers`) of an NVEsm model, PEFT-wrapped or not, in order."""
     return list(next(m for name, m in model.named_modules() if name.endswith("encoder.layers")))
@@ -192,8 +197,8 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
             layer.compile()
     if sharded(world):
         dtype = compute_dtype(settings, world.device)
-        reduce_dtype = torch.bfloat16 if settings.reduce_dtype == "bf16" else torch.float32
-        shard(model, layers, world, dtype, reduce_dtype, reshard_after_forward=not settings.keep_gathered)
+        reduce = reduce_dtype(settings)
+        shard(model, layers, world, dtype, reduce, reshard_after_forward=not settings.keep_gathered)
 
 
 def sharded(world: Dist) -> bool:

@@ -201,6 +201,8 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._unhosted: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
         self._eager_from: dict[tuple, int] = {}  # mode -> fewest tokens of a shape found faster eagerly in its graph
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
+        self.captures = 0  # captures made (kept by `clear`), and their seconds of host time: what graphs cost
+        self.capture_seconds = 0.0
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
@@ -501,8 +503,11 @@ class StaticShapeGraphs(FreshWhenCopied):
             logger.warning(f"CUDA graph capture failed ({shape}); this shape runs eagerly. {failure}")
             return None
         torch.cuda.empty_cache()
+        seconds = time.perf_counter() - started
+        self.captures += 1
+        self.capture_seconds += seconds
         where = "in the graphs' memory pool" if warm_up.routed else "beside the graphs' memory pool"
-        logger.info(f"Captured CUDA graphs for {shape} in {time.perf_counter() - started:.2f} s (warm-up {where})")
+        logger.info(f"Captured CUDA graphs for {shape} in {seconds:.2f} s (warm-up {where})")
         return graph
 
 

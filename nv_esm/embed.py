@@ -71,6 +71,7 @@ from nv_esm.embed_plan import (
     text_lines,
     token_budget_warning,
 )
+from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 
@@ -173,28 +174,31 @@ def command_device(name: str | None) -> torch.device:
 
 
 def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
+    clock = JobClock()
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def embed_on(device: torch.device, rank: int, world_size: int) -> None:
-        config = load_config(args.checkpoint)
-        settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
+        with clock.phase("input"):
+            config = load_config(args.checkpoint)
+            settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
         warning = token_budget_warning(args.tokens_per_batch, records, settings.max_length, args.fasta)
         if warning is not None and rank == 0:
             print(f"warning: {warning}", file=sys.stderr)
         graphs = args.cuda_graphs is not False  # the model uses them on Transformer Engine only
-        model = load_model(
-            args.checkpoint,
-            config,
-            settings.backend,
-            args.fp8,
-            graphs,
-            device,
-            args.trust_remote_code,
-            fp8_scaling=args.fp8_scaling,
-            contacts="contacts" in settings.include,
-            progress=not args.no_progress,
-        )
-        run(args, model, settings, records, rank, world_size)
+        with clock.phase("load"):
+            model = load_model(
+                args.checkpoint,
+                config,
+                settings.backend,
+                args.fp8,
+                graphs,
+                device,
+                args.trust_remote_code,
+                fp8_scaling=args.fp8_scaling,
+                contacts="contacts" in settings.include,
+                progress=not args.no_progress,
+            )
+        run(args, model, settings, records, rank, world_size, clock)
 
     return run_on_ranks(args.device, embed_on, f"finished shards in {args.output} are kept, a rerun resumes", prog)
 
@@ -280,12 +284,18 @@ def run(
     records: list[Record],
     rank: int = 0,
     world_size: int = 1,
+    clock: JobClock | None = None,
 ) -> RunStats:
     """Embed the unfinished shards (this rank's share of them) and, rank 0 after every rank, write the index.
     `args` as `parse_args` returns them; `settings` and `records` from `plan_run`. Rank 0 holds the output folder
-    for the run (`output_lock`)."""
+    for the run (`output_lock`) and, at the end, says where the time went (`clock`'s line; a clock from here on
+    without one)."""
+    clock = JobClock(time.time()) if clock is None else clock
     with output_lock(args.output) if rank == 0 else contextlib.nullcontext():
-        return _run(args, model, settings, records, rank, world_size)
+        stats = _run(args, model, settings, records, rank, world_size, clock)
+    if rank == 0:
+        print(clock.line())
+    return stats
 
 
 def _run(
@@ -295,6 +305,7 @@ def _run(
     records: list[Record],
     rank: int,
     world_size: int,
+    clock: JobClock,
 ) -> RunStats:
     num_shards = -(-len(records) // args.shard_size)
     if rank == 0:
@@ -310,10 +321,11 @@ def _run(
         for record in records[shard * args.shard_size : (shard + 1) * args.shard_size]
     )
     embedder = ShardEmbedder(model, settings, args.tokens_per_batch)
-    progress = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
+    bar = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
+    progress = ReportingProgress(bar, clock)
     started = time.perf_counter()
     # A shard is written on a thread while the next one is embedded; at most one write is under way.
-    with open(args.fasta, "rb") as raw, ThreadPoolExecutor(max_workers=1) as writer:
+    with clock.phase("batches"), open(args.fasta, "rb") as raw, ThreadPoolExecutor(max_workers=1) as writer:
         writing: tuple[Future, Path] | None = None
         for shard, shard_records in records_by_shard(
             iter_fasta(text_lines(raw, args.fasta), args.fasta, empty_ok=True), records, args.shard_size
@@ -327,26 +339,33 @@ def _run(
             ]
             tensors = embedder([sequence for _, sequence in kept], [record.status for record, _ in kept], progress)
             if writing is not None:
-                finish_write(*writing)
+                with clock.phase("writing"):
+                    finish_write(*writing)
             ids = [record.id for record, _ in kept]
             path = args.output / shard_name(shard)
             writing = writer.submit(write_checked_shard, path, tensors, ids), path
         if writing is not None:
-            finish_write(*writing)
+            with clock.phase("writing"):
+                finish_write(*writing)
     progress.close()
     seconds = time.perf_counter() - started
+    clock.tokens += embedder.tokens
+    clock.note_graphs(model)
     barrier(world_size)
     if rank == 0:
-        write_index(args.output, records, args.shard_size, settings.max_length)
-        counts: dict[str, int] = {}
-        for record in records:
-            counts[record.status] = counts.get(record.status, 0) + 1
-        summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
-        reused = f"{num_shards - len(missing)} of {num_shards} shards were already done"
-        rate = f"this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
-        print(f"{len(records)} records ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
-        if "contacts" in settings.include:
-            draw_contacts(args.output)
+        with clock.phase("writing"):
+            write_index(args.output, records, args.shard_size, settings.max_length)
+            counts: dict[str, int] = {}
+            for record in records:
+                counts[record.status] = counts.get(record.status, 0) + 1
+            summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+            reused = f"{num_shards - len(missing)} of {num_shards} shards were already done"
+            rate = (
+                f"this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
+            )
+            print(f"{len(records)} records ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
+            if "contacts" in settings.include:
+                draw_contacts(args.output)
     return RunStats(todo, seconds)
 
 

@@ -88,7 +88,6 @@ def load_model(
     whether the command uses the contact head (else it may be missing). `progress`: transformers' loading progress
     bar."""
     from safetensors import SafetensorError
-    from transformers import AutoModel, AutoModelForMaskedLM
 
     folder = Path(checkpoint).expanduser()
     if folder.is_dir():
@@ -103,11 +102,7 @@ def load_model(
     }
     if not masked_lm:
         options["add_pooling_layer"] = False
-    auto_class, installed_class = (
-        (AutoModelForMaskedLM, modeling_nv_esm.NVEsmForMaskedLM)
-        if masked_lm
-        else (AutoModel, modeling_nv_esm.NVEsmModel)
-    )
+    installed_class = modeling_nv_esm.NVEsmForMaskedLM if masked_lm else modeling_nv_esm.NVEsmModel
     differing = remote_code_differences(checkpoint)
     with transformers_progress(progress):
         try:
@@ -116,6 +111,10 @@ def load_model(
                     f"running {checkpoint}'s own model code ({', '.join(differing)}: --trust-remote-code)",
                     file=sys.stderr,
                 )
+                # transformers' auto classes only here: importing them costs seconds (generation utilities)
+                from transformers import AutoModel, AutoModelForMaskedLM
+
+                auto_class = AutoModelForMaskedLM if masked_lm else AutoModel
                 model, loading = auto_class.from_pretrained(
                     checkpoint, trust_remote_code=True, output_loading_info=True, **options
                 )
@@ -202,6 +201,7 @@ class ShardEmbedder:
         self.max_tokens = max_tokens
         self.device = model.embeddings.word_embeddings.weight.device
         self.last_layer = model.config.num_hidden_layers
+        self.tokens = 0  # tokens run through the model so far
 
     def __call__(self, sequences: list[str], statuses: list[str], progress: Any) -> dict[str, torch.Tensor]:
         """The shard's tensors (see `nv_esm.embed`'s docstring) for `sequences` (all embedded; statuses say how)."""
@@ -234,6 +234,7 @@ class ShardEmbedder:
         """Queue one packed batch on the device; its results arrive in host memory once `ready` is reached."""
         packed = pack_proteins([piece.tokens for piece in pieces])
         num_tokens = packed["input_ids"].shape[1]
+        self.tokens += num_tokens
         input_ids = self._upload(packed["input_ids"])
         cu_seq_lens = self._upload(packed["cu_seq_lens_q"])
         packing = {"cu_seq_lens_q": cu_seq_lens, "max_length_q": packed["max_length_q"]}

@@ -22,7 +22,7 @@ import torch
 import modeling_nv_esm
 from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
-from nv_esm.checkpoint_io import update_digest
+from nv_esm.checkpoint_io import chunk_digests
 from nv_esm.records import residue_ids
 
 OUTPUTS = ("mean", "cls", "per_residue", "contacts")
@@ -190,8 +190,9 @@ def embedded_residues(residues: int, status: str, max_length: int) -> int:
 
 def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
     """What identifies the weights and the ids they read, however the path is spelled: for a folder, SHA-256 over
-    config.json, vocab.txt and every byte of each weight file (a file edited in place, even to the same size,
-    changes it; reading them costs seconds next to an embedding run); for a Hub id, the id and its commit."""
+    config.json, vocab.txt and every byte of each weight file (as `chunk_digests`, the digests of its 64 MiB pieces,
+    hashed in parallel: a file edited in place, even to the same size, changes it); for a Hub id, the id and its
+    commit."""
     folder = Path(checkpoint)
     if not folder.is_dir():
         return f"{checkpoint}@{getattr(config, '_commit_hash', None) or 'unknown revision'}"
@@ -202,8 +203,8 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
         if path.suffix not in (".safetensors", ".bin"):
             continue
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
-        update_digest(digest, path)
-    return f"sha256:{digest.hexdigest()}"
+        digest.update(chunk_digests(path))
+    return f"sha256-64MiB-pieces:{digest.hexdigest()}"
 
 
 def command_backend(args: argparse.Namespace, device: torch.device) -> Any:

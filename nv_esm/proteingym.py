@@ -53,6 +53,7 @@ from nv_esm.embed_model import load_config, runs_checkpoint_code
 from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
 from nv_esm.hub_folder import remote_code_differences
+from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, RowNames, check_assay, run_plans
 from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
@@ -408,12 +409,22 @@ def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> 
 
 def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry], files: list[AssayFile],
         settings: ProteinGymSettings, rank: int = 0, world_size: int = 1,
-        set_up_seconds: float | None = None) -> None:  # fmt: skip
+        set_up_seconds: float | None = None, clock: JobClock | None = None) -> None:  # fmt: skip
     """Score this rank's assays (`files`, its `shares` of the reference's `entries`) that have no output file yet,
     each written when its group of wild types is done (by `AssayWriter`, while the next group is scored); then rank
     0 (after every rank) summarises OUT from every rank's assay metrics (`gathered_on_rank_0`). Rank 0
     says how long its scoring took (its last files written), and its set-up before (`set_up_seconds`: reading its
-    assays, loading the model), if given."""
+    assays, loading the model), if given, then where the time went (`clock`'s line; a clock from here on without
+    one)."""
+    clock = JobClock(time.time()) if clock is None else clock
+    _run(args, scorer, entries, files, settings, rank, world_size, set_up_seconds, clock)
+    if rank == 0:
+        print(clock.line())
+
+
+def _run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry], files: list[AssayFile],
+         settings: ProteinGymSettings, rank: int, world_size: int, set_up_seconds: float | None,
+         clock: JobClock) -> None:  # fmt: skip
     with output_lock(args.output, PROTEINGYM_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
@@ -430,15 +441,19 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
         tokens = {wild_type: plan.tokens() for wild_type, plan in plans.items()}
         [groups] = groups_of(tokens, 1)
         total = sum(tokens.values())
-        progress = progress_bar(total, "proteingym", args.no_progress or rank != 0)
+        progress = ReportingProgress(progress_bar(total, "proteingym", args.no_progress or rank != 0), clock)
         started = time.perf_counter()
-        with AssayWriter(args, settings.columns, entries) as writer:
+        with clock.phase("batches"), AssayWriter(args, settings.columns, entries) as writer:
             for group in groups:
                 results = run_plans([plans[wild_type] for wild_type in group], progress)
-                writer.write([pair for w, r in zip(group, results) for pair in zip(by_wild_type[w], r)])
-            writer.finish()
+                with clock.phase("writing"):
+                    writer.write([pair for w, r in zip(group, results) for pair in zip(by_wild_type[w], r)])
+            with clock.phase("writing"):
+                writer.finish()
         progress.close()
         seconds = time.perf_counter() - started  # the last group's files written
+        clock.tokens += total
+        clock.note_graphs(scorer.model)
         summarized, ids = writer.summarized, [file.assay.dms_id for file in files]
         report = {i: (summarized.get(i), tuple(file.measured), i in summarized) for i, file in zip(ids, files)}
         report = gathered_on_rank_0(report, rank, world_size)
@@ -451,7 +466,8 @@ def run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry],
             print(f"{len(entries)} assays ({done} were already done); {rate}; wrote {args.output}")
             missing = summary_gap(entries, report)
             if missing is None:
-                summarize_output(args, entries, settings.columns, report)
+                with clock.phase("writing"):
+                    summarize_output(args, entries, settings.columns, report)
             else:
                 print(f"note: no summary of the metrics: {missing}", file=sys.stderr)
 
@@ -601,16 +617,19 @@ def summarize_output(
 
 
 def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
+    clock = JobClock()
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
         started = time.perf_counter()
-        config = load_config(args.checkpoint)
-        window = resolve_window(config, None)
-        args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
-        entries = read_reference(args)  # before loading: a bad row stops the run at once
-        mine = shares(entries, args.methods, window, world_size)[rank]  # each rank reads only the assays it scores
-        with AssayReading(args, mine, window, config.max_protein_length - 2) as reading:  # while the model loads
+        with clock.phase("input"):
+            config = load_config(args.checkpoint)
+            window = resolve_window(config, None)
+            args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
+            entries = read_reference(args)  # before loading: a bad row stops the run at once
+            mine = shares(entries, args.methods, window, world_size)[rank]  # each rank reads only its assays
+        reading_and_loading = clock.phase("load")  # the assays are read beside it, on a thread
+        with reading_and_loading, AssayReading(args, mine, window, config.max_protein_length - 2) as reading:
             own_code = runs_checkpoint_code(remote_code_differences(args.checkpoint), args.trust_remote_code)
             settings = ProteinGymSettings(
                 checkpoint=checkpoint_fingerprint(args.checkpoint, config),
@@ -626,10 +645,11 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
             check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
             tokenizer = load_tokenizer(args.checkpoint)
             model = load_masked_lm(args, config, settings.backend, device)
-            files = reading.files()  # a bad assay stops the run here, before OUT is touched
+            scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
+            with clock.phase("input"):  # what reading the assays takes longer than loading the model
+                files = reading.files()  # a bad assay stops the run here, before OUT is touched
         barrier(world_size)  # every rank has read its assays and OUT before rank 0 changes it
-        scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
-        run(args, scorer, entries, files, settings, rank, world_size, time.perf_counter() - started)
+        run(args, scorer, entries, files, settings, rank, world_size, time.perf_counter() - started, clock)
 
     return run_on_ranks(args.device, score_on, f"finished assays in {args.output} are kept, a rerun resumes", prog)
 

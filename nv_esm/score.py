@@ -69,6 +69,7 @@ from nv_esm.embed_plan import (
     text_lines,
 )
 from nv_esm.hub_folder import remote_code_differences
+from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.plots import PLOTS_HINT, plot_scores
 from nv_esm.rank_statistics import spearman
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
@@ -306,19 +307,22 @@ def part_name(part: int) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
+    clock = JobClock()
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
-        config = load_config(args.checkpoint)
-        window = resolve_window(config, args.window, "--window")
-        job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
+        with clock.phase("input"):
+            config = load_config(args.checkpoint)
+            window = resolve_window(config, args.window, "--window")
+            job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
         check_output(args)  # and a finished output, or a parts folder of other settings, as `run` would refuse them
         check_output_folder(parts_folder(args.output), job.settings, args.overwrite, SCORE_FOLDER)
         barrier(world_size)  # every rank has read the parts folder before rank 0 changes it
-        tokenizer = load_tokenizer(args.checkpoint)
-        model = load_masked_lm(args, config, job.settings.backend, device)
-        scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
-        run(args, scorer, job, rank, world_size)
+        with clock.phase("load"):
+            tokenizer = load_tokenizer(args.checkpoint)
+            model = load_masked_lm(args, config, job.settings.backend, device)
+            scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)
+        run(args, scorer, job, rank, world_size, clock)
 
     kept = f"finished parts in {parts_folder(args.output)} are kept, a rerun resumes"
     return run_on_ranks(args.device, score_on, kept, prog)
@@ -364,8 +368,23 @@ def check_output(args: argparse.Namespace) -> None:
         raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it, or choose another output.")
 
 
-def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, world_size: int = 1) -> None:
-    """Score the missing parts (this rank's share of them), then (rank 0, after every rank) write the output."""
+def run(
+    args: argparse.Namespace,
+    scorer: Scorer,
+    job: ScoreJob,
+    rank: int = 0,
+    world_size: int = 1,
+    clock: JobClock | None = None,
+) -> None:
+    """Score the missing parts (this rank's share of them), then (rank 0, after every rank) write the output and say
+    where the time went (`clock`'s line; a clock from here on without one)."""
+    clock = JobClock(time.time()) if clock is None else clock
+    _run(args, scorer, job, rank, world_size, clock)
+    if rank == 0:
+        print(clock.line())
+
+
+def _run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int, world_size: int, clock: JobClock) -> None:
     folder = parts_folder(args.output)
     check_output(args)  # again: another run may have finished this output while the model loaded
     with output_lock(folder, SCORE_FOLDER) if rank == 0 else contextlib.nullcontext():
@@ -377,27 +396,33 @@ def run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int = 0, 
         barrier(world_size)  # every rank has its list before any writes a part: all share one list
         mine = missing[rank::world_size]
         todo = sum(len(job.parts[k]) for k in mine)
-        progress = progress_bar(_tokens(scorer, job, mine), "scoring", args.no_progress or rank != 0)
+        tokens = _tokens(scorer, job, mine)
+        progress = ReportingProgress(progress_bar(tokens, "scoring", args.no_progress or rank != 0), clock)
         started = time.perf_counter()
-        for part, values in _score_parts(args, scorer, job, mine, progress):
-            lines = [",".join(["unit", *columns])]
-            lines += [",".join([str(u), *(repr(v) for v in vs)]) for u, vs in zip(job.parts[part], values)]
-            write_atomically(folder / part_name(part), "\n".join(lines) + "\n")
+        with clock.phase("batches"):
+            for part, values in _score_parts(args, scorer, job, mine, progress):
+                lines = [",".join(["unit", *columns])]
+                lines += [",".join([str(u), *(repr(v) for v in vs)]) for u, vs in zip(job.parts[part], values)]
+                with clock.phase("writing"):
+                    write_atomically(folder / part_name(part), "\n".join(lines) + "\n")
         progress.close()
         seconds = time.perf_counter() - started
+        clock.tokens += tokens
+        clock.note_graphs(scorer.model)
         barrier(world_size)
         if rank == 0:
-            scores = {}
-            for k, units in enumerate(job.parts):
-                found = _read_part(folder / part_name(k), units, columns)
-                if found is None:
-                    raise RuntimeError(f"{folder / part_name(k)} is missing or does not hold the rows of its part.")
-                scores.update(found)
-            _write_output(args, job, columns, scores)
-            _report(args, job, columns, scores, len(job.parts) - len(missing), todo, seconds)
-            for path in folder.iterdir():
-                if path.name != SCORE_FOLDER.lock_name:
-                    path.unlink()
+            with clock.phase("writing"):
+                scores = {}
+                for k, units in enumerate(job.parts):
+                    found = _read_part(folder / part_name(k), units, columns)
+                    if found is None:
+                        raise RuntimeError(f"{folder / part_name(k)} is missing or does not hold the rows of its part.")
+                    scores.update(found)
+                _write_output(args, job, columns, scores)
+                _report(args, job, columns, scores, len(job.parts) - len(missing), todo, seconds)
+                for path in folder.iterdir():
+                    if path.name != SCORE_FOLDER.lock_name:
+                        path.unlink()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
 

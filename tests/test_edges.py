@@ -199,7 +199,7 @@ def test_a_checkpoint_edited_in_place_is_not_resumed_into(tmp_path, capsys):
     weights.write_bytes(bytes(data))
     capsys.readouterr()
     assert embed_into(checkpoint, fasta, tmp_path / "out") == 1
-    assert "holds a run with other settings (checkpoint: 'sha256:" in capsys.readouterr().err
+    assert "holds a run with other settings (checkpoint: 'sha256-64MiB-pieces:" in capsys.readouterr().err
 
 
 def test_a_second_run_into_a_folder_being_written_is_refused(nv_tiny, tmp_path, capsys):

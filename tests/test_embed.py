@@ -321,4 +321,4 @@ def test_the_checkpoint_is_recognised_by_its_weights_not_its_spelling(tiny_sourc
     copy = tmp_path / "copy"
     assert convert_checkpoint.main(["hf-to-te", str(other), str(copy)]) == 0
     assert run_embed(copy, fasta, out, *CPU) == 1
-    assert "checkpoint: 'sha256:" in capsys.readouterr().err
+    assert "checkpoint: 'sha256-64MiB-pieces:" in capsys.readouterr().err

@@ -235,7 +235,7 @@ def test_a_resume_after_the_vocabulary_file_changed_is_refused(checkpoint, tmp_p
     capsys.readouterr()
     assert run_embed(folder, fasta, out, *CPU, "--shard-size", 2) == 1
     err = capsys.readouterr().err
-    assert "holds a run with other settings (checkpoint: 'sha256:" in err and "--overwrite" in err, err
+    assert "holds a run with other settings (checkpoint: 'sha256-64MiB-pieces:" in err and "--overwrite" in err, err
     assert run_embed(folder, fasta, out, *CPU, "--shard-size", 2, "--overwrite") == 0
 
 

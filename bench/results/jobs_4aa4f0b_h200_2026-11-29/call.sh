@@ -15,5 +15,5 @@ TRANSFORMERS_VERBOSITY=info .tools/py_spy-0.4.3.data/scripts/py-spy record --idl
   -o "$OUT/pll_60_py_spy.txt" -- python -m nv_esm score /tmp/jb/nv /tmp/jb/pll.fasta /tmp/jb/spy_pll.csv \
   --no-progress > "$OUT/pll_60_py_spy.log" 2>&1
 python bench/job_benchmark.py --in-process --no-steady --work /tmp/jb --out "$OUT/jobs" > "$OUT/jobs.log" 2>&1
-gzip -9 "$OUT/pll_60_py_spy.txt"; cd "$OUT"; tar czf jobs_logs.tgz jobs workload; rm -rf jobs workload
+gzip -9 "$OUT/pll_60_py_spy.txt"; cd "$OUT"; cp jobs/job_benchmark.json .; tar czf jobs_logs.tgz jobs workload; rm -rf jobs workload
 tail -12 jobs.log; cat import_seconds.txt; grep -v "^\s*\"\|Warn\|warn" pll_60_py_spy.log | tail -8

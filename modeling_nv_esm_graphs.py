@@ -123,20 +123,25 @@ def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
 
 
 class CudaEventClock:
-    """Times GPU work on the current stream with CUDA events, read without waiting: `elapsed_ms` is None until the
-    work is done."""
+    """Times work as a pipelined loop pays for it: the longer of the GPU's time (CUDA events on the current stream)
+    and the host's time to issue it (a batch whose kernels take longer to launch than to run keeps the GPU waiting,
+    and its events alone, queued behind earlier work, would not show it). Read without waiting: `elapsed_ms` is None
+    until the GPU is done."""
 
     def start(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        return event
+        return event, time.perf_counter()
 
     def stop(self, started: Any) -> Any:
-        return started, self.start()
+        event, host_started = started
+        stopped = torch.cuda.Event(enable_timing=True)
+        stopped.record()
+        return event, stopped, (time.perf_counter() - host_started) * 1e3
 
     def elapsed_ms(self, span: Any) -> float | None:
-        started, stopped = span
-        return started.elapsed_time(stopped) if stopped.query() else None
+        started, stopped, host_ms = span
+        return max(started.elapsed_time(stopped), host_ms) if stopped.query() else None
 
 
 class TimingRequest:
@@ -169,10 +174,11 @@ class StaticShapeGraphs(FreshWhenCopied):
     the shared weight-gradient buffers, and the model runs eagerly from then on (until `clear()`), with a warning.
 
     An inference shape that replays (in its own graph, or padded in a larger one that hosts it) is timed once each
-    way (`CudaEventClock`): its first replay, then one batch of it run eagerly. When the eager run took less time
-    per token of the batch, by more than the fraction `eager_margin` (0: any less), the GPU was busy enough that
-    the graph saved no launch time and its padding cost more: the shape runs eagerly from then on (and, if
-    captured, hosts no other batch), so graphs stay on only where they are faster. A shape found faster eagerly in
+    way (`CudaEventClock`: the GPU's time or the host's, whichever is longer): its first replay, then one batch of it
+    run eagerly. When the eager run took less time per token of the batch, by more than the fraction
+    `eager_margin` (0: any less), the GPU was busy enough that the graph saved no launch time and its padding cost
+    more: the shape runs eagerly from then on (and, if captured, hosts no other batch), so graphs stay on only where
+    they are faster. A shape found faster eagerly in
     its own graph also sends every uncaptured shape of as many tokens or more (same mode) to eager runs, with no
     capture or timing: a larger batch keeps the GPU busier still.
     """

@@ -23,6 +23,9 @@ Part of the model's Hub remote code: imports nothing of the project.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import threading
 from typing import Any
 
 import torch
@@ -35,6 +38,20 @@ except ImportError:
     triton = None
 
 TRITON_AVAILABLE = triton is not None
+
+
+@functools.cache
+def hash_triton_installation_early() -> None:
+    """Start Triton's hash of its own installation on a background thread (once a process). Triton computes it at
+    the first kernel launch of a process to look its compiled kernels up on disk, and it reads every byte of its
+    library: about a second the first batch would otherwise wait for. Hashing lets go of the GIL, so it overlaps
+    the model's loading."""
+    try:
+        triton_key = importlib.import_module("triton.runtime.cache").triton_key
+    except (ImportError, AttributeError):  # no Triton, or one that keys its cache otherwise
+        return
+    if callable(triton_key):
+        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
 
 
 def rotate_qk_reference(

@@ -23,7 +23,13 @@ from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import NVEsmConfig
-    from .modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, add_bias_residual_shapes_fit, rotate_qk
+    from .modeling_nv_esm_kernels import (
+        TRITON_AVAILABLE,
+        add_bias_residual,
+        add_bias_residual_shapes_fit,
+        hash_triton_installation_early,
+        rotate_qk,
+    )
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         add_lora_targets,
@@ -36,7 +42,13 @@ try:
     )
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
-    from modeling_nv_esm_kernels import TRITON_AVAILABLE, add_bias_residual, add_bias_residual_shapes_fit, rotate_qk
+    from modeling_nv_esm_kernels import (
+        TRITON_AVAILABLE,
+        add_bias_residual,
+        add_bias_residual_shapes_fit,
+        hash_triton_installation_early,
+        rotate_qk,
+    )
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         add_lora_targets,
@@ -304,6 +316,7 @@ def te_layer_class() -> type[nn.Module]:
     Built on first use, as it subclasses a Transformer Engine class. Its parameters and state dict are
     `TransformerLayer`'s, unchanged."""
     te = import_transformer_engine()
+    hash_triton_installation_early()  # its kernels' first launch would wait for it
     try:
         onnx_export_mode = importlib.import_module("transformer_engine.pytorch.export").is_in_onnx_export_mode
     except (ImportError, AttributeError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 
 COMMANDS = {
@@ -29,6 +30,8 @@ COMMANDS = {
 }
 # The help of the commands' --backend (the model's `backend`).
 BACKEND_HELP = "layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)"
+# Commands after which the process ends at once (`console`): every file they write is closed when they return.
+QUICK_EXIT = ("embed", "score", "proteingym")
 # Commands of a command, listed in the usage under it: (command, subcommand) -> what it does.
 SUBCOMMANDS = {("train", "export"): "write a Hub model folder from a training checkpoint (LoRA merged)"}
 
@@ -85,5 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     return status or 0
 
 
+def console() -> None:
+    """The `nv-esm` script and `python -m nv_esm`: `main`, then exit with its status. After the `QUICK_EXIT` commands
+    the process ends at once (`os._exit`, once stdout and stderr are flushed), skipping the teardown of CUDA and of
+    the interpreter's objects: about a second after a GPU run, which those commands' short jobs would pay."""
+    argv = sys.argv[1:]
+    status = main(argv)
+    if argv and argv[0] in QUICK_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

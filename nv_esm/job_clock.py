@@ -2,7 +2,7 @@
 running then, and the command prints it as one line at the end (rank 0), e.g.
 
     time: start-up 4.2 s, input 0.3 s, load 3.1 s, batches 12.0 s (first result at 1.3 s; 9 CUDA graph captures
-    1.5 s; 7.21M tokens, 601k tokens/s), writing 0.2 s, other 0.1 s; 21.0 s in all
+    1.5 s; 7,213,456 tokens, 601k tokens/s), writing 0.2 s, other 0.1 s; 21.0 s in all
 
 Phases: `start-up` (the interpreter, imports and argument parsing: process start to the command's `main`), `input`
 (reading and checking the input), `load` (the checkpoint: config, weights, tokenizer, model set-up), `batches` (the
@@ -24,16 +24,15 @@ PHASES = ("start-up", "input", "load", "batches", "writing", "other")
 
 
 def process_start_time() -> float:
-    """When this process started, in `time.time()` seconds (Linux: /proc, to 1/CLK_TCK); elsewhere when this module
-    was first imported."""
+    """When this process started, in `time.time()` seconds (Linux: its age from /proc, to 1/CLK_TCK); elsewhere when
+    this module was first imported."""
     try:
         with open("/proc/self/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        started_ticks = int(fields[19])  # field 22 of stat(5); the split dropped the first two
-        with open("/proc/stat") as boot:
-            booted = next(int(line.split()[1]) for line in boot if line.startswith("btime "))
-        return booted + started_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22 of stat(5), after boot
+        with open("/proc/uptime") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        return time.time() - (since_boot - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return _IMPORTED
 
 
@@ -112,7 +111,7 @@ class JobClock:
             details.append(f"{self.captures} CUDA graph captures {self.capture_seconds:.1f} s")
         seconds = self.seconds["batches"]
         rate = f", {self.tokens / seconds / 1e3:,.0f}k tokens/s" if seconds > 0 else ""
-        details.append(f"{self.tokens / 1e6:.2f}M tokens{rate}")
+        details.append(f"{self.tokens:,} tokens{rate}")
         return details
 
 

@@ -153,6 +153,26 @@ def test_an_inference_shape_is_captured_at_its_second_batch(hf_fp32, monkeypatch
                 assert relative_error(b.grad, a.grad) <= GRAD_RTOL, name
 
 
+def test_the_shape_clock_takes_the_hosts_time_where_it_is_the_longer():
+    """A timed span costs what a pipelined loop pays: the host's time to issue it when that is longer (a sleep on
+    the host, nothing on the GPU), else the GPU's (a GPU spin issued at once)."""
+    import time
+
+    from modeling_nv_esm_graphs import CudaEventClock
+
+    clock = CudaEventClock()
+    started = clock.start()
+    time.sleep(0.05)
+    host_bound = clock.stop(started)
+    started = clock.start()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles, issued in microseconds
+    gpu_bound = clock.stop(started)
+    torch.cuda.synchronize()
+    assert 50 <= clock.elapsed_ms(host_bound) < 1000
+    gpu_ms = gpu_bound[0].elapsed_time(gpu_bound[1])
+    assert gpu_ms > 20 and clock.elapsed_ms(gpu_bound) == gpu_ms
+
+
 @pytest.mark.parametrize("eager_ratio", [0.5, 2.0], ids=["eager_faster", "graph_faster"])
 def test_a_captured_inference_shape_keeps_the_way_it_ran_faster(hf_fp32, monkeypatch, eager_ratio):
     """Shape timing on (the default; the other GPU tests switch it off): a captured inference shape's next replay

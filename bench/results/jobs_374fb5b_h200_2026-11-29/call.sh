@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Side by side at 1912236: every job of bench/job_benchmark.py, nv-esm and the careful transformers script, each a
+# Side by side at 374fb5b: every job of bench/job_benchmark.py, nv-esm and the careful transformers script, each a
 # fresh process (after one untimed import of both sides' modules, so neither side's first process reads them from
 # disk), then the model alone on the embed and PLL jobs' batches.
 # From the repository root on the GPU machine, .gpu/ (TE) carried, OUT a folder:
-#   source .gpu/activate.sh; bash bench/results/jobs_1912236_h200_2026-11-29/call.sh
+#   source .gpu/activate.sh; bash bench/results/jobs_374fb5b_h200_2026-11-29/call.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python bench/job_benchmark.py --jobs --in-process --no-steady --work /tmp/jb --out "$OUT/workload" > "$OUT/workload.log" 2>&1

@@ -123,10 +123,8 @@ def _graph_mode(encoder: nn.Module, hidden_states: torch.Tensor) -> tuple:
 
 
 class CudaEventClock:
-    """Times work as a pipelined loop pays for it: the longer of the GPU's time (CUDA events on the current stream)
-    and the host's time to issue it (a batch whose kernels take longer to launch than to run keeps the GPU waiting,
-    and its events alone, queued behind earlier work, would not show it). Read without waiting: `elapsed_ms` is None
-    until the GPU is done."""
+    """Times work as a pipelined loop pays for it: the longer of the GPU's time (CUDA events on the current stream,
+    read without waiting: None until done) and the host's time to issue it (which the events need not show)."""
 
     def start(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -134,10 +132,8 @@ class CudaEventClock:
         return event, time.perf_counter()
 
     def stop(self, started: Any) -> Any:
-        event, host_started = started
-        stopped = torch.cuda.Event(enable_timing=True)
-        stopped.record()
-        return event, stopped, (time.perf_counter() - host_started) * 1e3
+        stopped, host_stopped = self.start()
+        return started[0], stopped, (host_stopped - started[1]) * 1e3
 
     def elapsed_ms(self, span: Any) -> float | None:
         started, stopped, host_ms = span
@@ -175,12 +171,11 @@ class StaticShapeGraphs(FreshWhenCopied):
 
     An inference shape that replays (in its own graph, or padded in a larger one that hosts it) is timed once each
     way (`CudaEventClock`: the GPU's time or the host's, whichever is longer): its first replay, then one batch of it
-    run eagerly. When the eager run took less time per token of the batch, by more than the fraction
-    `eager_margin` (0: any less), the GPU was busy enough that the graph saved no launch time and its padding cost
-    more: the shape runs eagerly from then on (and, if captured, hosts no other batch), so graphs stay on only where
-    they are faster. A shape found faster eagerly in
-    its own graph also sends every uncaptured shape of as many tokens or more (same mode) to eager runs, with no
-    capture or timing: a larger batch keeps the GPU busier still.
+    run eagerly. When the eager run took less time per token of the batch, by more than the fraction `eager_margin`
+    (0: any less), the GPU was busy enough that the graph saved no launch time and its padding cost more: the shape
+    runs eagerly from then on (and, if captured, hosts no other batch), so graphs stay on only where they are
+    faster. A shape found faster eagerly in its own graph also sends every uncaptured shape of as many tokens or
+    more (same mode) to eager runs, with no capture or timing: a larger batch keeps the GPU busier still.
     """
 
     capture_at_use = 2  # inference; the tests capture at first use (1), so each graphed call they check replays
@@ -207,8 +202,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._unhosted: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
         self._eager_from: dict[tuple, int] = {}  # mode -> fewest tokens of a shape found faster eagerly in its graph
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
-        self.captures = 0  # captures made (kept by `clear`), and their seconds of host time: what graphs cost
-        self.capture_seconds = 0.0
+        self.capture_seconds: list[float] = []  # each capture's seconds (`clear` keeps them): what graphs cost
 
     def clear(self) -> None:
         """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take a new capture
@@ -509,9 +503,7 @@ class StaticShapeGraphs(FreshWhenCopied):
             logger.warning(f"CUDA graph capture failed ({shape}); this shape runs eagerly. {failure}")
             return None
         torch.cuda.empty_cache()
-        seconds = time.perf_counter() - started
-        self.captures += 1
-        self.capture_seconds += seconds
+        self.capture_seconds.append(seconds := time.perf_counter() - started)
         where = "in the graphs' memory pool" if warm_up.routed else "beside the graphs' memory pool"
         logger.info(f"Captured CUDA graphs for {shape} in {seconds:.2f} s (warm-up {where})")
         return graph
@@ -594,8 +586,7 @@ def warm_up_hooks(make_graphed_callables: Any, warm_up: WarmUpInPool) -> dict[st
 
 
 def live_blocks_in_pool(pool: Any) -> dict[int, int]:
-    """Address -> bytes of each live block (allocated tensor memory) in the CUDA memory pool `pool`, from the
-    allocator's snapshot."""
+    """Address -> bytes of each live (allocated) block in CUDA memory pool `pool`, from the allocator's snapshot."""
     return {
         block["address"]: block["size"]
         for segment in torch.cuda.memory_snapshot()

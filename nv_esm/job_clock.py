@@ -85,8 +85,8 @@ class JobClock:
     def note_graphs(self, model: Any) -> None:
         """Take the CUDA graph captures `model` (an NVEsm model) made, and their seconds, from its encoder."""
         graphs = getattr(getattr(getattr(model, "base_model", model), "encoder", None), "graphs", None)
-        self.captures = getattr(graphs, "captures", 0)
-        self.capture_seconds = getattr(graphs, "capture_seconds", 0.0)
+        seconds = getattr(graphs, "capture_seconds", [])
+        self.captures, self.capture_seconds = len(seconds), sum(seconds)
 
     def line(self) -> str:
         """`time: PHASE S s, ...; TOTAL s in all`, the phases that took any time, in `PHASES` order."""

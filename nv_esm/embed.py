@@ -349,8 +349,7 @@ def _run(
                 finish_write(*writing)
     progress.close()
     seconds = time.perf_counter() - started
-    clock.tokens += embedder.tokens
-    clock.note_graphs(model)
+    clock.batches_done(embedder.tokens, model)
     barrier(world_size)
     if rank == 0:
         with clock.phase("writing"):

@@ -82,8 +82,10 @@ class JobClock:
         if self.first_result is None and self._batches_began is not None:
             self.first_result = time.time() - self._batches_began
 
-    def note_graphs(self, model: Any) -> None:
-        """Take the CUDA graph captures `model` (an NVEsm model) made, and their seconds, from its encoder."""
+    def batches_done(self, tokens: int, model: Any) -> None:
+        """Note the batches' `tokens` (the model's, padding of CUDA graphs aside), and take the CUDA graph captures
+        `model` (an NVEsm model) made, and their seconds, from its encoder."""
+        self.tokens += tokens
         graphs = getattr(getattr(getattr(model, "base_model", model), "encoder", None), "graphs", None)
         seconds = getattr(graphs, "capture_seconds", [])
         self.captures, self.capture_seconds = len(seconds), sum(seconds)

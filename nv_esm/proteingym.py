@@ -452,8 +452,7 @@ def _run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry]
                 writer.finish()
         progress.close()
         seconds = time.perf_counter() - started  # the last group's files written
-        clock.tokens += total
-        clock.note_graphs(scorer.model)
+        clock.batches_done(total, scorer.model)
         summarized, ids = writer.summarized, [file.assay.dms_id for file in files]
         report = {i: (summarized.get(i), tuple(file.measured), i in summarized) for i, file in zip(ids, files)}
         report = gathered_on_rank_0(report, rank, world_size)

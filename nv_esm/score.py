@@ -407,8 +407,7 @@ def _run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int, wor
                     write_atomically(folder / part_name(part), "\n".join(lines) + "\n")
         progress.close()
         seconds = time.perf_counter() - started
-        clock.tokens += tokens
-        clock.note_graphs(scorer.model)
+        clock.batches_done(tokens, scorer.model)
         barrier(world_size)
         if rank == 0:
             with clock.phase("writing"):

@@ -66,17 +66,15 @@ def parse_time_line(text: str) -> dict | None:
     if not found:
         return None
     line = found[-1]
-    result: dict = {"line": line, "phases": {name: float(s) for name, s in PHASE.findall(line.split("(")[0])}}
+    phases = PHASE.findall(re.sub(r"\([^)]*\)", "", line))  # the batches' details left out
+    result: dict = {"line": line, "phases": {name: float(seconds) for name, seconds in phases}}
     batches = BATCHES.search(line)
     if batches:
-        result["phases"]["batches"] = float(batches[1])
         details = batches[2]
         result["tokens"] = int(TOKENS.search(details)[1].replace(",", "")) if TOKENS.search(details) else None
         result["first_result"] = float(FIRST.search(details)[1]) if FIRST.search(details) else None
         captures = CAPTURES.search(details)
         result["captures"], result["capture_seconds"] = (int(captures[1]), float(captures[2])) if captures else (0, 0)
-    for name, seconds in PHASE.findall(line.split(";")[-2] if ";" in line else ""):
-        result["phases"].setdefault(name, float(seconds))
     return result
 
 

@@ -134,10 +134,10 @@ def update_digest(digest: Any, path: Path) -> None:
 HASHED_CHUNK_BYTES = 1 << 26  # 64 MiB: the pieces `chunk_digests` hashes side by side
 
 
-def chunk_digests(path: Path, threads: int | None = None) -> bytes:
+def chunk_digests(path: Path) -> bytes:
     """The SHA-256 digests of file `path`'s consecutive `HASHED_CHUNK_BYTES` pieces, concatenated (32 bytes a piece):
-    every byte counts, and the pieces are hashed on `threads` threads at once (default: one a core, at most 16;
-    hashlib and file reads let go of the GIL), so a 2.6 GB checkpoint takes a fraction of a second, not seconds."""
+    every byte counts, and the pieces are hashed on one thread a core (at most 16) at once (hashlib and file reads
+    let go of the GIL), so a 2.6 GB checkpoint takes a fraction of a second, not seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
     size = path.stat().st_size
@@ -147,8 +147,7 @@ def chunk_digests(path: Path, threads: int | None = None) -> bytes:
         def piece(offset: int) -> bytes:
             return hashlib.sha256(os.pread(descriptor, HASHED_CHUNK_BYTES, offset)).digest()
 
-        workers = threads or min(16, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             return b"".join(pool.map(piece, range(0, size, HASHED_CHUNK_BYTES)))
     finally:
         os.close(descriptor)

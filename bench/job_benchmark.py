@@ -2,8 +2,9 @@
 job (`bench/baselines/`: sorted by length, token-budget batches, bf16, sdpa), each a fresh process from its start to
 its written file, in one run on one GPU; then the in-process case and the model's own speed on the jobs' batches.
 
-    python bench/job_benchmark.py --out OUT/jobs                          # everything (650M; ~9 min on an H200)
-    python bench/job_benchmark.py --jobs embed_2k scan_5k --sides nv --in-process --steady --out /tmp/jobs  # a part
+    python bench/job_benchmark.py --out OUT/jobs                          # everything (650M; ~12 min on an H200)
+    python bench/job_benchmark.py --jobs embed_2k scan_5k --sides nv --no-in-process --no-steady --out /tmp/jobs
+    python bench/job_benchmark.py --no-jobs --in-process default eager --no-steady --out /tmp/loop   # a part
 
 Weights: ESM-2 `--shape` with random weights made by transformers (seed 0) and converted by `nv-esm convert`
 (`random_checkpoint.py`; `--work` keeps them between runs). Workload (seeded, `inference_scaling.write_workload`'s
@@ -385,7 +386,8 @@ def print_table(summary: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="650M")
-    parser.add_argument("--jobs", nargs="*", default=list(JOBS), choices=JOBS)
+    parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=JOBS, help="the whole jobs to time")
+    parser.add_argument("--no-jobs", dest="jobs", action="store_const", const=[], help="no whole job")
     parser.add_argument("--sides", nargs="+", default=["transformers", "nv"], choices=["transformers", "nv"])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side of each job (interleaved)")
     parser.add_argument(
@@ -395,9 +397,10 @@ def main() -> None:
         help="run each side's first job once, untimed, before timing: a machine's first run reads the libraries "
         "from disk and compiles nv-esm's Triton kernels into Triton's cache (once per machine, ~3 s)",
     )
-    parser.add_argument("--in-process", nargs="*", default=list(IN_PROCESS), choices=IN_PROCESS)
-    parser.add_argument("--steady", nargs="*", default=["embed_20k", "pll_60"], choices=["embed_20k", "pll_60"])
-    parser.add_argument("--no-steady", dest="steady", action="store_const", const=[], help="--steady with no job")
+    parser.add_argument("--in-process", nargs="+", default=list(IN_PROCESS), choices=IN_PROCESS)
+    parser.add_argument("--no-in-process", dest="in_process", action="store_const", const=[], help="no user loop")
+    parser.add_argument("--steady", nargs="+", default=["embed_20k", "pll_60"], choices=["embed_20k", "pll_60"])
+    parser.add_argument("--no-steady", dest="steady", action="store_const", const=[], help="no model-alone run")
     parser.add_argument("--assays", type=int, default=24, help="stand-in assays of the proteingym job")
     parser.add_argument("--work", type=Path, default=Path("/tmp/job_benchmark"), help="checkpoints and inputs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "jobs")

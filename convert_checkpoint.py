@@ -101,7 +101,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as SRC)")
     parser.add_argument(
         "--max-shard-size", type=parse_size, metavar="SIZE",
-        help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index",
+        help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index; "
+        "at least the largest tensor (it is not split)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     parser.add_argument("--verify", action="store_true", help="compare both models' logits on 22 real proteins")

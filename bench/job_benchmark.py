@@ -394,8 +394,9 @@ def main() -> None:
         "--warm-up",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run each side's first job once, untimed, before timing: a machine's first run reads the libraries "
-        "from disk and compiles nv-esm's Triton kernels into Triton's cache (once per machine, ~3 s)",
+        help="run each side's first job once, untimed, before timing (with no job, the default's user loop): a "
+        "machine's first run reads the libraries from disk and compiles nv-esm's Triton kernels into Triton's cache "
+        "(once per machine, ~3 s)",
     )
     parser.add_argument("--in-process", nargs="+", default=list(IN_PROCESS), choices=IN_PROCESS)
     parser.add_argument("--no-in-process", dest="in_process", action="store_const", const=[], help="no user loop")
@@ -441,6 +442,8 @@ def main() -> None:
                     result["agreement"] = compare(job, out, args.work / "runs" / f"{job}_transformers_{repeat}")
                 summarize(summary)
                 result_path.write_text(json.dumps(summary, indent=1))
+    if args.warm_up and not args.jobs and args.in_process:  # the machine's first process compiles Triton's kernels
+        summary["warm_up_in_process"] = worker_call("in_process", args, args.out / "in_process_warm_up.log", "default")
     for variant in args.in_process:
         summary.setdefault("in_process", {})[variant] = worker_call(
             "in_process", args, args.out / f"in_process_{variant}.log", variant

@@ -50,9 +50,21 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 # What `replaced_atomically` adds to a file's name while it writes it (a regular expression, for the patterns of the
 # names a command may find in its folder): `.` + mkstemp's random characters + `.tmp`, or `.tmp` (older versions).
 TEMPORARY_SUFFIX = r"(\.[a-z0-9_]+)?\.tmp"
-# The process's umask, read once here (reading it sets it, which threads writing files must not race with).
+# The process's umask at import, read by setting it (which threads writing files must not race with); `umask()`
+# reads the current one without setting it where the system tells it.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
+
+
+def umask() -> int:
+    """The process's umask now (Linux's /proc/self/status tells it without setting it, so a thread writing files
+    meanwhile is not affected), else the one at import: what written files and folders take their permissions
+    from, as the user's own files do."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return _UMASK
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -366,6 +378,21 @@ def split_into_shards(groups: Sequence[Group], max_bytes: int) -> list[list[Grou
     return shards
 
 
+def check_shard_size(groups: Sequence[Group], max_bytes: int) -> None:
+    """Refuse a shard size limit below the bytes of the largest group: a group is never split across files, so its
+    shard would be larger than the limit asked for. ValueError naming the group's first tensor and the least
+    limit that holds it."""
+    largest = max(groups, key=lambda group: group.nbytes, default=None)
+    if largest is None or largest.nbytes <= max_bytes:
+        return
+    name, size = largest.outputs[0][0], format_bytes(largest.nbytes)
+    together = f" and the {len(largest.outputs) - 1} tensors made with it" if len(largest.outputs) > 1 else ""
+    raise ValueError(
+        f"--max-shard-size {format_bytes(max_bytes)} is smaller than {name}{together} ({size}), which a weights file "
+        f"holds whole; pass at least {largest.nbytes} bytes."
+    )
+
+
 def shard_names(count: int) -> list[str]:
     """File names of `count` shards: `model.safetensors` alone, else `model-00001-of-0000N.safetensors`..."""
     if count == 1:
@@ -383,7 +410,9 @@ def write_shards(
 ) -> int:
     """Write every group's tensors, as `produce(group)` makes them, into safetensors shards of at most
     `max_shard_bytes` in `folder`, with `model.safetensors.index.json` when there are several; returns the shard
-    count. `progress`: show a progress bar labelled `description` (None: only on a terminal)."""
+    count. `progress`: show a progress bar labelled `description` (None: only on a terminal). A limit below the
+    largest group is refused (`check_shard_size`) before anything is written."""
+    check_shard_size(groups, max_shard_bytes)
     shards = split_into_shards(groups, max_shard_bytes)
     weight_map = {}
     total = sum(group.nbytes for group in groups)
@@ -420,7 +449,7 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
     temporary = Path(name)
     try:
         yield temporary
-        temporary.chmod(0o666 & ~_UMASK)  # mkstemp makes it 0600; outputs are as readable as any file the user makes
+        temporary.chmod(0o666 & ~umask())  # mkstemp makes it 0600; outputs are as readable as any file the user makes
         with open(temporary, "rb") as file:
             os.fsync(file.fileno())
         os.replace(temporary, path)

@@ -88,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     return status or 0
 
 
+def keep_imports_installed() -> None:
+    """Under `python -m`, Python puts the current directory first on `sys.path`; a checkpoint folder holds
+    `modeling_nv_esm*.py`, so a command started inside one would import that folder's code instead of the installed
+    package's (and run it without `--trust-remote-code`). Take that entry away, as `python -P` does, unless the
+    current directory is where nv-esm itself was imported from (a source checkout run in place). Called by the `-m`
+    entry points (`nv_esm/__main__.py`, `nv_esm/train/__main__.py`) before any model code is imported."""
+    here = os.path.realpath(os.getcwd())
+    package_root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    if sys.path and sys.path[0] in ("", here, os.getcwd()) and here != package_root:
+        del sys.path[0]
+
+
 def console() -> None:
     """The `nv-esm` script and `python -m nv_esm`: `main`, then exit with its status. After the `QUICK_EXIT` commands
     the process ends at once (`os._exit`, once stdout and stderr are flushed), skipping the teardown of CUDA and of

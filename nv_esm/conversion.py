@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.checkpoint_checks import check_special_token_ids
 from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, format_bytes, parse_size, read_json, weight_files
 from nv_esm.conversion_plan import (
     HF_TO_TE,
@@ -127,6 +128,7 @@ def convert(
     check_out(out, options.force)
     opened = open_source(source, options.revision)
     check_not_source(out, opened)
+    check_special_token_ids(opened.config, opened.path / "config.json" if opened.folder else opened.path)
     config = source_config(opened, direction, config_overrides or {})
     steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
     if options.verify:  # refuse what verifying would refuse before converting

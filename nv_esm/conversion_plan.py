@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.checkpoint_checks import check_finite
 from nv_esm.checkpoint_io import (
     SafetensorsStore,
     StateDictStore,
@@ -222,8 +223,9 @@ def _step(
 
 
 def run_step(step: Step, source: Source, config: NVEsmConfig, direction: Direction) -> list[torch.Tensor]:
-    """Read the step's tensors, apply its rule, cast to the planned dtype."""
+    """Read the step's tensors (refused if NaN or Inf: `check_finite`), apply its rule, cast to the planned dtype."""
     tensors = [source.store.load(key) for key in step.inputs]
+    check_finite(zip(step.inputs, tensors), source.spec)
     results = direction.transform(step.rule, tensors, config)
     return [tensor.to(info.dtype) for tensor, (_, info) in zip(results, step.outputs)]
 

@@ -6,7 +6,8 @@
 
 The FASTA file is read twice and never held: a first pass checks every record (ids unique, letters of ESM-2's
 alphabet, lengths against `--max-length`) and fixes the plan, so a bad record stops the run before any work, with
-its id; the second pass embeds shard after shard. Record k (0-based, in file order) belongs to shard
+its id; the second pass embeds shard after shard. OUT is never the checkpoint or the FASTA file, nor inside or
+around them. Record k (0-based, in file order) belongs to shard
 `k // --shard-size`; a shard is computed by rank `shard % world_size`, written to a temporary name and renamed, so
 a rerun with the same settings skips finished shards. `index.tsv` (written last, by rank 0) has one row per record:
 id, record number, residues, status, shard file, row, residues embedded and whether a stop mark was removed.
@@ -48,6 +49,7 @@ from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import (
     CONTACTS_PICTURE,
     INDEX_NAME,
+    check_output_folder,
     checksum_path,
     output_lock,
     prepare_output,
@@ -72,6 +74,7 @@ from nv_esm.embed_plan import (
     token_budget_warning,
 )
 from nv_esm.job_clock import JobClock, ReportingProgress
+from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 
@@ -178,9 +181,12 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm embed") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def embed_on(device: torch.device, rank: int, world_size: int) -> None:
+        inputs = {"the checkpoint": args.checkpoint, "the FASTA file": args.fasta}
+        refuse_overlap({"OUT": args.output}, inputs)  # before anything is read or written
         with clock.phase("input"):
             config = load_config(args.checkpoint)
             settings, records = plan_run(args, config, device)  # before loading: a bad record stops the run at once
+        check_output_folder(args.output, settings, args.overwrite)  # and an OUT `prepare_output` would refuse
         warning = token_budget_warning(args.tokens_per_batch, records, settings.max_length, args.fasta)
         if warning is not None and rank == 0:
             print(f"warning: {warning}", file=sys.stderr)

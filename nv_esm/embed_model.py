@@ -16,6 +16,7 @@ import torch
 import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
+from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_tensor_names
 from nv_esm.checkpoint_io import checked_weight_files, read_json
 from nv_esm.embed_plan import (
     COMMAND_FP8_RECIPE,
@@ -25,14 +26,15 @@ from nv_esm.embed_plan import (
     embedded_residues,
     pieces_of,
 )
-from nv_esm.hub_folder import check_vocabulary, remote_code_differences
+from nv_esm.hub_folder import remote_code_differences
 
 
 def load_config(checkpoint: str) -> Any:
-    """The NVEsm config of `checkpoint`, read as data (config.json), after checking that its vocab.txt is ESM-2's
-    (`check_vocabulary`). ValueError naming the file for a folder without config.json, a config.json of a wrong
-    field (a number written as a string) or another vocabulary; a transformers ESM-2 checkpoint is refused with the
-    conversion command."""
+    """The NVEsm config of `checkpoint`, read as data (config.json), after checking that its special-token ids,
+    vocab.txt and tokenizer files are ESM-2's (`check_checkpoint_tokens`). ValueError naming the file for a folder
+    without config.json, a config.json of a wrong field (a number written as a string, `mask_token_id` naming a
+    residue), another vocabulary or special tokens; a transformers ESM-2 checkpoint is refused with the conversion
+    command."""
     from transformers import PretrainedConfig
 
     from configuration_nv_esm import NVEsmConfig
@@ -60,7 +62,7 @@ def load_config(checkpoint: str) -> Any:
         config = NVEsmConfig.from_pretrained(checkpoint)
     except (ValueError, TypeError) as error:
         raise ValueError(f"{Path(checkpoint) / 'config.json'}: {error}".splitlines()[0]) from None
-    check_vocabulary(checkpoint, config.vocab_size)
+    check_checkpoint_tokens(checkpoint, config)
     return config
 
 
@@ -83,15 +85,17 @@ def load_model(
     data-dependent input checks, which wait for the device: the commands pack the inputs themselves from checked
     records. The installed package's model code runs the checkpoint's weights; the checkpoint's own code only with
     `trust_remote_code` and where it differs (`remote_code_differences`). A weight file that is not safetensors (cut
-    off, garbage) is refused, naming it, and so is a checkpoint without weights the model needs
-    (`check_loaded_weights`: a classifier's has no LM head), which would otherwise run with random ones; `contacts`:
-    whether the command uses the contact head (else it may be missing). `progress`: transformers' loading progress
-    bar."""
+    off, garbage) is refused, naming it, and so are a folder's tensors that its config has no place for or gives
+    another shape (`check_tensor_names`), a checkpoint without weights the model needs (`check_loaded_weights`: a
+    classifier's has no LM head), which would otherwise run with random ones, and NaN or Inf weights
+    (`check_finite`, on `device`: a few milliseconds on a GPU); `contacts`: whether the command uses the contact head
+    (else it may be missing). `progress`: transformers' loading progress bar."""
     from safetensors import SafetensorError
 
     folder = Path(checkpoint).expanduser()
     if folder.is_dir():
         checked_weight_files(folder)  # a damaged file named, not a traceback
+        check_tensor_names(folder, config)
     options = {
         "layer_precision": fp8_layer_precision(fp8, config.num_hidden_layers),
         "cuda_graphs": cuda_graphs,
@@ -131,7 +135,9 @@ def load_model(
         except SafetensorError as error:  # a Hub download's weights (a folder's are checked before)
             raise ValueError(f"{checkpoint}: a weight file is not readable safetensors ({error}).") from None
     check_loaded_weights(model, loading["missing_keys"], checkpoint, config, masked_lm, contacts)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    check_finite([*model.named_parameters(), *model.named_buffers()], checkpoint)
+    return model
 
 
 def check_loaded_weights(

@@ -14,7 +14,7 @@ import contextlib
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,9 @@ OUR_NAMES = re.compile(
 class OutputFolder:
     """Whose resumable folder `prepare_output` and `output_lock` keep: the command (named in errors), its manifest
     format, the names of the files it writes, its lock file, what it calls its finished pieces, the values of
-    settings its manifests were once written without, and the subfolders it writes (whole, e.g. a summary)."""
+    settings its manifests were once written without, the subfolders it writes (e.g. a summary), and, where `names`
+    also matches files a user may keep there (`nv-esm proteingym`'s `*.csv`), `written`: the paths in the folder that
+    its runs wrote, from their records (what `--overwrite` deletes; None: every entry `names` matches)."""
 
     command: str
     format: str
@@ -56,6 +58,7 @@ class OutputFolder:
     pieces: str
     settings_before: tuple[tuple[str, Any], ...] = ()
     folders: tuple[str, ...] = ()
+    written: Callable[[Path], list[Path]] | None = None
 
 
 EMBED_FOLDER = OutputFolder("nv-esm embed", FORMAT, OUR_NAMES, LOCK_NAME, "shards", tuple(_SETTINGS_BEFORE.items()))
@@ -68,18 +71,33 @@ def shard_name(shard: int) -> str:
 def prepare_output(folder: Path, settings: Any, overwrite: bool, kind: OutputFolder = EMBED_FOLDER) -> None:
     """Create `folder`, or check that it holds an earlier run of this command with equal settings (its finished
     shards are then kept). Refuses a folder with anything else in it; with other settings, refuses unless
-    `overwrite`, which deletes only the files this command writes (the manifest last). `settings`: a dataclass
-    (`EmbedSettings` for `nv-esm embed`); `kind`: whose folder it is. The decision is `check_output_folder`'s."""
+    `overwrite`, which deletes only the files this command writes (`kind.written`'s where it has a record of them;
+    the manifest last; subfolders of `kind.folders` left empty go too). `settings`: a dataclass (`EmbedSettings` for
+    `nv-esm embed`); `kind`: whose folder it is. The decision is `check_output_folder`'s."""
     folder.mkdir(parents=True, exist_ok=True)
     if check_output_folder(folder, settings, overwrite, kind):
-        for path in sorted(folder.iterdir(), key=lambda path: path.name == MANIFEST_NAME):
-            if path.is_dir():
+        doomed = kind.written(folder) if kind.written is not None else list(folder.iterdir())
+        for path in sorted(doomed, key=lambda path: path.name == MANIFEST_NAME and path.parent == folder):
+            if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
-            elif path.name != kind.lock_name:
+            elif path.name != kind.lock_name and (path.exists() or path.is_symlink()):
                 path.unlink()
+        for name in kind.folders:
+            _remove_empty_folders(folder / name)
     for stale in folder.glob("*.tmp"):
         stale.unlink()
     write_atomically(folder / MANIFEST_NAME, json.dumps(_manifest(settings, kind), indent=2) + "\n")
+
+
+def _remove_empty_folders(folder: Path) -> None:
+    """Remove `folder` and the folders under it that hold nothing (after `--overwrite` deleted the files a command
+    wrote there: a user's file keeps its folders)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for path in folder.iterdir():
+        _remove_empty_folders(path)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def check_output_folder(folder: Path, settings: Any, overwrite: bool, kind: OutputFolder = EMBED_FOLDER) -> bool:

@@ -23,7 +23,7 @@ import huggingface_hub
 from huggingface_hub.errors import EntryNotFoundError
 
 from nv_esm.alphabet import ESM_VOCAB
-from nv_esm.checkpoint_io import format_bytes, read_json
+from nv_esm.checkpoint_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, format_bytes, read_json, umask
 
 if TYPE_CHECKING:
     from configuration_nv_esm import NVEsmConfig
@@ -102,14 +102,24 @@ def nv_config_dict(config: NVEsmConfig, architecture: str = "NVEsmForMaskedLM") 
 def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int, remote_code: bool) -> None:
     """The tokenizer (`write_esm_tokenizer`) with the vocabulary and settings of the checkpoint in `source_folder`,
     checked; ESM-2's when there is no source folder or it has no vocab.txt (fair-esm checkpoints carry no tokenizer).
-    The source's tokenizer files are read, never copied: their `SPECIAL_TOKENS` must be ESM-2's, and only
-    `model_max_length` is taken from them."""
+    The source's tokenizer files are read, never copied (`read_tokenizer_settings`: ESM-2's special tokens and
+    ids), and only `model_max_length` is taken from them."""
     if source_folder is None or not (source_folder / "vocab.txt").exists():
         write_esm_tokenizer(out, remote_code=remote_code)
         return
     vocab = read_vocab(source_folder / "vocab.txt", vocab_size)
+    settings = read_tokenizer_settings([source_folder / name for name in TOKENIZER_SETTINGS_FILES], vocab)
+    write_esm_tokenizer(out, vocab, remote_code=remote_code, **settings)
+
+
+def read_tokenizer_settings(paths: list[Path], vocab: list[str]) -> dict[str, Any]:
+    """The `SPECIAL_TOKENS` and `model_max_length` that the tokenizer files `paths` (tokenizer_config.json,
+    special_tokens_map.json; those absent skipped) set, checked against ESM-2's and the vocabulary `vocab`:
+    ValueError naming the file when a special token is not ESM-2's (a `<cls>` as `mask_token`), `model_max_length`
+    is not a count, or an `added_tokens_decoder` entry gives an id of `vocab` to another token (the tokenizer would
+    then write ids that the weights read as other tokens)."""
     settings: dict[str, Any] = {}
-    for path in (source_folder / name for name in TOKENIZER_SETTINGS_FILES if (source_folder / name).exists()):
+    for path in (path for path in paths if path.exists()):
         data = read_json(path)
         for key in (*SPECIAL_TOKENS, "model_max_length"):
             value = data.get(key)
@@ -122,7 +132,17 @@ def write_tokenizer(out: Path, source_folder: Path | None, vocab_size: int, remo
             if key == "model_max_length" and (type(value) is not int or value < 1):
                 raise ValueError(f"{path}: {key} {value!r} is not a count.")
             settings[key] = value
-    write_esm_tokenizer(out, vocab, remote_code=remote_code, **settings)
+        added = data.get("added_tokens_decoder") or {}
+        for token_id, token in added.items() if isinstance(added, dict) else ():
+            content = token.get("content") if isinstance(token, dict) else token
+            index = int(token_id) if str(token_id).isdigit() else None
+            if index is None or (index < len(vocab) and content != vocab[index]):
+                holds = f"vocab.txt's id {index} is {vocab[index]!r}" if index is not None else "it is not an id"
+                raise ValueError(
+                    f"{path}: added_tokens_decoder gives {token_id!r} to {content!r}, but {holds}; the tokenizer's ids "
+                    "would not match the weights."
+                )
+    return settings
 
 
 def read_vocab(path: Path, vocab_size: int) -> list[str]:
@@ -181,11 +201,12 @@ REMOTE_CODE_FOLDER = Path(__file__).resolve().parents[1]
 
 def copy_remote_code(out: Path) -> None:
     """The files that `trust_remote_code=True` loads (`REMOTE_CODE_FILES`), copied from beside the installed nv_esm
-    package."""
+    package: their bytes only, so that they get the umask's permissions as every other file written (the installed
+    files' own, 0644 say, would make them readable by all under `umask 077`)."""
     for name in REMOTE_CODE_FILES:
         if not (REMOTE_CODE_FOLDER / name).is_file():
             raise FileNotFoundError(f"{REMOTE_CODE_FOLDER / name} is missing; reinstall nv-esm (pip install .).")
-        shutil.copy2(REMOTE_CODE_FOLDER / name, out / name)
+        shutil.copyfile(REMOTE_CODE_FOLDER / name, out / name)
 
 
 def remote_code_differences(checkpoint: str | Path) -> list[str]:
@@ -213,11 +234,14 @@ def checkpoint_file(checkpoint: str | Path, name: str) -> Path | None:
 
 
 def check_vocabulary(checkpoint: str | Path, vocab_size: int) -> None:
-    """Refuse a checkpoint whose vocab.txt is not ESM-2's vocabulary (`read_vocab`): the commands tokenize with
-    ESM-2's ids, which its weights would then not match. A checkpoint without vocab.txt claims no other ids."""
+    """Refuse a checkpoint whose vocab.txt is not ESM-2's vocabulary (`read_vocab`), or whose tokenizer files name
+    other special tokens or give the vocabulary's ids to other tokens (`read_tokenizer_settings`): the commands
+    tokenize with ESM-2's ids, which its weights would then not match. A checkpoint without vocab.txt claims no other
+    ids than ESM-2's."""
     path = checkpoint_file(checkpoint, "vocab.txt")
-    if path is not None:
-        read_vocab(path, vocab_size)
+    vocab = ESM_VOCAB if path is None else read_vocab(path, vocab_size)
+    settings_files = (checkpoint_file(checkpoint, name) for name in TOKENIZER_SETTINGS_FILES)
+    read_tokenizer_settings([path for path in settings_files if path is not None], vocab)
 
 
 def write_license(out: Path, with_code: bool) -> None:
@@ -230,12 +254,46 @@ def write_license(out: Path, with_code: bool) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+# The files a model folder write makes (the converter's both ways, `nv-esm train export`): all that `--force` may
+# replace. Weight shards are `SHARD_NAME`.
+HUB_FOLDER_FILES = frozenset(
+    {
+        "config.json",
+        "vocab.txt",
+        "README.md",
+        "LICENSE",
+        WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        *TOKENIZER_SETTINGS_FILES,
+        *REMOTE_CODE_FILES,
+    }
+)
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 def check_out(out: Path, force: bool) -> None:
-    """Refuse a file as OUT, and a non-empty OUT without `force`."""
+    """Refuse a file as OUT, a non-empty OUT without `force`, and, with it, an OUT holding anything a model folder
+    write does not make (`HUB_FOLDER_FILES`, weight shards; links and folders included): replacing it would delete
+    files that are not an earlier conversion's or export's (a `.git` of a cloned repository, the user's notes)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder.")
-    if out.exists() and any(out.iterdir()) and not force:
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not force:
         raise ValueError(f"{out} is not empty; pass --force to replace it, or choose another folder.")
+    foreign = sorted(
+        path.name
+        for path in out.iterdir()
+        if path.is_symlink()
+        or not path.is_file()
+        or (path.name not in HUB_FOLDER_FILES and not SHARD_NAME.fullmatch(path.name))
+    )
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"{out} holds {len(foreign)} entries that no model folder write makes ({listed}); --force replaces only "
+            "an earlier conversion or export: choose another folder, or move them away first."
+        )
 
 
 # Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), and an OUT that --force
@@ -278,14 +336,14 @@ def remove_stale_staging(parent: Path) -> None:
 @contextlib.contextmanager
 def staging_folder(out: Path, force: bool) -> Iterator[Path]:
     """A new folder next to `out`, moved to `out` when the block succeeds and deleted when it fails; staging
-    folders of ended runs in the same parent are deleted first."""
+    folders of ended runs in the same parent are deleted first. The folder gets the umask's permissions (mkdtemp
+    makes it 0700), as do the files the block writes with `open`, `shutil.copyfile` or `save_pretrained`: under
+    `umask 077` nothing of it is readable by others, under 022 all of it is."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out.parent)
     prefix = f".{out.name}.partial-{_host()}-{os.getpid()}-"
     staging = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    staging.chmod(0o777 & ~umask())
     try:
         yield staging
         check_out(out, force)

@@ -19,8 +19,12 @@ Every input is checked before anything is scored or written (a one-line error na
 reference before the model loads, the assays in a thread while it loads (`AssayReading`). The assays run in groups
 of whole wild types (`groups_of`; every copy of a group packed in one pass, each wild-type position computed once
 for all the assays of that wild type); an assay's file is written, atomically, when its group is done, by a thread
-while the next group is scored (`AssayWriter`). A rerun skips the assays whose file is there, and refuses an OUT
-of other settings (checkpoint, methods, windows...) unless `--overwrite`. Under torchrun each rank reads, checks
+while the next group is scored (`AssayWriter`), after a record of its inputs (OUT/inputs/<DMS_id>.json: the
+SHA-256 of the assay file and of its `target_seq`). A rerun skips the assays whose file is there and was scored from
+the same inputs; it refuses an assay whose file or `target_seq` changed since, and an OUT of other settings
+(checkpoint, methods, windows...), unless `--overwrite` (which scores them again, and deletes only what runs of
+this command wrote: a user's own files in OUT stay). OUT is never the checkpoint, REFERENCE_CSV or ASSAY_FOLDER, nor
+inside or around them; a `DMS_filename` names a file inside ASSAY_FOLDER. Under torchrun each rank reads, checks
 and scores its `shares` of the wild types (dealt out before any assay file is read); each assay's metrics are
 computed as it is written, and rank 0 gathers them for the summary.
 """
@@ -32,7 +36,6 @@ import contextlib
 import csv
 import gc
 import io
-import re
 import sys
 import threading
 import time
@@ -46,28 +49,28 @@ import torch
 
 from modeling_nv_esm_batch import protein_residues
 from nv_esm import proteingym_metrics
-from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, write_atomically
+from nv_esm.checkpoint_io import write_atomically
 from nv_esm.cli import HelpFormatter
 from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
 from nv_esm.embed_model import load_config, runs_checkpoint_code
-from nv_esm.embed_output import OutputFolder, check_output_folder, output_lock, prepare_output
+from nv_esm.embed_output import check_output_folder, output_lock, prepare_output
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.job_clock import JobClock, ReportingProgress
+from nv_esm.path_guard import confined, refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_category_bars, plot_scores
+from nv_esm.proteingym_output import (
+    PROTEINGYM_FOLDER,
+    SUMMARY_FOLDER,
+    assay_path,
+    finished_assays,
+    inputs_fingerprint,
+    record_inputs,
+)
 from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, RowNames, check_assay, run_plans
 from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
-PROTEINGYM_FOLDER = OutputFolder(
-    "nv-esm proteingym",
-    "nv-esm-proteingym/1",
-    re.compile(rf"([^/]+\.(csv|png)|manifest\.json)({TEMPORARY_SUFFIX})?|\.nv-esm-proteingym\.lock"),
-    ".nv-esm-proteingym.lock",
-    "assay scores",
-    folders=("summary",),
-)
-SUMMARY_FOLDER = "summary"  # OUT/summary/: proteingym_metrics' files and the plots, rewritten by each run
 SUMMARY_COLUMNS = ("UniProt_ID", "coarse_selection_type")  # of the reference, for the summary
 MEASURED_COLUMNS = ("DMS_score", "DMS_score_bin")  # of each assay, for the summary
 REFERENCE_COLUMNS = ("DMS_id", "DMS_filename", "target_seq")
@@ -155,12 +158,13 @@ class ReferenceEntry:
 
 @dataclass
 class AssayFile:
-    """One assay read (`read_assay`): its `Assay` (mutants parsed), its CSV and its `MEASURED_COLUMNS` that it has,
-    as floats."""
+    """One assay read (`read_assay`): its `Assay` (mutants parsed), its CSV, its `MEASURED_COLUMNS` that it has,
+    as floats, and the fingerprint of its inputs (`inputs_fingerprint`)."""
 
     assay: Assay
     table: AssayTable
     measured: dict[str, list[float]]
+    inputs: dict[str, str]
 
 
 @dataclass
@@ -235,7 +239,8 @@ def read_table(path: Path) -> AssayTable:
 def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
     """The reference's assays (`--assays` of them), each row checked without opening its assay file: ValueError
     naming the file, row and column of a missing column, a repeated or unknown DMS_id, a DMS_id that cannot name an
-    output file, a missing assay file or a `target_seq` that is not a protein."""
+    output file, an assay file outside ASSAY_FOLDER (an absolute `DMS_filename`, or one with '..'), a missing one
+    or a `target_seq` that is not a protein."""
     columns, rows = read_csv(args.reference)
     missing = [name for name in REFERENCE_COLUMNS if name not in columns]
     if missing:
@@ -260,8 +265,8 @@ def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
         where = f"{args.reference}: row {seen[dms_id]} (line {line})"
         if not dms_id or "/" in dms_id or dms_id.startswith("."):
             raise ValueError(f"{where}, column 'DMS_id': {dms_id!r} cannot name an output file.")
-        path = args.assays_folder / (row["DMS_filename"] or "")
-        if not row["DMS_filename"] or not path.is_file():
+        path = confined(args.assays_folder, row["DMS_filename"] or "", f"{where}, column 'DMS_filename':")
+        if not path.is_file():
             raise ValueError(f"{where}, column 'DMS_filename': assay file {path} is missing.")
         wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
         entries.append(ReferenceEntry(dms_id, path, wild_type, where, *(row.get(name) for name in SUMMARY_COLUMNS)))
@@ -287,7 +292,7 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
     assay = Assay(entry.dms_id, entry.wild_type, mutants, names)  # type: ignore[arg-type]
     assay.parse()
     check_assay(assay, args.methods, args.windows, window, longest)
-    return AssayFile(assay, table, measured)
+    return AssayFile(assay, table, measured, inputs_fingerprint(entry.path, entry.wild_type))
 
 
 @contextlib.contextmanager
@@ -388,7 +393,7 @@ def groups_of(tokens: dict[str, int], world_size: int) -> list[list[list[str]]]:
 
 
 def output_path(args: argparse.Namespace, dms_id: str) -> Path:
-    return args.output / f"{dms_id}.csv"
+    return assay_path(args.output, dms_id)
 
 
 def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> None:
@@ -429,7 +434,8 @@ def _run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry]
         if rank == 0:
             prepare_output(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
         barrier(world_size)
-        todo = [file for file in files if not output_path(args, file.assay.dms_id).exists()]
+        finished = finished_assays(args.output, {file.assay.dms_id: file.inputs for file in files}, args.overwrite)
+        todo = [file for file in files if file.assay.dms_id not in finished]
         barrier(world_size)  # every rank has its list before any writes an assay
         by_wild_type: dict[str, list[AssayFile]] = {}
         for file in todo:
@@ -508,7 +514,10 @@ class AssayWriter:
                 return
             try:
                 values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
-                write_assay(output_path(self.args, file.assay.dms_id), file, values)
+                path = output_path(self.args, file.assay.dms_id)
+                path.unlink(missing_ok=True)  # scored again (--overwrite): never the old scores beside the new record
+                record_inputs(self.args.output, file.assay.dms_id, file.inputs)
+                write_assay(path, file, values)
                 entry = self.entries[file.assay.dms_id]
                 self.summarized[entry.dms_id] = assay_summary(entry, {**values, **file.measured}, self.columns)
             except BaseException:
@@ -621,11 +630,18 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
         started = time.perf_counter()
+        inputs = {
+            "the checkpoint": args.checkpoint,
+            "the reference CSV": args.reference,
+            "the assays folder": args.assays_folder,
+        }
+        refuse_overlap({"OUT": args.output}, inputs)  # before anything is read or written
         with clock.phase("input"):
             config = load_config(args.checkpoint)
             window = resolve_window(config, None)
             args.columns = tuple(score_column(args.model_name, method) for method in args.methods)
             entries = read_reference(args)  # before loading: a bad row stops the run at once
+            refuse_overlap({"OUT": args.output}, {f"the assay file of {e.dms_id}": e.path for e in entries})  # links
             mine = shares(entries, args.methods, window, world_size)[rank]  # each rank reads only its assays
         reading_and_loading = clock.phase("load")  # the assays are read beside it, on a thread
         with reading_and_loading, AssayReading(args, mine, window, config.max_protein_length - 2) as reading:
@@ -641,7 +657,10 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm proteingym") -> int:
                 backend=command_backend(args, device).name,
                 fp8=fp8_setting(args.fp8, args.fp8_scaling),
             )
-            check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER)
+            if not check_output_folder(args.output, settings, args.overwrite, PROTEINGYM_FOLDER):  # else deleted
+                written = [entry for entry in mine if output_path(args, entry.dms_id).exists()]
+                now = {entry.dms_id: inputs_fingerprint(entry.path, entry.wild_type) for entry in written}
+                finished_assays(args.output, now, args.overwrite)
             tokenizer = load_tokenizer(args.checkpoint)
             model = load_masked_lm(args, config, settings.backend, device)
             scorer = Scorer(model, tokenizer, window, args.tokens_per_batch)

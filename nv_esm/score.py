@@ -13,8 +13,10 @@ window rule for long proteins and the numerics are `nv_esm.scoring`'s.
 Every input is checked before the model loads: FASTA records as `nv-esm embed` checks them, the CSV (parsed
 strictly: a malformed line stops the run with its line), each mutant row (format, positions, the wild-type letter;
 for the marginal methods, that its positions fit one window). A bad one stops the run with its row and position, or
-with `--invalid skip` is left unscored (its status says why). So is the output: an existing one without
-`--overwrite`, or parts of a run with other settings, are refused before the model loads.
+with `--invalid skip` is left unscored (its status says why). So is the output: an existing one, or the plot a
+mutant run draws beside it (`OUTPUT` with `.png`), without `--overwrite`, or parts of a run with other settings, are
+refused before the model loads; and before anything is read, an OUTPUT, plot or parts folder that is, lies inside or
+holds the checkpoint or an input file (`path_guard.refuse_overlap`).
 
 Resumable: the work is cut into parts (`--shard-size` records, or about `--shard-size` rows; a mutant part holds
 whole groups of rows changing the same positions, so each group is one forward), each written, when finished, to
@@ -70,6 +72,7 @@ from nv_esm.embed_plan import (
 )
 from nv_esm.hub_folder import remote_code_differences
 from nv_esm.job_clock import JobClock, ReportingProgress
+from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_scores
 from nv_esm.rank_statistics import spearman
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
@@ -311,11 +314,16 @@ def main(argv: list[str] | None = None, prog: str = "nv-esm score") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
 
     def score_on(device: torch.device, rank: int, world_size: int) -> None:
+        refuse_overlap(written_paths(args.output), {  # before anything is read or written
+            "the checkpoint": args.checkpoint,
+            "the FASTA file": args.fasta,
+            "the mutants CSV": args.mutants,
+        })  # fmt: skip
         with clock.phase("input"):
             config = load_config(args.checkpoint)
             window = resolve_window(config, args.window, "--window")
             job = plan_job(args, config, device, window)  # before loading: a bad record or row stops the run at once
-        check_output(args)  # and a finished output, or a parts folder of other settings, as `run` would refuse them
+        check_output(args, job)  # and a finished output, or a parts folder of other settings, as `run` would refuse
         check_output_folder(parts_folder(args.output), job.settings, args.overwrite, SCORE_FOLDER)
         barrier(world_size)  # every rank has read the parts folder before rank 0 changes it
         with clock.phase("load"):
@@ -358,14 +366,37 @@ def load_tokenizer(checkpoint: str) -> Any:
         raise ValueError(f"{checkpoint}: no ESM tokenizer to read (vocab.txt): {error}".splitlines()[0]) from None
 
 
-def check_output(args: argparse.Namespace) -> None:
-    """Refuse to replace an existing output unless `--overwrite`, or unless the parts folder beside it holds a
-    manifest: the output is then a run's that was cut short after writing it, and `check_output_folder` refuses the
+def written_paths(output: Path) -> dict[str, Path]:
+    """Every path a run writes (`{what: path}`): OUTPUT, the plot beside it (`scatter_path`), and its parts folder
+    (which holds its temporary files)."""
+    return {"OUTPUT": output, "its plot": scatter_path(output), "its parts folder": parts_folder(output)}
+
+
+def check_output(args: argparse.Namespace, job: ScoreJob) -> None:
+    """Refuse to replace an existing output, or the plot beside it where the run draws one (`measured_column`),
+    unless `--overwrite`, or unless the parts folder beside it holds a manifest and the output is there: the output
+    (and its plot) is then a run's that was cut short after writing it, and `check_output_folder` refuses the
     folder if that run had other settings. (An empty parts folder, or one holding only its lock, says nothing of
-    the output's settings.)"""
-    unfinished = (parts_folder(args.output) / MANIFEST_NAME).exists()
-    if args.output.exists() and not unfinished and not args.overwrite:
-        raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it, or choose another output.")
+    the output's settings.) Refuses an output named as its own plot (`scores.png`) in any case."""
+    png = scatter_path(args.output)
+    plots = measured_column(args, job) is not None
+    if plots and png == args.output:
+        raise ValueError(
+            f"{args.output} is the name of the plot written beside the output; name the CSV e.g. "
+            f"{args.output.with_suffix('.csv')}."
+        )
+    unfinished = (parts_folder(args.output) / MANIFEST_NAME).exists() and args.output.exists()
+    for path in (args.output, png) if plots else (args.output,):
+        if path.exists() and not unfinished and not args.overwrite:
+            raise FileExistsError(f"{path} exists; pass --overwrite to replace it, or choose another output.")
+
+
+def measured_column(args: argparse.Namespace, job: ScoreJob) -> str | None:
+    """The mutants CSV's column of measured scores that the run ranks its scores against and plots them with
+    (`--score-column`, else `DEFAULT_SCORE_COLUMN` where the CSV has it), or None (FASTA mode, or no such column)."""
+    if job.columns is None:
+        return None
+    return args.score_column or (DEFAULT_SCORE_COLUMN if DEFAULT_SCORE_COLUMN in job.columns else None)
 
 
 def run(
@@ -386,7 +417,7 @@ def run(
 
 def _run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int, world_size: int, clock: JobClock) -> None:
     folder = parts_folder(args.output)
-    check_output(args)  # again: another run may have finished this output while the model loaded
+    check_output(args, job)  # again: another run may have finished this output while the model loaded
     with output_lock(folder, SCORE_FOLDER) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             prepare_output(folder, job.settings, args.overwrite, SCORE_FOLDER)
@@ -517,9 +548,7 @@ def _report(
     rate = f"this run: {todo} {unit} in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} {unit}/s on rank 0)"
     print(f"{len(job.statuses)} {unit} ({summary}); {reused} of {len(job.parts)} parts were already done; {rate}; "
           f"wrote {args.output}")  # fmt: skip
-    measured = args.score_column or (
-        DEFAULT_SCORE_COLUMN if job.columns and DEFAULT_SCORE_COLUMN in job.columns else None
-    )
+    measured = measured_column(args, job)
     if job.rows is None or measured is None:
         return
     pairs = []

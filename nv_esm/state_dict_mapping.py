@@ -293,20 +293,23 @@ def apply_rule_nv_to_hf(rule: Rule, tensor: torch.Tensor, config: NVEsmConfig) -
 
 
 class CheckpointMismatch(ValueError):
-    """The source does not hold the tensors an ESM-2 checkpoint of its config holds."""
+    """The source does not hold the tensors an ESM-2 checkpoint of its config holds (one line: the first 20 names
+    missing and unexpected)."""
 
     def __init__(self, missing: Iterable[str], unexpected: Iterable[str]) -> None:
         self.missing, self.unexpected = sorted(missing), sorted(unexpected)
-        lines = ["The checkpoint is not an ESM-2 checkpoint of the shape its config describes."]
+        parts = []
         if self.missing:
-            lines.append(f"Missing ({len(self.missing)}): " + ", ".join(self.missing[:20]))
+            parts.append(f"Missing ({len(self.missing)}): " + _listed(self.missing))
         if self.unexpected:
-            lines.append(f"Unexpected ({len(self.unexpected)}): " + ", ".join(self.unexpected[:20]))
-        super().__init__("\n".join(lines))
+            parts.append(f"Unexpected ({len(self.unexpected)}): " + _listed(self.unexpected))
+        super().__init__(
+            f"The checkpoint is not an ESM-2 checkpoint of the shape its config describes: {'; '.join(parts)}."
+        )
 
 
 class ConfigMismatch(ValueError):
-    """The tensors have other shapes than the config describes."""
+    """The tensors have other shapes than the config describes (one line: the first 20 of them)."""
 
     def __init__(self, mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]], config: NVEsmConfig) -> None:
         self.mismatches = mismatches
@@ -314,11 +317,14 @@ class ConfigMismatch(ValueError):
             f"{name}={getattr(config, name)}"
             for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
         )
-        lines = [f"The tensors do not have the shapes the config describes ({shape}):"]
-        lines += [f"  {name}: {list(actual)}, expected {list(expected)}" for name, actual, expected in mismatches[:20]]
-        if len(mismatches) > 20:
-            lines.append(f"  ... and {len(mismatches) - 20} more")
-        super().__init__("\n".join(lines))
+        listed = [f"{name}: {list(actual)}, expected {list(expected)}" for name, actual, expected in mismatches]
+        super().__init__(f"The tensors do not have the shapes the config describes ({shape}): {_listed(listed, '; ')}.")
+
+
+def _listed(items: list[str], separator: str = ", ") -> str:
+    """The first 20 of `items` on one line, and how many more there are."""
+    more = f"{separator}... and {len(items) - 20} more" if len(items) > 20 else ""
+    return separator.join(items[:20]) + more
 
 
 def canonical_hf_name(key: str) -> str | None:

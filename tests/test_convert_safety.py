@@ -36,7 +36,7 @@ def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypa
     out = tmp_path / "te"
     if existing:
         out.mkdir()
-        (out / "keep.txt").write_text("old conversion")
+        (out / "README.md").write_text("old conversion")  # a file a conversion writes: --force may replace it
     real_write, calls = checkpoint_io.SafetensorsWriter.write, []
 
     def failing_write(self, name, tensor):
@@ -50,7 +50,8 @@ def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypa
     assert status == 1 and "No space left on device" in err and len(calls) == 10
     assert sorted(path.name for path in tmp_path.iterdir()) == (["te"] if existing else [])
     if existing:
-        assert [path.name for path in out.iterdir()] == ["keep.txt"]
+        assert [path.name for path in out.iterdir()] == ["README.md"]
+        assert (out / "README.md").read_text() == "old conversion"
 
 
 def test_refuses_to_overwrite_without_force(tmp_path, capsys, tiny_source):
@@ -59,6 +60,10 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys, tiny_source):
     (out / "keep.txt").write_text("precious")
     status, _, err = run(capsys, "hf-to-te", tiny_source, out)
     assert status == 1 and "--force" in err and (out / "keep.txt").read_text() == "precious"
+    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")  # no conversion wrote keep.txt
+    assert status == 1 and "(keep.txt); --force replaces only" in err and (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    (out / "README.md").write_text("an earlier conversion's card")
     assert run(capsys, "hf-to-te", tiny_source, out, "--force")[0] == 0
     assert {path.name for path in out.iterdir()} == NV_FILES | {"model.safetensors"}
     status, _, err = run(capsys, "te-to-hf", out, out, "--force")  # would delete its own source

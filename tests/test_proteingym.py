@@ -833,7 +833,7 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         "masked-marginals": torch.randn(len(table), dtype=torch.float64),
         "wt": torch.randn(len(table)),
     }
-    file = proteingym.AssayFile(None, table, {})
+    file = proteingym.AssayFile(None, table, {}, {})
     proteingym.write_assay(tmp_path / "out.csv", file, dict(zip(("x", "y"), (t.tolist() for t in scores.values()))))
     with open(tmp_path / "expected.csv", "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")

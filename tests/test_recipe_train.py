@@ -192,7 +192,7 @@ def export_command(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_in_one_line(
+def test_export_command_lists_its_files_follows_the_umask_and_refuses_in_one_line(
     tiny_config: Path, tmp_path: Path
 ) -> None:
     run_recipe(tmp_path / "run", *mlm_args(tiny_config, 1, "--no-export"), ranks=1)
@@ -202,8 +202,8 @@ def test_export_command_lists_its_files_writes_them_world_readable_and_refuses_i
     files = sorted(p for p in (tmp_path / "hub").rglob("*") if p.is_file())
     assert f"wrote {tmp_path / 'hub'} (NVEsmForMaskedLM, {len(files)} files" in done.stdout
     assert all(f"  {p.name} " in done.stdout for p in files)
-    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
-    assert oct((tmp_path / "hub").stat().st_mode & 0o777) == "0o755"
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}  # umask 077
+    assert oct((tmp_path / "hub").stat().st_mode & 0o777) == "0o700"
     again = export_command(str(checkpoint), str(tmp_path / "hub"))
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "--force" in again.stderr
     wrong = export_command(str(tmp_path / "run"), str(tmp_path / "other"))

@@ -2,7 +2,10 @@
 
 import sys
 
-from nv_esm.train.loop import main
+from nv_esm.cli import keep_imports_installed
 
 if __name__ == "__main__":
+    keep_imports_installed()  # before the model code is imported
+    from nv_esm.train.loop import main
+
     sys.exit(main())

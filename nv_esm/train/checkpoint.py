@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from nv_esm.checkpoint_io import file_sha256, format_bytes
 from nv_esm.folder_lock import folder_lock
+from nv_esm.path_guard import confined, refuse_links
 from nv_esm.train.config import PROG
 from nv_esm.train.parallel import Dist, checkpoint_view
 
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
     from nv_esm.train.feed import DataFeed
 
 CHECKPOINT_PREFIX = "step_"
+FINAL = "final"  # OUT/final: the Hub folder exported at the end of the run
+# What a run writes in its folder (besides its lock): never through a link, and never mixed with an earlier run's.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.png", FINAL, "tensorboard", "profile")
 TRAIN_STATE = "train_state.json"
 CHECKSUMS = "checksums.json"
 LOCK_NAME = ".nv-esm-train.lock"
@@ -69,6 +73,17 @@ RNG_FILE = "rng_rank{rank}.safetensors"
 FP8_FILE = "fp8_rank{rank}.safetensors"
 # Transformer Engine's delayed-scaling tensors in a module's extra state.
 FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+def earlier_outputs(out: Path) -> list[str]:
+    """The names of `RUN_OUTPUTS` that run folder `out` holds with something in them (a file that is not empty, a
+    folder that is not), in `RUN_OUTPUTS`' order."""
+    held = []
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_symlink() or (path.is_file() and path.stat().st_size) or (path.is_dir() and any(path.iterdir())):
+            held.append(name)
+    return held
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
@@ -102,14 +117,29 @@ def run_folder_lock(out: Path, world: Dist) -> Iterator[None]:
         yield
 
 
-def prepare_out(out: Path, resume: bool, world: Dist) -> Path | None:
+def prepare_out(out: Path, resume: bool, world: Dist, export: bool = True) -> Path | None:
     """The checkpoint to resume from: the newest that `damage` finds whole (a damaged one is named in a warning and
-    the one before it tried); refuses to train into a run folder that has one without --resume."""
+    the one before it tried). Refuses (one line, before anything is written) to train into a run folder whose
+    outputs (`RUN_OUTPUTS`) include a link, one that has checkpoints without --resume, one holding an earlier run's
+    outputs (`earlier_outputs`: metrics.jsonl would mix two runs, final/ would be replaced) unless it resumes that
+    run, and, when the run `export`s at its end, one whose final/ holds an earlier export of the run it resumes."""
+    refuse_links({f"OUT/{name}": out / name for name in RUN_OUTPUTS})
     found = checkpoint_dirs(out)
     if found and not resume:
         raise ValueError(f"{out} holds checkpoints ({found[-1].name}); pass --resume to continue, or another --out.")
     if resume and not found:
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}.")
+    earlier = earlier_outputs(out)
+    if earlier and not resume:
+        raise ValueError(
+            f"{out} holds an earlier run's {', '.join(earlier)}, which a new run would mix with its own or replace: "
+            "choose another --out, or move them away first."
+        )
+    if resume and export and FINAL in earlier:
+        raise ValueError(
+            f"{out / FINAL} holds the run's earlier export, which the export at the end of this run would replace: "
+            "move it away first, or pass --no-export."
+        )
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -395,8 +425,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class CheckpointReader(FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled through an allow-list (`_MetadataUnpickler`); its tensors are
-    read with `weights_only=True` as DCP does."""
+    """DCP's file reader with `.metadata` unpickled through an allow-list (`_MetadataUnpickler`) and every file it
+    names confined to the checkpoint folder (`confined`: no absolute name, no `..`; `checksums.json` covers the
+    folder's files only, so a name leading out of it would read tensors from elsewhere); its tensors are read with
+    `weights_only=True` as DCP does."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -408,6 +440,11 @@ class CheckpointReader(FileSystemReader):
             raise ValueError(f"{path} is not a checkpoint's metadata (not read: {error}).") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{path} is not a checkpoint's metadata (it holds a {type(metadata).__name__}).")
+        for entry in (metadata.storage_data or {}).values():  # the files its tensors are read from: the folder's own
+            relative = getattr(entry, "relative_path", None)
+            if not isinstance(relative, str):
+                raise ValueError(f"{path} is not a checkpoint's metadata (a storage entry names no file).")
+            confined(Path(self.path), relative, f"{path}: the file")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)

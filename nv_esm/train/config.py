@@ -22,6 +22,7 @@ from typing import Any, NoReturn, get_type_hints
 from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
 from modeling_nv_esm_lora import FUSED_MODULE_TARGETS, fused_module_refusal
 from nv_esm.cli import BACKEND_HELP, HelpFormatter
+from nv_esm.path_guard import refuse_overlap
 from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
 
@@ -357,7 +358,12 @@ class TrainConfig:
     model: ModelConfig = field(metadata={"group": "model"})
     data: DataConfig = field(metadata={"group": "data"})
     optimizer: OptimizerConfig = field(metadata={"group": "optimisation"})
-    out: Path = option(help="run folder: checkpoints, metrics.jsonl, final export", type=Path, group="run")
+    out: Path = option(
+        help="run folder: checkpoints, metrics.jsonl, final export; a new run refuses one holding an earlier run's, "
+        "and none may be, hold or lie in --model, --config or the data",
+        type=Path,
+        group="run",
+    )
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"group": "model"})
     seed: int = option(
         0, "seed of the data order, masking, a fresh initialisation and dropout: 0 to 2**32 - 1", group="optimisation"
@@ -430,6 +436,12 @@ class TrainConfig:
             for path in paths:
                 if not Path(path).exists():
                     raise FileNotFoundError(f"{option} {path} does not exist.")
+        # The run writes only in --out (checkpoints, logs, final/ replaced at the end): never over what it reads.
+        inputs = [("--model", self.model.init_from), ("--config", self.model.config_file)]
+        inputs += [("--data", path) for path in self.data.files]
+        inputs += [("--val-data", path) for path in self.validation.files]
+        for option, path in inputs:
+            refuse_overlap({"--out": self.out}, {option: path})
         validation = self.validation
         if validation.files and validation.fraction:
             raise ValueError("Give --val-data or --val-fraction, not both.")

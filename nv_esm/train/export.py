@@ -3,8 +3,10 @@
     nv-esm train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
 
 The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt. The
-command lists what it wrote; it refuses a FOLDER that is not empty (without --force) or a CHECKPOINT that is not
-one with a one-line error. Exported files are world-readable (folders 755, files 644) whatever the umask.
+command lists what it wrote; it refuses with a one-line error a CHECKPOINT that is not one, a FOLDER that is the
+checkpoint, lies in it or holds it (the run folder, its checkpoints folder), and a FOLDER that is not empty without
+--force; --force replaces only an earlier export (a FOLDER holding files an export does not write is refused, so none
+of a user's files is deleted). Exported files have the permissions the user's umask gives new files.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nv_esm.hub_folder import (
     write_license,
 )
 from nv_esm.model_card import training_card
+from nv_esm.path_guard import refuse_overlap
 from nv_esm.train.checkpoint import TRAIN_STATE, CheckpointReader, damage, read_dcp
 from nv_esm.train.lora import lora_settings, merged_weights
 from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
@@ -36,9 +39,12 @@ from nv_esm.train.materialize import MODEL_CLASSES, canonical_name
 
 def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
     """Write `out` in the converter's NVEsm layout (config, safetensors, tokenizer, remote code, LICENSE, card)
-    from the model part of a DCP checkpoint. Runs in one process; needs CPU memory for the fp32 weights."""
+    from the model part of a DCP checkpoint. Runs in one process; needs CPU memory for the fp32 weights. Refuses
+    (ValueError), before anything is written or deleted, an `out` that overlaps `checkpoint` and, with `force`, an
+    `out` holding anything but an earlier conversion's or export's files (`check_out`)."""
     from safetensors.torch import save_file
 
+    refuse_overlap({"OUT": out}, {"CHECKPOINT": checkpoint})
     if not (checkpoint / TRAIN_STATE).is_file():
         raise ValueError(f"{checkpoint} is not a training checkpoint (no {TRAIN_STATE}); give OUT/checkpoints/step_N.")
     problem = damage(checkpoint)
@@ -58,8 +64,6 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> Path:
         copy_remote_code(staging)
         write_license(staging, with_code=True)
         (staging / "README.md").write_text(training_card(checkpoint, run, weights))
-        for path in [staging, *staging.rglob("*")]:  # shared folders: readable by all, whatever the umask
-            path.chmod(0o755 if path.is_dir() else 0o644)
     return out
 
 

@@ -33,6 +33,7 @@ from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
 from nv_esm.train.checkpoint import (
+    FINAL,
     load_checkpoint,
     load_rng_state,
     prepare_out,
@@ -133,7 +134,8 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     """Train from scratch, from a converted checkpoint or from the latest checkpoint of the run (`--resume`);
     checkpoint, log and profile as `config` asks, and export OUT/final when the schedule is complete."""
     out, settings = config.out, config.optimizer
-    resume_from = prepare_out(out, config.checkpoint.resume, world)
+    exports = config.checkpoint.export and config.checkpoint.enabled
+    resume_from = prepare_out(out, config.checkpoint.resume, world, exports)
     settings_record = resume_settings(config)
     if resume_from:  # before the data and the model load
         check_resume(resume_from, config, settings_record, world)
@@ -208,7 +210,7 @@ def run_training(config: TrainConfig, world: Dist) -> None:
             if not pending:
                 interval_start = time.perf_counter()
     if world.is_main and step == settings.steps and config.checkpoint.export and checkpoint is not None:
-        print(describe(export(checkpoint, out / "final", force=True)), flush=True)
+        print(describe(export(checkpoint, out / FINAL, force=True)), flush=True)
 
 
 class Stopped(Exception):

@@ -27,8 +27,8 @@ from modeling_nv_esm import (
     resolve_backend,
 )
 from modeling_nv_esm_parallel import tensor_parallel_split_dim
+from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
-from nv_esm.hub_folder import check_vocabulary
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
 from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
@@ -166,23 +166,67 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
     model.to_empty(device=world.device)
     if not sharded(world):  # `to_empty` gave the tied decoder its own tensor (FSDP2 keeps it shared)
         model.tie_weights()
-    source = CheckpointReader(Path(config.model.init_from), nv_config.vocab_size) if config.model.init_from else None
+    source = CheckpointReader(Path(config.model.init_from), nv_config) if config.model.init_from else None
+    if source is not None:
+        check_checkpoint_shapes(model, source, world)
     materialise(model, nv_config, source, config.seed, world)
     return model
 
 
+def whole_shape(name: str, tensor: torch.Tensor, world: Dist) -> tuple[int, ...]:
+    """The shape of parameter `name` in a checkpoint: `tensor`'s whole shape (an FSDP2 shard's `shape` is the whole
+    one), its `--tp` split dimension (`tensor_parallel_split_dim`) multiplied by the `--tp` ranks."""
+    shape = list(tensor.shape)
+    split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
+    if split_dim is not None:
+        shape[split_dim] *= world.tp_size
+    return tuple(shape)
+
+
+def check_checkpoint_shapes(model: nn.Module, source: CheckpointReader, world: Dist) -> None:
+    """Refuse (one-line ValueError naming the checkpoint) a `--model` checkpoint whose config.json disagrees with
+    its weights, before any is read: a tensor whose shape is not that of the model built from the config (a width,
+    or `num_attention_heads`, which sets the rotary table's size), or base-model tensors (`esm.*`) the model has no
+    place for (more layers than the config says). Too few layers are refused by `check_fresh_weights`."""
+    expected = {canonical_name(name): whole_shape(name, tensor, world) for name, tensor in model.named_parameters()}
+    expected.update({canonical_name(name): tuple(buffer.shape) for name, buffer in model.named_buffers()})
+    wrong = [
+        f"{name} is {list(stored)} there, {list(shape)} for its config"
+        for name, shape in expected.items()
+        if (stored := source.shape(name)) is not None and stored != shape
+    ]
+    unplaced = [name for name in source.where if name.startswith("esm.") and name not in expected]
+    if not wrong and not unplaced:
+        return
+    problems = wrong[:2]
+    if unplaced:
+        listed = ", ".join(unplaced[:2]) + (", ..." if len(unplaced) > 2 else "")
+        problems.append(f"{len(unplaced)} tensors have no place in the model of its config ({listed})")
+    more = f" (and {len(wrong) - 2} more shapes)" if len(wrong) > 2 else ""
+    raise ValueError(
+        f"{source.folder}: its config.json disagrees with its weights: {'; '.join(problems)}{more}. Fix config.json "
+        "(num_hidden_layers, hidden_size, num_attention_heads, ...) or convert the checkpoint again."
+    )
+
+
 class CheckpointReader:
     """Row ranges of the tensors of an NVEsm checkpoint folder (single or sharded safetensors), read lazily. A
-    folder whose weight files are damaged (`checked_weight_files`) or whose vocab.txt is not ESM-2's for a model of
-    `vocab_size` tokens (`check_vocabulary`: the recipe tokenizes with ESM-2's ids) is refused (ValueError)."""
+    folder whose weight files are damaged (`checked_weight_files`), whose config.json, vocab.txt or tokenizer files
+    name other tokens than ESM-2's for a model of `config` (`check_checkpoint_tokens`: the recipe tokenizes with
+    ESM-2's ids), or whose rows hold NaN or Inf (`check_finite`, as they are read) is refused (ValueError)."""
 
-    def __init__(self, folder: Path, vocab_size: int) -> None:
+    def __init__(self, folder: Path, config: NVEsmConfig) -> None:
         from safetensors import safe_open
 
-        check_vocabulary(folder, vocab_size)
+        check_checkpoint_tokens(folder, config)
         self.folder = folder
         self.handles = [safe_open(path, framework="pt") for path in checked_weight_files(folder)]
         self.where = {key: handle for handle in self.handles for key in handle.keys()}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of tensor `name`, or None when the checkpoint does not hold it."""
+        handle = self.where.get(name)
+        return None if handle is None else tuple(handle.get_slice(name).get_shape())
 
     def rows(self, name: str, start: int, stop: int | None, columns: slice | None = None) -> torch.Tensor | None:
         """Rows `start:stop` (dim 0) of tensor `name`, only `columns` of them if given, or None when the checkpoint
@@ -191,7 +235,9 @@ class CheckpointReader:
         if handle is None:
             return None
         tensor = handle.get_slice(name)
-        return tensor[start:stop] if columns is None else tensor[start:stop, columns]
+        rows = tensor[start:stop] if columns is None else tensor[start:stop, columns]
+        check_finite([(name, rows)], self.folder)
+        return rows
 
 
 def canonical_name(name: str) -> str:
@@ -215,11 +261,10 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
                 shard, shards = world.shard_position
                 start = shard * math.ceil(tensor.shape[0] / shards)
             stop = min(start + local.shape[0], tensor.shape[0])
-            whole_shape, columns = list(tensor.shape), None
+            whole, columns = whole_shape(name, tensor, world), None
             split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
             if split_dim is not None:  # this rank's part of the whole parameter
                 part = tensor.shape[split_dim]
-                whole_shape[split_dim] *= world.tp_size
                 if split_dim == 0:
                     start, stop = start + world.tp_rank * part, stop + world.tp_rank * part
                 else:
@@ -227,8 +272,8 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
             rows = source.rows(canonical_name(name), start, stop, columns) if source is not None else None
             if rows is None:
                 fresh.append(name)
-                whole = fresh_tensor(name, tuple(whole_shape), config, seed * 100_003 + index, world.device)
-                rows = whole[start:stop] if columns is None else whole[start:stop, columns]
+                drawn = fresh_tensor(name, whole, config, seed * 100_003 + index, world.device)
+                rows = drawn[start:stop] if columns is None else drawn[start:stop, columns]
             else:
                 loaded += 1
             local[: stop - start].copy_(rows)

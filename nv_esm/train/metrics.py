@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
+from nv_esm.path_guard import refuse_links
 from nv_esm.plots import PLOTS_HINT, plot_training, pyplot
 from nv_esm.shapes import peak_tflops
 from nv_esm.train.config import LoggingConfig
@@ -41,6 +44,15 @@ class NonFiniteStep(ValueError):
     """A step's loss or gradient norm was inf or nan (and --skip-nonfinite was not given): training stops."""
 
 
+def open_log(path: Path) -> TextIO:
+    """`path` opened to append to (created with the umask's permissions), never through a link planted there: a
+    link is refused with a one-line FileExistsError (`refuse_links`), and one planted after that check fails to
+    open (O_NOFOLLOW)."""
+    refuse_links({"the run's log": path})
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    return open(descriptor, "a", encoding="utf-8")
+
+
 class MetricsLog:
     """metrics.jsonl (rank 0): one record per step, and one of `val_*` keys per validation; a tqdm bar on rank 0,
     optional TensorBoard; peak GPU memory of every rank."""
@@ -50,7 +62,7 @@ class MetricsLog:
 
         self.world, self.out, self.missing_plot = world, out, False
         self.peak = peak_tflops(torch.cuda.get_device_name()) if world.device.type == "cuda" else None
-        self.file = open(out / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
+        self.file = open_log(out / "metrics.jsonl") if world.is_main else None
         self.bar = tqdm(
             total=total_steps,
             initial=first_step,
@@ -158,6 +170,8 @@ class StepProfiler:
     def __init__(self, out: Path, first: int, count: int, world: Dist) -> None:
         self.path = out / "profile" / f"rank{world.rank}.json.gz"
         self.first, self.last = first, first + count - 1
+        if count:  # the profile folder itself is checked with the run folder (`checkpoint.prepare_out`)
+            refuse_links({"the profile trace": self.path})
         self.profiler = None
 
     @contextmanager

@@ -5,7 +5,9 @@ for each) and its `resume_settings`. `nv-esm train --out OUT --resume` takes its
 OUT (`parse_command_line`); the options given on the command line replace them. `check_resume` then compares the
 run with the checkpoint it continues, before anything heavy: the options that decide which data a step sees, its
 learning rate and its optimizer (`resume_settings`; `--steps` may change), the contents of the data files (their
-SHA-256, not only their paths), the model's architecture and LoRA adapters, the number of ranks and `--stop-at-step`.
+SHA-256, not only their paths), the model's architecture and LoRA adapters, the number of ranks and `--stop-at-step`,
+and names the other options that differ from the recorded ones (`--clip-grad`, `--log-every`, ...): those apply
+from the resumed step on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from nv_esm.checkpoint_io import file_sha256
 from nv_esm.train.checkpoint import TRAIN_STATE, checkpoint_dirs
-from nv_esm.train.config import PROG, TrainConfig, given_options, parse_config
+from nv_esm.train.config import PROG, TrainConfig, given_options, option_values, parse_config
 from nv_esm.train.lora import lora_fields
 from nv_esm.train.materialize import model_config
 from nv_esm.train.parallel import Dist
@@ -137,7 +139,25 @@ def check_resume(folder: Path, config: TrainConfig, settings: dict[str, Any], wo
         raise ValueError(f"--stop-at-step {stop_at_step}: {folder} is at step {step} already; give a later step.")
     _compare_settings(folder, {**_SETTINGS_BEFORE, **state["run"]["settings"]}, settings)
     _compare_model(folder, state["run"], config, world)
+    changed = changed_options(state["run"].get("options"), config)
+    if changed and world.is_main:
+        listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        print(f"--resume from {folder.name} with changed options: {listing} (from step {step + 1} on).", flush=True)
     return step
+
+
+def changed_options(recorded: Any, config: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """The options of `config` (by argparse's dest, less `NOT_RECORDED`) whose values differ from those `recorded`
+    in the checkpoint a resume continues (`option_values`; nothing for a checkpoint that recorded none), as
+    (recorded, now). `check_resume` has refused the changes a resume cannot honour; it names these, which apply
+    from the resumed step on."""
+    if not isinstance(recorded, dict):
+        return {}
+    return {
+        dest: (recorded[dest], value)
+        for dest, value in option_values(config).items()
+        if dest in recorded and dest not in NOT_RECORDED and recorded[dest] != value
+    }
 
 
 def _compare_settings(folder: Path, saved: dict[str, Any], settings: dict[str, Any]) -> None:

@@ -9,6 +9,9 @@ whole model.
 SRC is a local folder (single or sharded safetensors), a Hugging Face Hub id, or, for hf-to-te, an original
 fair-esm checkpoint (`esm2_t33_650M_UR50D.pt`; its `-contact-regression.pt` is read when it lies beside it).
 OUT is written in a temporary folder next to it and moved into place only when everything succeeded.
+SRC may also be a local PEFT adapter folder (`adapter_config.json`, as `save_pretrained` writes): hf-to-te renames the
+tensors of an adapter saved from transformers' ESM-2 (LoRA, `modules_to_save` heads) to NVEsm's, te-to-hf back
+(`PeftModel.from_pretrained` also loads transformers' adapters onto NVEsm as they are).
 `verify SRC OUT` checks an existing conversion, reading OUT as data (none of its code runs): every file of OUT must be
 what the converter writes from SRC, every tensor of SRC mapped through `RULES` must equal OUT's bit for bit, and
 both models' logits must agree on real proteins.
@@ -27,8 +30,8 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, parse_size
-from nv_esm.cli import print_error
-from nv_esm.conversion import ConvertOptions, convert, verify_folder
+from nv_esm.cli import HelpFormatter, add_renamed, print_error
+from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder, verify_folder
 from nv_esm.conversion_plan import DIRECTIONS
 from nv_esm.hub_folder import push_to_hub
 from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL, VERIFY_DEVICES, VerificationFailed
@@ -45,7 +48,10 @@ EPILOG = f"""examples:
   nv-esm convert hf-to-te ~/esm/esm2_t33_650M_UR50D.pt ./esm2_650M_te
 
   # back to a folder plain transformers loads (EsmForMaskedLM), replacing an older one
-  nv-esm convert te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --force
+  nv-esm convert te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --overwrite
+
+  # a PEFT adapter trained on transformers' EsmForMaskedLM -> the same adapter under NVEsm's tensor names
+  nv-esm convert hf-to-te ./esm2_lora ./esm2_lora_te
 
   # check an existing conversion: every tensor bit for bit through the mapping table, then the logit table (CPU)
   nv-esm convert verify facebook/esm2_t33_650M_UR50D ./esm2_650M_te --verify-device cpu
@@ -76,7 +82,7 @@ COMMANDS = {
     "verify": "check an existing OUT against SRC",
 }
 # Options that only conversions take (verify reads, writes nothing).
-CONVERT_ONLY = ("dtype", "max_shard_size", "force", "verify", "push_to_hub", "private", "commit_message", "dry_run")
+CONVERT_ONLY = ("dtype", "max_shard_size", "overwrite", "verify", "push_to_hub", "private", "commit_message", "dry_run")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -85,26 +91,28 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog or "nv-esm convert",
         description=__doc__,
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "command", choices=list(COMMANDS), help="; ".join(f"{name}: {text}" for name, text in COMMANDS.items())
     )
-    parser.add_argument("source", metavar="SRC", help="checkpoint folder, Hub id (org/name) or fair-esm .pt file")
+    parser.add_argument(
+        "source", metavar="SRC", help="checkpoint folder, Hub id (org/name), fair-esm .pt file or PEFT adapter folder"
+    )
     parser.add_argument(
         "out",
         metavar="OUT",
         type=Path,
-        help="output folder (absent or empty unless --force); verify: the converted one",
+        help="output folder (absent or empty unless --overwrite); verify: the converted one",
     )
-    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of SRC")
+    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of SRC (default: the main branch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as SRC)")
     parser.add_argument(
         "--max-shard-size", type=parse_size, metavar="SIZE",
         help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index; "
         "at least the largest tensor (it is not split)",
     )  # fmt: skip
-    parser.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
+    add_renamed(parser, parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty"))
     parser.add_argument("--verify", action="store_true", help="compare both models' logits on 22 real proteins")
     parser.add_argument(
         "--verify-atol", type=float, metavar="ATOL", help="logit tolerance of --verify and verify (default: by dtype)"
@@ -112,9 +120,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--verify-device", choices=VERIFY_DEVICES, help="where --verify and verify run the models (default: auto)"
     )
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub model repository")
+    parser.add_argument(
+        "--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub model repository (default: no upload)"
+    )
     parser.add_argument("--private", action="store_true", help="create the Hub repository private")
-    parser.add_argument("--commit-message", help="commit message of the upload")
+    parser.add_argument(
+        "--commit-message", help="commit message of the upload (default: names OUT, the command and SRC)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list the files, upload nothing")
     return parser
 
@@ -152,6 +164,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.command == "verify":
         for flag in sorted(given & set(CONVERT_ONLY)):
             parser.error(f"--{flag.replace('_', '-')} does not apply to verify (it writes nothing)")
+    if is_adapter_folder(args.source):  # a PEFT adapter: its tensors renamed, one file, no model to compare
+        if args.command == "verify":
+            parser.error("verify compares models; SRC is a PEFT adapter folder (load it onto the model instead)")
+        for flag in sorted(given & {"verify", "max_shard_size"}):
+            parser.error(f"--{flag.replace('_', '-')} does not apply to a PEFT adapter folder (SRC)")
     for flag, needed in (("private", "push_to_hub"), ("commit_message", "push_to_hub"), ("dry_run", "push_to_hub"),
                          ("verify_atol", "verify"), ("verify_device", "verify")):  # fmt: skip
         if flag in given and needed not in given and args.command != "verify":
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 revision=args.revision,
                 dtype=args.dtype,
                 max_shard_size=args.max_shard_size or parse_size(DEFAULT_MAX_SHARD_SIZE),
-                force=args.force,
+                force=args.overwrite,
                 verify=args.verify,
                 verify_atol=args.verify_atol,
                 verify_device=args.verify_device or "auto",

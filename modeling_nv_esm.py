@@ -54,7 +54,12 @@ try:
     from .modeling_nv_esm_kernels import rotate_qk
     from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from .modeling_nv_esm_layout import RunLayout
-    from .modeling_nv_esm_lora import NVEsmLoraTarget
+    from .modeling_nv_esm_lora import (
+        TRANSFORMERS_ADAPTER_KEYS,
+        NVEsmLoraTarget,
+        adapter_load_post_hook,
+        adapter_load_pre_hook,
+    )
     from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
@@ -76,7 +81,12 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_kernels import rotate_qk
     from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
     from modeling_nv_esm_layout import RunLayout
-    from modeling_nv_esm_lora import NVEsmLoraTarget
+    from modeling_nv_esm_lora import (
+        TRANSFORMERS_ADAPTER_KEYS,
+        NVEsmLoraTarget,
+        adapter_load_post_hook,
+        adapter_load_pre_hook,
+    )
     from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
 
 # ESM-2 was trained masking 15% of tokens, 80% of those with <mask>: token dropout rescales to this ratio.
@@ -196,6 +206,15 @@ class NVEsmPreTrainedModel(PreTrainedModel):
     accepts_loss_kwargs = False
     _no_split_modules = ["NVEsmTorchLayer", "NVEsmTELayer", "NVEsmEmbeddings"]
     _keys_to_ignore_on_load_unexpected = [r"\._extra_state$"]
+    # PEFT renames the keys of adapters saved from transformers' ESM-2 through it (`TRANSFORMERS_ADAPTER_KEYS`).
+    _checkpoint_conversion_mapping = TRANSFORMERS_ADAPTER_KEYS
+
+    def post_init(self) -> None:
+        """transformers' `post_init`; then PEFT adapters loaded into the model get their vocabulary padding, and
+        one that does not fit is refused instead of ignored (`adapter_load_pre_hook`, `adapter_load_post_hook`)."""
+        super().post_init()
+        self.register_load_state_dict_pre_hook(adapter_load_pre_hook)
+        self.register_load_state_dict_post_hook(adapter_load_post_hook)
 
     @property
     def is_gradient_checkpointing(self) -> bool:

@@ -6,7 +6,9 @@ Part of the model's Hub remote code: imports nothing of the model's other files.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,22 @@ LORA_TARGETS = (
     "intermediate.dense",
     "output.dense",
 )
+
+# transformers' ESM module paths -> NVEsm's, for PEFT adapters saved from transformers' ESM-2 models (`EsmForMaskedLM`,
+# token or sequence classification; `EsmModel` without `esm.`): the models' `_checkpoint_conversion_mapping`, which
+# `PeftModel.from_pretrained` and `load_adapter` apply to an adapter's keys (regex -> replacement, the first match
+# only, without the `base_model.model.` prefix). Each layer is `layers.N` here, its projections keep transformers'
+# names (`LORA_TARGETS`), and the LM head's LayerNorm and bias live in its fused decoder (a `modules_to_save` head);
+# no NVEsm key matches. Vocabulary-sized tensors get their padding rows on load (`adapter_load_pre_hook`).
+TRANSFORMERS_ADAPTER_KEYS = {
+    r"^((?:esm\.)?encoder)\.layer\.(\d+)\.": r"\1.layers.\2.",
+    r"^lm_head\.layer_norm\.(weight|bias)$": r"lm_head.decoder.layer_norm_\1",
+    r"^lm_head\.bias$": "lm_head.decoder.bias",
+}
+# A PEFT adapter's tensor in a model's state dict (LoRA's `lora_A.NAME...`, `modules_to_save.NAME...`): group 1 is
+# the adapter's name.
+ADAPTER_TENSOR = re.compile(r"\.(?:lora_\w+|modules_to_save)\.([^.]+)(?:\.|$)")
+ADAPTER_CONVERSION = "nv-esm convert hf-to-te ADAPTER_DIR OUT_DIR"
 
 # The fused modules of a layer and the `LORA_TARGETS` inside each: what to target instead of the module itself.
 FUSED_MODULE_TARGETS = {
@@ -211,3 +229,86 @@ def refuse_adapters_on_fused_modules(layer: nn.Module) -> None:
     ):
         if getattr(module, "base_layer", None) is not None:
             raise ValueError(fused_module_refusal(name))
+
+
+def adapter_load_pre_hook(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Before `model` (an NVEsm model) loads a state dict: pad the vocabulary-sized tensors of PEFT adapters (a
+    `modules_to_save` LM head or a LoRA on the embedding, saved from transformers' ESM-2 with `vocab_size` rows)
+    with zero rows to the model's `padded_vocab_size`, as the converter pads the model's own; and note which
+    adapters the state dict holds, for `adapter_load_post_hook`. A head model does it for its encoder model too."""
+    if model.__dict__.pop("_adapter_load_in_outer_model", False):
+        return  # the head model holding this one (its `base_model`) pads and checks for both
+    if model.base_model is not model:
+        model.base_model.__dict__["_adapter_load_in_outer_model"] = True
+    config = model.config
+    adapters, padded = set(), {}
+    for key, tensor in state_dict.items():
+        match = ADAPTER_TENSOR.search(key) if key.startswith(prefix) else None
+        if match is None:
+            continue
+        adapters.add(match.group(1))
+        target = _tensor_at(model, key[len(prefix) :])
+        if target is None or target.shape == tensor.shape or target.ndim != tensor.ndim:
+            continue
+        grown = [d for d, (a, b) in enumerate(zip(tensor.shape, target.shape)) if a != b]
+        if len(grown) == 1 and (tensor.shape[grown[0]], target.shape[grown[0]]) == (
+            config.vocab_size,
+            config.padded_vocab_size,
+        ):
+            padding = list(tensor.shape)
+            padding[grown[0]] = config.padded_vocab_size - config.vocab_size
+            padded[key] = torch.cat([tensor, tensor.new_zeros(padding)], dim=grown[0])
+    state_dict.update(padded)
+    loading_adapters = adapters or prefix.startswith("base_model.")  # a PeftModel loads (`set_peft_model_state_dict`)
+    model.__dict__["_adapter_load"] = (prefix, adapters) if loading_adapters else None
+
+
+def adapter_load_post_hook(model: nn.Module, incompatible: Any) -> None:
+    """After `model` loaded a PEFT adapter's state dict (see `adapter_load_pre_hook`): ValueError, in one line,
+    when a tensor of it has no place in the model or a tensor of the loaded adapters is not in it. PEFT would only
+    warn and run the model without them."""
+    loading = model.__dict__.pop("_adapter_load", None)
+    if loading is None:
+        return
+    prefix, adapters = loading
+    unexpected = [
+        key[len(prefix) :]
+        for key in incompatible.unexpected_keys
+        if key.startswith(prefix) and not key.endswith("._extra_state")
+    ]
+    missing = []
+    for key in incompatible.missing_keys:
+        match = ADAPTER_TENSOR.search(key) if key.startswith(prefix) else None
+        if match is not None and match.group(1) in adapters:
+            missing.append(key[len(prefix) :])
+    if not unexpected and not missing:
+        return
+    parts = [f"{len(names)} {what} (e.g. {', '.join(names[:3])})" for what, names in (
+        ("tensors of the adapter have no place in this model", unexpected),
+        ("tensors of the adapter are not in the file", missing),
+    ) if names]  # fmt: skip
+    raise ValueError(
+        f"The PEFT adapter does not fit this {type(model).__name__}: {'; '.join(parts)}. An adapter saved from "
+        f"transformers' ESM-2 loads as it is (keys renamed by `_checkpoint_conversion_mapping`), or convert it "
+        f"with `{ADAPTER_CONVERSION}`; an adapter of another model or shape does not load."
+    )
+
+
+def _tensor_at(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer `name` (a state dict key relative to `module`), or None if there is none."""
+    found: nn.Module | torch.Tensor | None = module
+    for part in name.split("."):
+        if not isinstance(found, nn.Module):
+            return None
+        children = (found._parameters, found._buffers, found._modules)
+        found = next((child[part] for child in children if child.get(part) is not None), None)
+    return found if isinstance(found, torch.Tensor) else None

@@ -23,5 +23,6 @@ The model itself is the Hub remote code at the top of the repository (`configura
 - `cli`: the `nv-esm` command.
 - `path_guard`: where a command may write and read (outputs never meet inputs, names from data stay in their folder,
   no writing through links); `checkpoint_checks`: a checkpoint's config, tokenizer files and tensors agree, and its
-  weights are finite; `proteingym_output`: what `nv-esm proteingym` wrote and from which inputs.
+  weights are finite; `proteingym_output`: what `nv-esm proteingym` wrote and from which inputs; `vocabulary`: the
+  commands' shared option and method names (torch-free, for the parsers in `cli`).
 """

@@ -16,10 +16,31 @@ a usage error: `nv-esm COMMAND: error: ...` (`print_error`), and its `--help` li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import os
+import signal
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from nv_esm.vocabulary import (
+    BACKENDS,
+    COMMAND_FP8_RECIPE,
+    FP8_LAYER_CHOICES,
+    FP8_SCALINGS,
+    INVALID_POLICIES,
+    OUTPUTS,
+    PROTEINGYM_METHODS,
+    RENAMED,
+    SAVE_DTYPE_NAMES,
+    SCORE_METHODS,
+    STRIP_STOP_HELP,
+    TOKENS_PER_BATCH,
+    TOO_LONG_POLICIES,
+    WINDOW_RULES,
+)
 
 COMMANDS = {
     "convert": ("convert_checkpoint", "convert ESM-2 checkpoints between transformers, fair-esm and NVEsm; verify"),
@@ -61,13 +82,333 @@ def print_error(prog: str, message: object) -> None:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every option's default after its help, unless it has none (None, a flag
-    that is off, an empty list): then the help says what happens without it, and "(default: None)" would not."""
+    """The description as written, and after every option's help its default: "(required)" for a required option,
+    "(default: on)" / "(default: off)" for a flag, "(default: none)" for an empty list, else argparse's "(default:
+    VALUE)"; a None default is left to the help, which says what happens without the option (and says "default")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
+        text = (action.help or "").replace(" (default: %(default)s)", "")  # BooleanOptionalAction's own
+        if action.help is argparse.SUPPRESS or action.default is argparse.SUPPRESS:
             return action.help
-        return super()._get_help_string(action)
+        if not action.option_strings:  # a positional argument: always given
+            return action.help
+        if action.required:
+            return f"{text} (required)"
+        if action.nargs == 0 and isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None or "%(default)" in text:
+            return text
+        if action.default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The commands' parsers, built from `nv_esm.vocabulary` and free of torch, so that `--help` answers at once; one
+# name per option across the commands, old names kept (`add_renamed`).
+# ---------------------------------------------------------------------------------------------------------------
+
+FP8_NEEDS = "FP8 layers need Transformer Engine on a CUDA GPU (backend te)"
+
+
+class RenamedOption(argparse.Action):
+    """An old option name (`RENAMED`): says "note: OLD is now NEW" on stderr, then does what NEW does. Hidden from
+    `--help`."""
+
+    def __init__(self, option_strings: list[str], dest: str, target: argparse.Action, **_: object) -> None:
+        super().__init__(
+            option_strings,
+            target.dest,
+            nargs=target.nargs,
+            type=target.type,
+            choices=target.choices,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+            metavar=target.metavar,
+        )
+        self.target = target
+        self.quiet = False  # a second parse of the same command line (`nv_esm.train.config.given_options`) says nothing
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        new = self.target.option_strings[0]
+        if not self.quiet:
+            print(f"note: {option_string} is now {new}", file=sys.stderr)
+        self.target(parser, namespace, values, new)
+
+
+def add_renamed(container: argparse._ActionsContainer, new: argparse.Action) -> None:
+    """Add the old names of `new` (an option `RENAMED` renamed) to `container`, as `RenamedOption`s."""
+    for old, name in RENAMED.items():
+        if name in new.option_strings:
+            container.add_argument(old, action=RenamedOption, target=new)
+
+
+def fp8_refusal(fp8: str, backend: str, device: object) -> str:
+    """The one-line error of `--fp8 FP8` where the layers run on `backend` ("torch") on `device`: what the user
+    passed, what FP8 needs, and the way out."""
+    return f"--fp8 {fp8}: {FP8_NEEDS}; this run has backend {backend} on {device} (drop --fp8, or run on such a GPU)."
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:
+    """The options `nv-esm embed`, `score` and `proteingym` share: the token budget, the backend, its FP8 layers and
+    their scaling, CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
+    `--trust-remote-code` and `--no-progress`."""
+    add_renamed(
+        parser,
+        parser.add_argument(
+            "--tokens-per-batch", type=int, default=TOKENS_PER_BATCH, help="token budget of one packed batch"
+        ),
+    )
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    parser.add_argument(
+        "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA): all or inner"
+    )
+    scaling = parser.add_argument(
+        "--fp8-scaling",
+        choices=FP8_SCALINGS,
+        default=COMMAND_FP8_RECIPE,
+        help="the FP8 layers' scaling: block (one scale per 128 features of each token, so a protein's numbers do "
+        "not depend on the proteins batched with it) or current (one scale per tensor from the batch: faster; a "
+        "protein's numbers move with its batch); delayed is nv-esm train's only",
+    )
+    add_renamed(parser, scaling)
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help=f"replay the layers as CUDA graphs (default: on with Transformer Engine; {graphs_note})",
+    )
+    parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    add_renamed(
+        parser,
+        parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings"),
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the checkpoint's own model code where it differs from this package's (it runs as you: only for "
+        "folders you trust; without it the installed code runs the checkpoint's weights)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading the weights included)")
+
+
+SCORE_DEFAULT_COLUMN = "DMS_score"
+CHECKPOINT_HELP = "an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)"
+# What nv-esm score says of a method name that is nv-esm proteingym's (a different computation, not a spelling).
+PROTEINGYM_ONLY = {
+    "masked_marginals": "masked-marginals is nv-esm proteingym's (each site masked alone, the sites' scores added); "
+    "nv-esm score's masked_marginal masks a mutant's sites together (the same for single mutants)",
+}
+
+
+def method_type(methods: tuple[str, ...], elsewhere: dict[str, str] | None = None) -> Callable[[str], str]:
+    """argparse's `type` of a `--methods` value: the name in `methods` spelled with "-" or "_" alike (normalised to
+    the listed spelling); a name of `elsewhere` (by its "_" spelling) is refused with its explanation."""
+    spelled = {name.replace("-", "_"): name for name in methods}
+
+    def method(value: str) -> str:
+        key = value.replace("-", "_")
+        if key in spelled:
+            return spelled[key]
+        if elsewhere and key in elsewhere:
+            raise argparse.ArgumentTypeError(elsewhere[key])
+        return value  # argparse's choices error names the methods
+
+    return method
+
+
+def parse_embed_args(argv: list[str], prog: str) -> argparse.Namespace:
+    """`nv-esm embed`'s command line (`nv_esm.embed.parse_args`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Embed the proteins of a FASTA file with an NVEsm checkpoint into safetensors shards + index.tsv.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    parser.add_argument("fasta", type=Path, help="the proteins, one FASTA record each (ids: first word of headers)")
+    parser.add_argument("output", type=Path, help="folder for the shards, index.tsv and manifest.json")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=[-1], help="hidden states to keep: 0 = embeddings, -1 = last"
+    )
+    parser.add_argument(
+        "--include", nargs="+", choices=OUTPUTS, default=["mean"], help="per-protein mean/cls, per-residue, contacts"
+    )
+    parser.add_argument(
+        "--max-length", type=int, help="longest protein in residues (default: the checkpoint's max_protein_length - 2)"
+    )
+    parser.add_argument(
+        "--too-long",
+        choices=TOO_LONG_POLICIES,
+        default="error",
+        help="longer proteins: stop; skip; keep the first --max-length residues; or overlapping windows (averaged)",
+    )
+    parser.add_argument(
+        "--invalid",
+        choices=INVALID_POLICIES,
+        default="error",
+        help="records with letters outside ESM-2's alphabet, or none: stop, or skip them (index.tsv says why)",
+    )
+    parser.add_argument(
+        "--strip-stop", action="store_true", help=f"{STRIP_STOP_HELP}; index.tsv's stop_removed column says where"
+    )
+    parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
+    parser.add_argument("--save-dtype", choices=SAVE_DTYPE_NAMES, default="float32", help="dtype of the saved arrays")
+    add_run_arguments(parser, "last layer only, no contacts")
+    args = parser.parse_args(argv)
+    if args.shard_size < 1 or args.tokens_per_batch < 1:
+        parser.error("--shard-size and --tokens-per-batch must be positive")
+    if "contacts" in args.include and args.too_long == "window":
+        parser.error("contacts of windowed proteins are not defined: use --too-long crop, skip or error")
+    return args
+
+
+def parse_score_args(argv: list[str], prog: str) -> argparse.Namespace:
+    """`nv-esm score`'s command line (`nv_esm.score.parse_args`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Pseudo-log-likelihoods of a FASTA file's proteins, or variant-effect scores of a CSV of mutants "
+        "of one wild type, with an NVEsm masked-LM checkpoint.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    parser.add_argument("fasta", type=Path, help="proteins to score (PLL), or with --mutants the wild type (1 record)")
+    parser.add_argument("output", type=Path, help="the output CSV (finished parts are kept in OUTPUT.parts/)")
+    parser.add_argument(
+        "--mutants", type=Path, help="a CSV of mutants of the wild type, one per row (ProteinGym's; default: none)"
+    )
+    default_methods = [SCORE_METHODS[0]]
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=method_type(SCORE_METHODS, PROTEINGYM_ONLY),
+        choices=SCORE_METHODS,
+        default=default_methods,
+        help="with --mutants: one output column each, named as the method ('-' reads as '_')",
+    )
+    parser.add_argument("--mutant-column", default="mutant", help="with --mutants: the column of A24G / A24G:K30R")
+    parser.add_argument(
+        "--score-column",
+        help="with --mutants: measured scores to rank against (Spearman's rho, printed; default "
+        f"{SCORE_DEFAULT_COLUMN} where the CSV has it)",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        help="residues per forward for longer proteins (default: min(max_position_embeddings, max_protein_length) - 2)",
+    )
+    parser.add_argument(
+        "--invalid",
+        choices=INVALID_POLICIES,
+        default="error",
+        help="FASTA records outside ESM-2's alphabet, or bad mutant rows: stop, or leave them unscored (the status "
+        "column says why)",
+    )
+    parser.add_argument("--strip-stop", action="store_true", help=STRIP_STOP_HELP)
+    parser.add_argument(
+        "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
+    )
+    add_run_arguments(parser, "every forward of masked copies")
+    args = parser.parse_args(argv)
+    if args.mutants is None and (args.methods is not default_methods or args.score_column):
+        parser.error("--methods and --score-column score mutants: pass --mutants CSV")
+    args.methods = tuple(dict.fromkeys(args.methods)) if args.mutants else ()
+    if args.shard_size is None:
+        args.shard_size = 2000 if args.mutants else 100
+    if args.shard_size < 1 or args.tokens_per_batch < 1:
+        parser.error("--shard-size and --tokens-per-batch must be positive")
+    if args.output.name in ("", "..") or args.output.is_dir():
+        parser.error(f"output {args.output} is a folder; name the CSV file to write, e.g. {args.output / 'scores.csv'}")
+    return args
+
+
+def parse_proteingym_args(argv: list[str], prog: str) -> argparse.Namespace:
+    """`nv-esm proteingym`'s command line (`nv_esm.proteingym.parse_args`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Score ProteinGym's substitution assays with an NVEsm masked-LM checkpoint, their ESM-2 methods "
+        "and windows, the masked copies of all assays packed together.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("checkpoint", help=CHECKPOINT_HELP)
+    parser.add_argument("reference", type=Path, help="ProteinGym's reference_files/DMS_substitutions.csv")
+    parser.add_argument("assays_folder", type=Path, help="the assays' CSV files (DMS_ProteinGym_substitutions/)")
+    parser.add_argument("output", type=Path, help="the output folder: <DMS_id>.csv per assay")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=method_type(PROTEINGYM_METHODS),
+        choices=PROTEINGYM_METHODS,
+        default=[PROTEINGYM_METHODS[0]],
+        help="one score column each: MODEL_NAME for masked-marginals, MODEL_NAME_<method> for the others ('-' and "
+        "'_' read alike); masked_marginal is nv-esm score's joint mask",
+    )
+    parser.add_argument(
+        "--windows",
+        choices=WINDOW_RULES,
+        default="proteingym",
+        help="long proteins: ProteinGym's slices of the token array, or nv-esm score's windows",
+    )
+    parser.add_argument("--assays", nargs="+", metavar="DMS_ID", help="score these assays only (default: all)")
+    parser.add_argument(
+        "--scatter-assay", metavar="DMS_ID", help="the assay of the score-vs-DMS_score plot (default: the first one)"
+    )
+    parser.add_argument(
+        "--model-name",
+        help="the score columns' name (ProteinGym's config.json reads e.g. esm2_t33_650M_UR50D; default: the "
+        "checkpoint folder's name)",
+    )
+    add_run_arguments(parser, "every forward of masked copies")
+    args = parser.parse_args(argv)
+    args.methods = tuple(dict.fromkeys(args.methods))
+    args.model_name = args.model_name or Path(args.checkpoint.rstrip("/")).name
+    if args.tokens_per_batch < 1:
+        parser.error("--tokens-per-batch must be positive")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"output {args.output} is a file; name a folder")
+    return args
+
+
+def parse_export_args(argv: list[str], prog: str) -> argparse.Namespace:
+    """`nv-esm train export`'s command line (`nv_esm.train.export.export_main`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Write a Hub folder from a training checkpoint.", formatter_class=HelpFormatter
+    )
+    parser.add_argument("checkpoint", type=Path, help="OUT/checkpoints/step_NNNNNNN")
+    parser.add_argument("out", type=Path, help="the Hub model folder to write (absent or empty unless --overwrite)")
+    add_renamed(parser, parser.add_argument("--overwrite", action="store_true", help="replace an earlier export"))
+    return parser.parse_args(argv)
+
+
+def parse_train_args(argv: list[str], prog: str) -> object:
+    """`nv-esm train`'s command line (`nv_esm.train.config.parse_config`; `export` its `parse_export_args`)."""
+    if argv[:1] == ["export"]:
+        return parse_export_args(argv[1:], f"{prog} export")
+    from nv_esm.train.config import parse_config
+
+    return parse_config(argv, prog)
+
+
+def parse_convert_args(argv: list[str], prog: str) -> argparse.Namespace:
+    """`nv-esm convert`'s command line (`convert_checkpoint.build_parser`)."""
+    from convert_checkpoint import build_parser
+
+    return build_parser(prog).parse_args(argv)
+
+
+# Each command's parser, which imports neither torch nor transformers: `--help` answers at once (`main`).
+PARSERS: dict[str, Callable[[list[str], str], object]] = {
+    "convert": parse_convert_args,
+    "embed": parse_embed_args,
+    "score": parse_score_args,
+    "proteingym": parse_proteingym_args,
+    "train": parse_train_args,
+}
+
+
+def asks_for_help(arguments: list[str]) -> bool:
+    """Whether argparse would print the help of `arguments` (-h or --help before a `--`)."""
+    before = arguments[: arguments.index("--")] if "--" in arguments else arguments
+    return "-h" in before or "--help" in before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +424,34 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"nv-esm: error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
+    if asks_for_help(arguments):  # the command's parser alone (torch is not imported): prints, exits 0
+        PARSERS[command](arguments, f"nv-esm {command}")
+    with interrupted_start_up(f"nv-esm {command}"):
+        module = importlib.import_module(COMMANDS[command][0])
     status = module.main(arguments, prog=f"nv-esm {command}")
     return status or 0
+
+
+@contextlib.contextmanager
+def interrupted_start_up(prog: str) -> Iterator[None]:
+    """Around a command's imports (torch, transformers, the model code: seconds): Ctrl-C there ends the process at
+    once with one line and status 130, not a traceback through the import machinery (nor a KeyboardInterrupt that
+    a library's bare `except` would swallow); nothing has been read or written yet. Only where Ctrl-C would raise
+    KeyboardInterrupt (not where it is ignored, nor off the main thread); the handler before is put back after."""
+
+    def stop(_signum: int, _frame: object) -> None:
+        os.write(2, f"{prog}: error: interrupted during start-up: nothing was read or written.\n".encode())
+        os._exit(130)
+
+    previous = None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        with contextlib.suppress(ValueError):  # not the main thread
+            previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def keep_imports_installed() -> None:

@@ -12,6 +12,7 @@ mapped through the table, then the logit table.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,10 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from configuration_nv_esm import NVEsmConfig
-from nv_esm.checkpoint_checks import check_special_token_ids
-from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, format_bytes, parse_size, read_json, weight_files
+from nv_esm.checkpoint_checks import check_finite, check_special_token_ids
+from nv_esm.checkpoint_io import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    format_bytes,
+    load_torch_file,
+    parse_size,
+    read_json,
+    weight_files,
+)
 from nv_esm.conversion_plan import (
     HF_TO_TE,
     TE_TO_HF,
@@ -49,7 +59,15 @@ from nv_esm.hub_folder import (
     write_tokenizer,
 )
 from nv_esm.model_card import ConvertedCheckpoint, model_card
-from nv_esm.state_dict_mapping import HEADS, RULES, CheckpointMismatch, hf_config_from_nv, nv_config_from_hf
+from nv_esm.state_dict_mapping import (
+    HEADS,
+    RULES,
+    CheckpointMismatch,
+    hf_config_from_nv,
+    hf_to_nv_adapter_state_dict,
+    nv_config_from_hf,
+    nv_to_hf_adapter_state_dict,
+)
 from nv_esm.verification import (
     ModelLoader,
     VerificationFailed,
@@ -121,10 +139,13 @@ def convert(
     options: ConvertOptions | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> ConversionResult:
-    """Convert `source` into `out` (see the module docstring); `config_overrides` go into the NVEsm config."""
+    """Convert `source` into `out` (see the module docstring); `config_overrides` go into the NVEsm config. A
+    PEFT adapter folder (`adapter_config.json`) is converted by `convert_adapter`."""
     start = time.perf_counter()
     options = options or ConvertOptions()
     out = Path(out)
+    if is_adapter_folder(source):
+        return convert_adapter(direction, Path(source).expanduser(), out, options, config_overrides or {})
     check_out(out, options.force)
     opened = open_source(source, options.revision)
     check_not_source(out, opened)
@@ -233,6 +254,54 @@ def _load_fair_esm(source: Source, device: str) -> tuple[Any, str]:
     return model.to(device).eval(), f"transformers EsmForMaskedLM float32 ({source.spec})"
 
 
+# --------------------------------------------------------------------------------------------------------------
+# PEFT adapters
+# --------------------------------------------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def is_adapter_folder(source: str | Path) -> bool:
+    """Whether `source` is a local PEFT adapter folder (`adapter_config.json`, as `save_pretrained` writes)."""
+    path = Path(source).expanduser()
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file()
+
+
+def convert_adapter(
+    direction: Direction, source: Path, out: Path, options: ConvertOptions, config_overrides: dict[str, Any]
+) -> ConversionResult:
+    """Convert a PEFT adapter folder saved from transformers' ESM-2 (LoRA, `modules_to_save` heads) into one whose
+    tensor names are NVEsm's (`hf_to_nv_adapter_state_dict`), or back; the other files (adapter_config.json: the
+    target module names are the same on both sides) are copied. `config_overrides` may set the vocabulary sizes
+    (default ESM-2's: 33 entries, padded to 64)."""
+    start = time.perf_counter()
+    if options.verify:
+        raise ValueError(f"{source} is a PEFT adapter folder: --verify compares models; load the adapter instead.")
+    check_out(out, options.force)
+    weights = [source / name for name in ADAPTER_WEIGHTS if (source / name).is_file()]
+    if not weights:
+        raise ValueError(f"{source} holds {ADAPTER_CONFIG} but no {' or '.join(ADAPTER_WEIGHTS)}.")
+    state = load_file(weights[0]) if weights[0].suffix == ".safetensors" else load_torch_file(weights[0])
+    check_finite(state.items(), weights[0])
+    config = NVEsmConfig(**config_overrides)
+    mapped = (hf_to_nv_adapter_state_dict if direction.to_nv else nv_to_hf_adapter_state_dict)(state, config)
+    dtype = DTYPES[options.dtype] if options.dtype else None
+    mapped = {
+        key: (tensor.to(dtype) if dtype and tensor.is_floating_point() else tensor).contiguous()
+        for key, tensor in mapped.items()
+    }
+    with staging_folder(out, options.force) as staging:
+        for path in sorted(source.iterdir()):
+            if path.is_file() and path.name not in ADAPTER_WEIGHTS:
+                shutil.copyfile(path, staging / path.name)
+        save_file(mapped, staging / ADAPTER_WEIGHTS[0], metadata={"format": "pt"})
+    seconds = time.perf_counter() - start
+    nbytes = sum(tensor.nbytes for tensor in mapped.values())
+    parameters = sum(tensor.numel() for tensor in mapped.values())
+    return ConversionResult(config, out, parameters, nbytes, 1, seconds, None)
+
+
 def convert_hf_to_nv(
     source: Path | str, out: Path, *, options: ConvertOptions | None = None, **config_overrides: object
 ) -> NVEsmConfig:
@@ -275,17 +344,22 @@ class FolderCheck:
         )
 
     def text(self) -> str:
-        """What `verify` prints: the file check and the tensor check (a line per difference), then the logit table."""
+        """What `verify` prints: the file check and the tensor check (a line per difference), then the logit table,
+        whose last line says PASSED only when the whole check passed (when the files or tensors differ, it says
+        that the logits agree, and `verify` ends with its failure: no PASSED before a failure)."""
         lines = [
-            f"files: every file of OUT against what the converter writes from SRC ({self.files} byte for byte or, "
-            f"config.json, field by field; weights below; a model card not compared): "
+            f"files: every file of OUT against what the converter writes from SRC ({self.files} files: config.json "
+            "field by field, the others byte for byte; the weights are checked below; a model card is not compared): "
             f"{_differences(len(self.file_mismatches))}",
             *(f"  DIFFERS {mismatch}" for mismatch in self.file_mismatches),
             f"tensors: {self.compared} of SRC mapped through the rules ({self.direction.name}, {self.dtype}) and "
             f"compared with OUT bit for bit: {_differences(len(self.mismatches))}",
             *(f"  DIFFERS {mismatch}" for mismatch in self.mismatches),
         ]
-        return "\n".join([*lines, "", self.report.table()])
+        table = self.report.table()
+        if self.report.passed and not self.passed:
+            table = table.replace("\nPASSED: ", "\nlogits agree (files or tensors above differ): ", 1)
+        return "\n".join([*lines, "", table])
 
 
 def _differences(count: int) -> str:

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES
 from nv_esm.alphabet import iter_fasta
-from nv_esm.cli import BACKEND_HELP, HelpFormatter, print_error
+from nv_esm.cli import add_run_arguments as add_run_arguments  # score's and proteingym's shared options
+from nv_esm.cli import parse_embed_args, print_error
 from nv_esm.embed_model import ShardEmbedder, load_config, load_model
 from nv_esm.embed_output import (
     CONTACTS_PICTURE,
@@ -61,11 +61,6 @@ from nv_esm.embed_output import (
 )
 from nv_esm.embed_output import iter_embeddings as iter_embeddings  # the reader of the command's folders (README)
 from nv_esm.embed_plan import (
-    COMMAND_FP8_RECIPE,
-    FP8_SCALINGS,
-    OUTPUTS,
-    SAVE_DTYPES,
-    TOO_LONG_POLICIES,
     EmbedSettings,
     Record,
     plan_run,
@@ -76,86 +71,11 @@ from nv_esm.embed_plan import (
 from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
-from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Embed the proteins of a FASTA file with an NVEsm checkpoint into safetensors shards + index.tsv.",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
-    parser.add_argument("fasta", type=Path, help="the proteins, one FASTA record each (ids: first word of headers)")
-    parser.add_argument("output", type=Path, help="folder for the shards, index.tsv and manifest.json")
-    parser.add_argument(
-        "--layers", type=int, nargs="+", default=[-1], help="hidden states to keep: 0 = embeddings, -1 = last"
-    )
-    parser.add_argument(
-        "--include", nargs="+", choices=OUTPUTS, default=["mean"], help="per-protein mean/cls, per-residue, contacts"
-    )
-    parser.add_argument(
-        "--max-length", type=int, help="longest protein in residues (default: the checkpoint's max_protein_length - 2)"
-    )
-    parser.add_argument(
-        "--too-long",
-        choices=TOO_LONG_POLICIES,
-        default="error",
-        help="longer proteins: stop; skip; keep the first --max-length residues; or overlapping windows (averaged)",
-    )
-    parser.add_argument(
-        "--invalid",
-        choices=INVALID_POLICIES,
-        default="error",
-        help="records with letters outside ESM-2's alphabet, or none: stop, or skip them (index.tsv says why)",
-    )
-    parser.add_argument(
-        "--strip-stop",
-        action="store_true",
-        help=f"{STRIP_STOP_HELP}; index.tsv's stop_removed column says where",
-    )
-    parser.add_argument("--shard-size", type=int, default=1000, help="proteins (FASTA records) per shard")
-    parser.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default="float32", help="dtype of the saved arrays")
-    add_run_arguments(parser, "last layer only, no contacts")
-    args = parser.parse_args(argv)
-    if args.shard_size < 1 or args.tokens_per_batch < 1:
-        parser.error("--shard-size and --tokens-per-batch must be positive")
-    if "contacts" in args.include and args.too_long == "window":
-        parser.error("contacts of windowed proteins are not defined: use --too-long crop, skip or error")
-    return args
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:
-    """The options `nv-esm embed`, `score` and `proteingym` share: the token budget, the backend, its FP8 layers and
-    their scaling, CUDA graphs (`graphs_note`: where the command replays them), the device, `--overwrite`,
-    `--trust-remote-code` and `--no-progress`."""
-    parser.add_argument("--tokens-per-batch", type=int, default=16384, help="token budget of one packed batch")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
-    parser.add_argument(
-        "--fp8", choices=FP8_LAYER_CHOICES, default="off", help="FP8 layers (Transformer Engine on CUDA): all or inner"
-    )
-    parser.add_argument(
-        "--fp8-scaling",
-        choices=FP8_SCALINGS,
-        default=COMMAND_FP8_RECIPE,
-        help="the FP8 layers' scaling: block (one scale per 128 features of each token, so a protein's numbers do "
-        "not depend on the proteins batched with it) or current (one scale per tensor from the batch: faster; a "
-        "protein's numbers move with its batch)",
-    )
-    parser.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        help=f"replay the layers as CUDA graphs (default on Transformer Engine; {graphs_note})",
-    )
-    parser.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
-    parser.add_argument("--overwrite", action="store_true", help="delete an earlier run with other settings")
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the checkpoint's own model code where it differs from this package's (it runs as you: only for "
-        "folders you trust; default: the installed code runs the checkpoint's weights)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading the weights included)")
+    """The command line (`nv_esm.cli.parse_embed_args`: declared there, without torch, so `--help` is quick)."""
+    return parse_embed_args(argv, prog)
 
 
 def command_device(name: str | None) -> torch.device:

@@ -23,11 +23,15 @@ import modeling_nv_esm
 from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import chunk_digests
+from nv_esm.cli import fp8_refusal
 from nv_esm.records import residue_ids
+from nv_esm.vocabulary import COMMAND_FP8_RECIPE as COMMAND_FP8_RECIPE
+from nv_esm.vocabulary import FP8_SCALINGS as FP8_SCALINGS
+from nv_esm.vocabulary import OUTPUTS as OUTPUTS
+from nv_esm.vocabulary import SAVE_DTYPE_NAMES
+from nv_esm.vocabulary import TOO_LONG_POLICIES as TOO_LONG_POLICIES
 
-OUTPUTS = ("mean", "cls", "per_residue", "contacts")
-TOO_LONG_POLICIES = ("error", "skip", "crop", "window")
-SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}  # --save-dtype's
 
 
 # The commands' FP8 scaling (`--fp8-scaling`). Block scaling by default (Float8BlockScaling: one scale per 128 features
@@ -36,8 +40,7 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 # Current scaling (one scale per tensor, from the batch's own tensors) is the faster option; its numbers move with
 # the other proteins of a batch. Never delayed scaling (the model's default): TE updates its scales from the amax
 # history only in forwards with gradients, so inference would run every batch at the initial scale 1.
-FP8_SCALINGS = ("block", "current")
-COMMAND_FP8_RECIPE = "block"
+# `FP8_SCALINGS` and `COMMAND_FP8_RECIPE` are declared in nv_esm.vocabulary (the parsers import no torch).
 
 
 def fp8_setting(fp8: str, fp8_scaling: str) -> str:
@@ -208,12 +211,17 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
 
 
 def command_backend(args: argparse.Namespace, device: torch.device) -> Any:
-    """The layers' backend of `--backend` on `device` (`modeling_nv_esm.resolve_backend`); ValueError where `--fp8`
-    or an explicit `--cuda-graphs` asks for what it cannot run."""
+    """The layers' backend of `--backend` on `device` (`modeling_nv_esm.resolve_backend`); ValueError, naming the
+    option given, where `--fp8` (`cli.fp8_refusal`, as `nv-esm train` says it) or an explicit `--cuda-graphs` asks
+    for what it cannot run."""
     backend = modeling_nv_esm.resolve_backend(args.backend, device)
-    unsupported = (args.fp8 != "off" and not backend.runs_fp8) or (args.cuda_graphs and not backend.runs_cuda_graphs)
-    if unsupported:  # --cuda-graphs asked for, not the default
-        raise ValueError("--fp8 and --cuda-graphs need Transformer Engine on a CUDA device (backend 'te').")
+    if args.fp8 != "off" and not backend.runs_fp8:
+        raise ValueError(fp8_refusal(args.fp8, backend.name, device))
+    if args.cuda_graphs and not backend.runs_cuda_graphs:  # --cuda-graphs asked for, not the default
+        raise ValueError(
+            f"--cuda-graphs replays Transformer Engine layers on a CUDA GPU (backend te); this run has backend "
+            f"{backend.name} on {device} (drop --cuda-graphs)."
+        )
     return backend
 
 

@@ -254,7 +254,7 @@ def write_license(out: Path, with_code: bool) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-# The files a model folder write makes (the converter's both ways, `nv-esm train export`): all that `--force` may
+# The files a model folder write makes (the converter's both ways, `nv-esm train export`): all that `--overwrite` may
 # replace. Weight shards are `SHARD_NAME`.
 HUB_FOLDER_FILES = frozenset(
     {
@@ -280,7 +280,7 @@ def check_out(out: Path, force: bool) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     if not force:
-        raise ValueError(f"{out} is not empty; pass --force to replace it, or choose another folder.")
+        raise ValueError(f"{out} is not empty; pass --overwrite to replace it, or choose another folder.")
     foreign = sorted(
         path.name
         for path in out.iterdir()
@@ -291,12 +291,12 @@ def check_out(out: Path, force: bool) -> None:
     if foreign:
         listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ValueError(
-            f"{out} holds {len(foreign)} entries that no model folder write makes ({listed}); --force replaces only "
-            "an earlier conversion or export: choose another folder, or move them away first."
+            f"{out} holds {len(foreign)} entries that no model folder write makes ({listed}); --overwrite replaces "
+            "only an earlier conversion or export: choose another folder, or move them away first."
         )
 
 
-# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), and an OUT that --force
+# Staging folders are named `.OUT.partial-HOST-PID-XXXXXXXX` (PID: the writing process), and an OUT that --overwrite
 # replaces is set aside as `.OUT.old-HOST-PID-XXXXXXXX` until the new one is in place, so a later run can tell those
 # of runs that died (kill -9, a crash, a power cut) from those of runs still going.
 STAGING_NAME = re.compile(r"\.(?P<out>.*)\.(?P<kind>partial|old)-(?P<host>[\w.-]*)-(?P<pid>\d+)-[a-z0-9_]{8}")

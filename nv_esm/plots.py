@@ -2,9 +2,10 @@
 throughput (`nv-esm train`: OUT/metrics.png), scores against measurements (`nv-esm score --score-column`), and
 contact maps (`nv-esm embed --contacts`).
 
-matplotlib is optional (`pip install "nv-esm[plots]"`): without it each function returns None and writes nothing, and
-the command says once how to get the picture. Files are written under a fresh temporary name in the target's folder
-and renamed into place, so a reader never sees half a PNG.
+matplotlib is optional (`pip install matplotlib`, or the `plots` extra: `pip install ".[plots]"` in a clone):
+without it each function returns None and writes nothing, and the command says once how to get the picture. Files
+are written under a fresh temporary name in the target's folder and renamed into place, so a reader never sees half
+a PNG.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from nv_esm.checkpoint_io import replaced_atomically
 
-PLOTS_HINT = 'pip install "nv-esm[plots]" (matplotlib) to get {what} as a PNG'
+PLOTS_HINT = "pip install matplotlib to get {what} as a PNG"
 
 
 def pyplot() -> Any | None:

@@ -50,8 +50,8 @@ import torch
 from modeling_nv_esm_batch import protein_residues
 from nv_esm import proteingym_metrics
 from nv_esm.checkpoint_io import write_atomically
-from nv_esm.cli import HelpFormatter
-from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
+from nv_esm.cli import parse_proteingym_args
+from nv_esm.embed import barrier, run_on_ranks
 from nv_esm.embed_model import load_config, runs_checkpoint_code
 from nv_esm.embed_output import check_output_folder, output_lock, prepare_output
 from nv_esm.embed_plan import checkpoint_fingerprint, command_backend, command_precision, fp8_setting
@@ -67,7 +67,7 @@ from nv_esm.proteingym_output import (
     inputs_fingerprint,
     record_inputs,
 )
-from nv_esm.proteingym_scoring import METHODS, WINDOW_RULES, Assay, Plan, RowNames, check_assay, run_plans
+from nv_esm.proteingym_scoring import Assay, Plan, RowNames, check_assay, run_plans
 from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window
 
@@ -82,43 +82,8 @@ ROW_TOKENS = 4  # an assay row's host work (read, checked, planned, scored, writ
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Score ProteinGym's substitution assays with an NVEsm masked-LM checkpoint, their ESM-2 methods "
-        "and windows, the masked copies of all assays packed together.",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
-    parser.add_argument("reference", type=Path, help="ProteinGym's reference_files/DMS_substitutions.csv")
-    parser.add_argument("assays_folder", type=Path, help="the assays' CSV files (DMS_ProteinGym_substitutions/)")
-    parser.add_argument("output", type=Path, help="the output folder: <DMS_id>.csv per assay")
-    parser.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=["masked-marginals"], help="one score column each"
-    )
-    parser.add_argument(
-        "--windows",
-        choices=WINDOW_RULES,
-        default="proteingym",
-        help="long proteins: ProteinGym's slices of the token array, or nv-esm score's windows",
-    )
-    parser.add_argument("--assays", nargs="+", metavar="DMS_ID", help="score these assays only (default: all)")
-    parser.add_argument(
-        "--scatter-assay", metavar="DMS_ID", help="the assay of the score-vs-DMS_score plot (default: the first one)"
-    )
-    parser.add_argument(
-        "--model-name",
-        help="the score columns' name (ProteinGym's config.json reads e.g. esm2_t33_650M_UR50D; default: the "
-        "checkpoint folder's name)",
-    )
-    add_run_arguments(parser, "every forward of masked copies")
-    args = parser.parse_args(argv)
-    args.methods = tuple(dict.fromkeys(args.methods))
-    args.model_name = args.model_name or Path(args.checkpoint.rstrip("/")).name
-    if args.tokens_per_batch < 1:
-        parser.error("--tokens-per-batch must be positive")
-    if args.output.exists() and not args.output.is_dir():
-        parser.error(f"output {args.output} is a file; name a folder")
-    return args
+    """The command line (`nv_esm.cli.parse_proteingym_args`: declared there, without torch, so `--help` is quick)."""
+    return parse_proteingym_args(argv, prog)
 
 
 def score_column(model_name: str, method: str) -> str:

@@ -50,10 +50,9 @@ import torch
 
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.scoring import MaskedCopy, Scorer, Substitution, copy_tokens, parse_mutants, progress_bar, window_bounds
+from nv_esm.vocabulary import PROTEINGYM_METHODS, WINDOW_RULES
 
-PROTEINGYM_METHODS = ("masked-marginals", "wt-marginals", "pseudo-ppl")
-METHODS = (*PROTEINGYM_METHODS, "masked_marginal")
-WINDOW_RULES = ("proteingym", "nv-esm")
+METHODS = PROTEINGYM_METHODS  # ProteinGym's names, and nv-esm score's joint mask (`nv_esm.vocabulary`)
 
 
 def optimal_window(position: int, length: int, window: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ from pathlib import Path
 from modeling_nv_esm import protein_residues
 from modeling_nv_esm_batch import RESIDUE_LETTERS, STOP_MARK
 from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta, text_lines
+from nv_esm.vocabulary import INVALID_POLICIES as INVALID_POLICIES
+from nv_esm.vocabulary import STRIP_STOP_HELP as STRIP_STOP_HELP
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa")
 SEQUENCE_SUFFIXES = (*FASTA_SUFFIXES, ".txt", *(s + ".gz" for s in (*FASTA_SUFFIXES, ".txt")), ".parquet")
@@ -26,8 +28,6 @@ _ID_OF_BYTE = bytes(
     for byte in range(256)
 )
 # What `nv-esm embed`, `score` and `train` do with a record outside ESM-2's alphabet, or without residues (`--invalid`).
-INVALID_POLICIES = ("error", "skip")
-STRIP_STOP_HELP = "remove a trailing '*' (a stop codon's mark, as in UniProt files) instead of refusing it"
 
 
 # --------------------------------------------------------------------------------------------------------------

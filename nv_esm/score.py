@@ -50,8 +50,8 @@ import torch
 from modeling_nv_esm_batch import protein_residues
 from nv_esm.alphabet import iter_fasta
 from nv_esm.checkpoint_io import TEMPORARY_SUFFIX, file_sha256, write_atomically
-from nv_esm.cli import HelpFormatter
-from nv_esm.embed import add_run_arguments, barrier, run_on_ranks
+from nv_esm.cli import parse_score_args
+from nv_esm.embed import barrier, run_on_ranks
 from nv_esm.embed_model import load_config, load_model, runs_checkpoint_code
 from nv_esm.embed_output import (
     MANIFEST_NAME,
@@ -75,9 +75,7 @@ from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_scores
 from nv_esm.rank_statistics import spearman
-from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP
 from nv_esm.scoring import (
-    METHODS,
     Scorer,
     SequenceLikelihood,
     Substitution,
@@ -100,53 +98,8 @@ DEFAULT_METHODS = ["masked_marginal"]
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Pseudo-log-likelihoods of a FASTA file's proteins, or variant-effect scores of a CSV of mutants "
-        "of one wild type, with an NVEsm masked-LM checkpoint.",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="an NVEsm checkpoint folder or Hub id (see `nv-esm convert`)")
-    parser.add_argument("fasta", type=Path, help="proteins to score (PLL), or with --mutants the wild type (1 record)")
-    parser.add_argument("output", type=Path, help="the output CSV (finished parts are kept in OUTPUT.parts/)")
-    parser.add_argument("--mutants", type=Path, help="a CSV of mutants of the wild type, one per row (ProteinGym's)")
-    parser.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=DEFAULT_METHODS, help="with --mutants: one output column each"
-    )
-    parser.add_argument("--mutant-column", default="mutant", help="with --mutants: the column of A24G / A24G:K30R")
-    parser.add_argument(
-        "--score-column",
-        help="with --mutants: measured scores to rank against (Spearman's rho, printed; default "
-        f"{DEFAULT_SCORE_COLUMN} where the CSV has it)",
-    )
-    parser.add_argument(
-        "--window",
-        type=int,
-        help="residues per forward for longer proteins (default: min(max_position_embeddings, max_protein_length) - 2)",
-    )
-    parser.add_argument(
-        "--invalid",
-        choices=INVALID_POLICIES,
-        default="error",
-        help="FASTA records outside ESM-2's alphabet, or bad mutant rows: stop, or leave them unscored (the status "
-        "column says why)",
-    )
-    parser.add_argument("--strip-stop", action="store_true", help=STRIP_STOP_HELP)
-    parser.add_argument(
-        "--shard-size", type=int, help="records (default 100), or mutant rows (default 2000), per resumable part"
-    )
-    add_run_arguments(parser, "every forward of masked copies")
-    args = parser.parse_args(argv)
-    if args.mutants is None and (args.methods is not DEFAULT_METHODS or args.score_column):
-        parser.error("--methods and --score-column score mutants: pass --mutants CSV")
-    args.methods = tuple(dict.fromkeys(args.methods)) if args.mutants else ()
-    if args.shard_size is None:
-        args.shard_size = 2000 if args.mutants else 100
-    if args.shard_size < 1 or args.tokens_per_batch < 1:
-        parser.error("--shard-size and --tokens-per-batch must be positive")
-    if args.output.name in ("", "..") or args.output.is_dir():
-        parser.error(f"output {args.output} is a folder; name the CSV file to write, e.g. {args.output / 'scores.csv'}")
-    return args
+    """The command line (`nv_esm.cli.parse_score_args`: declared there, without torch, so `--help` is quick)."""
+    return parse_score_args(argv, prog)
 
 
 @dataclass(frozen=True)

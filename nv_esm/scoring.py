@@ -54,8 +54,9 @@ from tqdm.auto import tqdm
 
 from modeling_nv_esm_batch import RESIDUE_LETTERS, length_sorted_batches, pack_proteins, protein_residues
 from nv_esm.embed_model import device_autocast, to_device, to_host
+from nv_esm.vocabulary import SCORE_METHODS
 
-METHODS = ("masked_marginal", "wildtype_marginal", "pseudo_likelihood")
+METHODS = SCORE_METHODS  # `nv_esm.vocabulary`
 MARGINAL_METHODS = ("masked_marginal", "wildtype_marginal")
 _SUBSTITUTION = re.compile(r"([A-Za-z])([0-9]+)([A-Za-z])")
 

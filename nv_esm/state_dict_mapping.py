@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from configuration_nv_esm import NVEsmConfig
+from modeling_nv_esm_lora import LORA_TARGETS
 from nv_esm.alphabet import ESM_VOCAB
 
 # EsmConfig fields that NVEsmConfig carries unchanged.
@@ -450,3 +451,93 @@ def hf_config_from_fair_esm(model_args: Any) -> dict:
         "attention_probs_dropout_prob": 0.0,
         "tie_word_embeddings": True,
     }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# PEFT adapters
+# --------------------------------------------------------------------------------------------------------------
+
+# An adapter's tensor names (`adapter_model.safetensors`) start with this; the rest is the model's module path.
+ADAPTER_PREFIX = "base_model.model."
+# A LoRA tensor: the module it adapts, the LoRA part (`lora_A`, `lora_embedding_B`, `lora_magnitude_vector`, ...).
+LORA_TENSOR = re.compile(r"(?P<module>.+?)\.(?P<part>lora_[A-Za-z_]+)(?P<rest>\..+)?")
+# A layer of the encoder in each naming (EsmModel's adapters lack `esm.`).
+LAYER_PATHS = {
+    True: re.compile(r"^((?:esm\.)?encoder)\.layer\.(\d+)\."),
+    False: re.compile(r"^((?:esm\.)?encoder)\.layers\.(\d+)\."),
+}
+LAYER_PATH_NAMES = {True: r"\1.layers.\2.", False: r"\1.layer.\2."}
+# Modules outside the layers that LoRA may adapt with the same name on both sides (the embedding's LoRA A has a
+# column per vocabulary entry).
+LORA_MODULES = ("lm_head.dense", "classifier", "classifier.dense", "classifier.out_proj")
+LORA_EMBEDDING = "embeddings.word_embeddings"
+
+
+def hf_to_nv_adapter_state_dict(state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
+    """A PEFT adapter's tensors (LoRA; `modules_to_save` heads) saved from transformers' ESM-2 -> NVEsm's: layers
+    renamed, a head's tensors through the head's rules (the LM head's LayerNorm into its decoder, vocabulary rows
+    padded to `config.padded_vocab_size`). ValueError on a tensor with no NVEsm counterpart."""
+    return {_adapter_key(key, True): _adapter_tensor(key, tensor, config, True) for key, tensor in state.items()}
+
+
+def nv_to_hf_adapter_state_dict(state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_nv_adapter_state_dict` (vocabulary rows cut to `config.vocab_size`; refused unless the
+    cut rows are zero)."""
+    return {_adapter_key(key, False): _adapter_tensor(key, tensor, config, False) for key, tensor in state.items()}
+
+
+def _head_rules() -> dict[str, Rule]:
+    """The single-tensor rules outside the layers, by the name of either side."""
+    rules = [rule for rule in (*RULES, *(r for head in HEADS.values() for r in head.rules)) if len(rule.hf) == 1]
+    return {**{rule.hf[0]: rule for rule in rules}, **{rule.nv: rule for rule in rules}}
+
+
+def _adapter_key(key: str, to_nv: bool) -> str:
+    if not key.startswith(ADAPTER_PREFIX):
+        raise ValueError(f"{key}: not a PEFT adapter tensor of a model (expected the prefix {ADAPTER_PREFIX!r}).")
+    name = key.removeprefix(ADAPTER_PREFIX)
+    lora = LORA_TENSOR.fullmatch(name)
+    if lora is None:  # a `modules_to_save` tensor, under its model name
+        canonical = (canonical_hf_name(name) if to_nv else name) or name
+        rule = _head_rules().get(canonical)
+        if rule is None or canonical != (rule.hf[0] if to_nv else rule.nv):
+            raise ValueError(
+                f"{key}: a `modules_to_save` tensor that is not a head's or the embedding's; only those convert (an "
+                f"encoder module saved whole does not: merge the adapter and convert the model)."
+            )
+        return ADAPTER_PREFIX + (rule.nv if to_nv else rule.hf[0])
+    if LAYER_PATHS[not to_nv].match(lora["module"]):
+        names, back = ("NVEsm's", "te-to-hf") if to_nv else ("transformers'", "hf-to-te")
+        raise ValueError(f"{key}: the adapter already has {names} names; convert it with {back}.")
+    module = LAYER_PATHS[to_nv].sub(LAYER_PATH_NAMES[to_nv], lora["module"])
+    inner = LAYER_PATHS[not to_nv].sub("", module)
+    in_layer, known = inner != module, (*LORA_MODULES, LORA_EMBEDDING, f"esm.{LORA_EMBEDDING}")
+    if (in_layer and inner not in LORA_TARGETS) or (not in_layer and module not in known):
+        raise ValueError(
+            f"{key}: LoRA on `{lora['module']}` has no NVEsm counterpart; adapters convert on the layers' "
+            f"projections ({', '.join(LORA_TARGETS)}), {', '.join(LORA_MODULES)} and the word embedding."
+        )
+    return f"{ADAPTER_PREFIX}{module}.{lora['part']}{lora['rest'] or ''}"
+
+
+def _adapter_tensor(key: str, tensor: torch.Tensor, config: NVEsmConfig, to_nv: bool) -> torch.Tensor:
+    name = key.removeprefix(ADAPTER_PREFIX)
+    lora = LORA_TENSOR.fullmatch(name)
+    if lora is not None:  # only the embedding's LoRA A has a vocabulary dimension: [r, vocabulary]
+        if not (lora["module"].endswith(LORA_EMBEDDING) and lora["part"] == "lora_embedding_A"):
+            return tensor
+        return _vocab_rows(key, tensor.T, config, to_nv).T.contiguous()
+    rule = _head_rules()[(canonical_hf_name(name) or name) if to_nv else name]
+    return _vocab_rows(key, tensor, config, to_nv) if rule.kind == "vocab" else tensor
+
+
+def _vocab_rows(key: str, tensor: torch.Tensor, config: NVEsmConfig, to_nv: bool) -> torch.Tensor:
+    """`tensor`'s rows, one per vocabulary entry, padded (`to_nv`) or cut back."""
+    rows, padded = (config.vocab_size, config.padded_vocab_size) if to_nv else (config.padded_vocab_size, None)
+    if tensor.shape[0] != rows:
+        raise ValueError(f"{key}: {tensor.shape[0]} vocabulary rows, expected {rows} (ESM-2's vocabulary).")
+    if to_nv:
+        return pad_vocab(tensor, padded)
+    if tensor[config.vocab_size :].any():
+        raise ValueError(f"{key}: its rows past the vocabulary ({config.vocab_size}) are not zero; not converted.")
+    return tensor[: config.vocab_size].contiguous()

@@ -312,17 +312,17 @@ def test_force_replaces_an_earlier_conversion_only(tiny_source, tmp_path, capsys
     out = tmp_path / "nv"
     assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out)]) == 0
     largest = max(tensor.nbytes for tensor in load_file(out / "model.safetensors").values())
-    sharded = ["--max-shard-size", str(largest), "--force"]
+    sharded = ["--max-shard-size", str(largest), "--overwrite"]
     assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out), *sharded]) == 0
     assert (out / WEIGHTS_INDEX_NAME).exists() and not (out / "model.safetensors").exists()
-    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out), "--force"]) == 0
+    assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out), "--overwrite"]) == 0
     assert not (out / WEIGHTS_INDEX_NAME).exists() and (out / "model.safetensors").exists()
     capsys.readouterr()
     for foreign in ("notes.txt", ".git"):
         (out / foreign).mkdir() if foreign == ".git" else (out / foreign).write_text("mine")
         before = sorted(path.relative_to(out) for path in out.rglob("*"))
-        assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out), "--force"]) == 1
+        assert convert_checkpoint.main(["hf-to-te", str(tiny_source), str(out), "--overwrite"]) == 1
         message = one_line(capsys.readouterr().err)
-        assert f"holds 1 entries that no model folder write makes ({foreign}); --force replaces only" in message
+        assert f"holds 1 entries that no model folder write makes ({foreign}); --overwrite replaces" in message
         assert sorted(path.relative_to(out) for path in out.rglob("*")) == before
         (out / foreign).rmdir() if foreign == ".git" else (out / foreign).unlink()

@@ -274,7 +274,8 @@ def test_verify_command_names_each_changed_tensor(tmp_path, capsys, tiny_source,
     assert status == 3 and "verify failed: files all identical, tensors 1 difference;" in err
     assert [line.split()[1] for line in out_text.splitlines() if "DIFFERS" in line] == [name + ":"]
     if edit is nudge:
-        assert "PASSED" in out_text  # the logit table alone would not see it
+        assert "logits agree (files or tensors above differ)" in out_text  # the logit table alone would not see it
+        assert "PASSED" not in out_text  # never before a failure
 
 
 def test_verify_command_reports_missing_and_extra_tensors_and_config_changes(
@@ -397,7 +398,7 @@ def test_help_lists_every_option_and_examples(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("hf-to-te", "te-to-hf", "verify", "--revision", "--dtype", "--max-shard-size", "--force",
+    for option in ("hf-to-te", "te-to-hf", "verify", "--revision", "--dtype", "--max-shard-size", "--overwrite",
                    "--verify", "--verify-atol", "--verify-device", "--push-to-hub", "--private", "--commit-message",
                    "--dry-run", "examples:", "nv-esm convert verify ", ".pt", "exit status"):  # fmt: skip
         assert option in text, option

@@ -46,7 +46,7 @@ def test_failure_midway_leaves_no_half_written_output(tmp_path, capsys, monkeypa
         real_write(self, name, tensor)
 
     monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", failing_write)
-    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")
+    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--overwrite")
     assert status == 1 and "No space left on device" in err and len(calls) == 10
     assert sorted(path.name for path in tmp_path.iterdir()) == (["te"] if existing else [])
     if existing:
@@ -59,14 +59,14 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys, tiny_source):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     status, _, err = run(capsys, "hf-to-te", tiny_source, out)
-    assert status == 1 and "--force" in err and (out / "keep.txt").read_text() == "precious"
-    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--force")  # no conversion wrote keep.txt
-    assert status == 1 and "(keep.txt); --force replaces only" in err and (out / "keep.txt").read_text() == "precious"
+    assert status == 1 and "--overwrite" in err and (out / "keep.txt").read_text() == "precious"
+    status, _, err = run(capsys, "hf-to-te", tiny_source, out, "--overwrite")  # no conversion wrote keep.txt
+    assert status == 1 and "(keep.txt); --overwrite replaces" in err and (out / "keep.txt").read_text() == "precious"
     (out / "keep.txt").unlink()
     (out / "README.md").write_text("an earlier conversion's card")
-    assert run(capsys, "hf-to-te", tiny_source, out, "--force")[0] == 0
+    assert run(capsys, "hf-to-te", tiny_source, out, "--overwrite")[0] == 0
     assert {path.name for path in out.iterdir()} == NV_FILES | {"model.safetensors"}
-    status, _, err = run(capsys, "te-to-hf", out, out, "--force")  # would delete its own source
+    status, _, err = run(capsys, "te-to-hf", out, out, "--overwrite")  # would delete its own source
     assert status == 1 and "holds the source" in err and (out / "model.safetensors").exists()
 
 

@@ -164,7 +164,7 @@ def test_a_run_killed_between_the_renames_of_force_gets_its_output_back(tmp_path
     assert status == 0 and f"restoring {out}, set aside by an interrupted run" in err
     assert (out / "model.safetensors").stat().st_size > 100 and not aside.exists() and not staged.exists()
     shutil.copytree(out, aside)  # OUT is back in place: a set-aside copy is only deleted
-    assert run(capsys, "hf-to-te", TINY_CHECKPOINT, out, "--force")[0] == 0
+    assert run(capsys, "hf-to-te", TINY_CHECKPOINT, out, "--overwrite")[0] == 0
     assert not aside.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["other", "te"]
 
 

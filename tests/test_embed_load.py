@@ -318,7 +318,7 @@ def test_train_refuses_a_checkpoint_that_embed_and_score_refuse(checkpoint, tmp_
         cut: f"{cut / 'model.safetensors'} is not a readable safetensors file",
     }
     for folder, needle in cases.items():
-        args = ["--model", folder, "--data", DEMO_FASTA, "--steps", 1, "--token-budget", 1024, "--max-length", 254]
+        args = ["--model", folder, "--data", DEMO_FASTA, "--steps", 1, "--tokens-per-batch", 1024, "--max-length", 254]
         done = train_here(*args, "--no-export", out=tmp_path / f"run_{folder.name}")
         last = done.stderr.strip().splitlines()[-1]
         assert done.returncode == 1 and last.startswith("nv-esm train: error: ") and needle in last, done.stderr[-3000:]

@@ -564,7 +564,7 @@ def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
         command += [str(recipe), "--config", str(config), "--out", str(out)]
         command += ["--data", str(ROOT / "recipes" / "demo_data" / "demo.fasta"), "--steps", "8", "--lr", "1e-3"]
-        command += ["--token-budget", "2048", "--max-length", "254", "--data-parallel", "replicate", "--no-export"]
+        command += ["--tokens-per-batch", "2048", "--max-length", "254", "--data-parallel", "replicate", "--no-export"]
         command += ["--no-checkpoint", "--log-every", "1", *extra]
         result = subprocess.run(command, capture_output=True, text=True, env=os.environ, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]

@@ -109,9 +109,10 @@ def test_verify_reports_every_tampered_file_and_runs_none_of_its_code(
     assert f"verify failed: files {count}, tensors all identical; logit table PASSED." in err, err
     assert (
         "bit for bit: all identical" in text
-        and f"field by field; weights below; a model card not compared): {count}" in text
+        and f"the weights are checked below; a model card is not compared): {count}" in text
     )
-    assert "PASSED" in text  # the weights are untouched: the logits, from SRC's tokenizer, agree
+    # The weights are untouched: the logits, from SRC's tokenizer, agree; no PASSED before the failure.
+    assert "logits agree (files or tensors above differ): " in text and "PASSED" not in text
     assert not marker.exists()
 
 

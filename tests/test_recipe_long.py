@@ -23,7 +23,7 @@ def test_a_protein_past_the_models_default_limit_trains_at_its_max_length(tmp_pa
     fasta = tmp_path / "long.fasta"
     fasta.write_text(">long\n" + "".join(rng.choice("LAGVSERTIDPKQNFYMHWC") for _ in range(residues)) + "\n")
     args = ["--model", str(nv_tiny), "--data", str(fasta), "--steps", "1", "--no-export"]
-    done = train(*args, "--token-budget", str(residues + 2), "--max-length", str(residues), out=tmp_path / "run")
+    done = train(*args, "--tokens-per-batch", str(residues + 2), "--max-length", str(residues), out=tmp_path / "run")
     assert done.returncode == 0, done.stderr[-3000:]
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["tokens"] == residues + 2

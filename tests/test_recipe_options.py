@@ -1,6 +1,6 @@
 """`nv-esm train`'s options at their edges: the record rules of embed and score (`--invalid`,
 `--strip-stop`), `--resume` with the options of the run record and its refusals made before the model loads, the
-bounds of `--stop-at-step`, `--seed` and `--token-budget`, and one-line errors for bad files. Single-process runs
+bounds of `--stop-at-step`, `--seed` and `--tokens-per-batch`, and one-line errors for bad files. Single-process runs
 (`python -m nv_esm.train`, a world of one)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from test_recipe_data import assert_same_batches, random_sequences, write_fasta
 from test_recipe_edges import one_line_error, records, train
 from test_recipe_train import DEMO_FASTA, mlm_args, train_here
 
+from modeling_nv_esm_layers import transformer_engine_available
 from nv_esm.data import ClassificationStream, MLMStream, read_labelled_csv
 from nv_esm.records import RecordRules
 from nv_esm.train.config import build_parser, option_values, parse_config
@@ -157,7 +158,7 @@ def test_resume_alone_takes_the_recorded_options(tmp_path: Path, tiny_config: Pa
     """`--out OUT --resume` continues with the options the run was started with (non-default --lr, --seed,
     --max-length, --strip-stop...): its steps are the unbroken run's."""
     data = write_records(tmp_path / "stops.fasta", [s + "*" for s in random_sequences(60, seed=4)])
-    args = ["--config", str(tiny_config), "--data", str(data), "--steps", "3", "--token-budget", "700"]
+    args = ["--config", str(tiny_config), "--data", str(data), "--steps", "3", "--tokens-per-batch", "700"]
     args += ["--max-length", "100", "--lr", "2e-3", "--seed", "9", "--strip-stop", "--no-export", "--log-every", "1"]
     assert train(*args, out=tmp_path / "whole").returncode == 0
     assert train(*args, "--stop-at-step", "1", out=tmp_path / "cut").returncode == 0
@@ -175,7 +176,7 @@ def stopped_run(tmp_path: Path, nv_tiny: Path) -> tuple[list[str], Path, Path]:
     model = Path(shutil.copytree(nv_tiny, tmp_path / "model"))
     data = tmp_path / "data.fasta"
     shutil.copyfile(DEMO_FASTA, data)
-    args = ["--model", str(model), "--data", str(data), "--steps", "3", "--token-budget", "1024", "--max-length"]
+    args = ["--model", str(model), "--data", str(data), "--steps", "3", "--tokens-per-batch", "1024", "--max-length"]
     args += ["254", "--no-export"]
     out = tmp_path / "run"
     done = train(*args, "--stop-at-step", "1", out=out)
@@ -223,7 +224,7 @@ def test_stop_at_step_seed_and_token_budget_are_bounded(tmp_path: Path, tiny_con
         (["--stop-at-step", "-1"], "--stop-at-step must be at least 1"),
         (["--seed", str(10**23)], "--seed must be in [0, 2**32)"),
         (["--seed", "-1"], "--seed must be in [0, 2**32)"),
-        (["--token-budget", "10000000000000"], "--token-budget must be at most 2**31 - 1"),
+        (["--tokens-per-batch", "10000000000000"], "--tokens-per-batch must be at most 2**31 - 1"),
     ]
     for index, (extra, needle) in enumerate(cases):
         one_line_error(train_here(*mlm_args(tiny_config, 2, *extra), out=tmp_path / f"run{index}"), needle)
@@ -255,8 +256,8 @@ def test_a_token_budget_beyond_the_memory_is_refused_before_the_model_loads(tmp_
     else:
         memory, itemsize = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 4
     budget = memory // independent_bytes_per_token(tiny, itemsize) + 1
-    done = train_here(*mlm_args(tiny_config, 2, "--token-budget", str(budget)), out=tmp_path / "big")
-    one_line_error(done, f"--token-budget {budget}: a micro-batch keeps at least")
+    done = train_here(*mlm_args(tiny_config, 2, "--tokens-per-batch", str(budget)), out=tmp_path / "big")
+    one_line_error(done, f"--tokens-per-batch {budget}: a micro-batch keeps at least")
 
 
 def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_config: Path) -> None:
@@ -266,6 +267,8 @@ def test_a_config_number_written_as_a_string_is_one_line(tmp_path: Path, tiny_co
         path = tmp_path / name / "config.json"
         path.parent.mkdir()
         path.write_text(json.dumps(written))
-        for fp8 in ((), ("--fp8", "all")):
+        # --fp8 all without Transformer Engine on a GPU is refused first (test_option_vocabulary's fp8 test).
+        fp8_runs = torch.cuda.is_available() and transformer_engine_available()
+        for fp8 in ((), ("--fp8", "all", "--backend", "te")) if fp8_runs else ((),):
             done = train_here("--config", path, "--data", DEMO_FASTA, "--steps", "2", *fp8, out=tmp_path / "run")
             one_line_error(done, f"{path}: {name} must be a positive integer, got '{written[name]}'")

@@ -68,20 +68,20 @@ def test_hybrid_sharding_matches_flat_sharding_and_resumes_under_either_layout(
         }.items()
     }
     meshes = {
-        "flat": "dp_shard=4",
-        "bf16_reduce": "dp_shard=4",
-        "hybrid": "dp_replicate=2 x dp_shard=2",
-        "replicated": "dp_replicate=4 x dp_shard=1",
-        "whole": "whole model on each (gradients all-reduced)",
+        "flat": "FSDP over 4",
+        "bf16_reduce": "FSDP over 4",
+        "hybrid": "2 replicas x FSDP over 2 (mesh dp_replicate=2 x dp_shard=2)",
+        "replicated": "4 replicas (mesh dp_replicate=4 x dp_shard=1)",
+        "whole": "a whole model on each (gradients all-reduced)",
     }
     for name, (out, args) in run.items():
-        assert f"4 ranks: {meshes[name]}\n" in run_recipe(out, *args, ranks=RANKS).stdout, name
+        assert f"4 processes: {meshes[name]}\n" in run_recipe(out, *args, ranks=RANKS).stdout, name
     switched = tmp_path / "switched"
     run_recipe(switched, *mlm_args(tiny_config, steps, "--stop-at-step", "3", "--no-export"), ranks=RANKS)
     resumed_run = run_recipe(
         switched, *mlm_args(tiny_config, steps, "--resume", "--dp-replicate", "2", "--no-export"), ranks=RANKS
     )
-    assert f"4 ranks: {meshes['hybrid']}\n" in resumed_run.stdout
+    assert f"4 processes: {meshes['hybrid']}\n" in resumed_run.stdout
 
     flat = losses(run["flat"][0])
     assert sorted(flat) == list(range(1, steps + 1))
@@ -122,16 +122,25 @@ def test_tensor_and_context_parallelism_match_the_runs_of_their_data_parallel_si
     run's, so checkpoints hold whole parameters. A 4-rank run stopped at step 3 resumes with the unbroken run's
     losses; resuming it without the option is refused (its data positions belong to 2 data-parallel ranks)."""
     steps, flag = 6, f"--{option}"
-    whole = "whole model on each (gradients all-reduced)"  # `--data-parallel auto` for this small model: no FSDP2
+    whole = "a whole model on each (gradients all-reduced)"  # `--data-parallel auto` for this small model: no FSDP2
+    split_one = (
+        "tensor parallel over 2 (mesh dp_shard=1 x tp=2)" if option == "tp" else f"context parallel over 2, {whole}"
+    )
+    split_two = (
+        "FSDP over 2 x tensor parallel over 2 (mesh dp_shard=2 x tp=2)"
+        if option == "tp"
+        else f"context parallel over 2, {whole}"
+    )
+    name_of = {"tp": "tensor", "cp": "context"}[option]
     runs = {
-        "one": (1, (), "1 ranks: dp_shard=1"),
-        "split_one": (2, (flag, "2"), "2 ranks: dp_shard=1 x tp=2" if option == "tp" else f"2 ranks: cp=2, {whole}"),
-        "two": (2, (), f"2 ranks: {whole}"),
-        "split_two": (4, (flag, "2"), "4 ranks: dp_shard=2 x tp=2" if option == "tp" else f"4 ranks: cp=2, {whole}"),
+        "one": (1, (), "1 process (no parallelism)"),
+        "split_one": (2, (flag, "2"), f"2 processes: {split_one}"),
+        "two": (2, (), f"2 processes: {whole}"),
+        "split_two": (4, (flag, "2"), f"4 processes: {split_two}"),
         "replicated_split": (
             4,
             (flag, "2", "--dp-replicate", "2"),
-            f"4 ranks: dp_replicate=2 x dp_shard=1 x {option}=2",
+            f"4 processes: 2 replicas x {name_of} parallel over 2 (mesh dp_replicate=2 x dp_shard=1 x {option}=2)",
         ),
     }
     for name, (ranks, extra, mesh) in runs.items():

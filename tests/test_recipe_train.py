@@ -95,7 +95,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def mlm_args(config: Path, steps: int, *extra: str) -> list[str]:
-    return ["--config", str(config), "--data", str(DEMO_FASTA), "--steps", str(steps), "--token-budget", "1024",
+    return ["--config", str(config), "--data", str(DEMO_FASTA), "--steps", str(steps), "--tokens-per-batch", "1024",
             "--max-length", "254", "--lr", "3e-3", "--seed", "3", *extra]  # fmt: skip
 
 
@@ -171,7 +171,18 @@ def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tiny_con
 def test_checkpoint_weights_survive_training_and_export_exactly(nv_tiny: Path, tmp_path: Path) -> None:
     """Start from a converted checkpoint with lr 0: the exported Hub folder holds exactly the starting weights
     (per-rank row slices read from safetensors, DCP save, consolidation); the folder loads with from_pretrained."""
-    args = ["--model", str(nv_tiny), "--data", str(DEMO_FASTA), "--steps", "2", "--lr", "0", "--token-budget", "1024"]
+    args = [
+        "--model",
+        str(nv_tiny),
+        "--data",
+        str(DEMO_FASTA),
+        "--steps",
+        "2",
+        "--lr",
+        "0",
+        "--tokens-per-batch",
+        "1024",
+    ]
     run_recipe(tmp_path / "run", *args, "--max-length", "254", "--weight-decay", "0")
     exported, original = (
         load_file(tmp_path / "run" / "final" / "model.safetensors"),
@@ -205,18 +216,18 @@ def test_export_command_lists_its_files_follows_the_umask_and_refuses_in_one_lin
     assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}  # umask 077
     assert oct((tmp_path / "hub").stat().st_mode & 0o777) == "0o700"
     again = export_command(str(checkpoint), str(tmp_path / "hub"))
-    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "--force" in again.stderr
+    assert again.returncode == 1 and len(again.stderr.strip().splitlines()) == 1 and "--overwrite" in again.stderr
     wrong = export_command(str(tmp_path / "run"), str(tmp_path / "other"))
-    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
     assert "not a training checkpoint" in wrong.stderr and not (tmp_path / "other").exists()
-    assert export_command(str(checkpoint), str(tmp_path / "hub"), "--force").returncode == 0
+    assert export_command(str(checkpoint), str(tmp_path / "hub"), "--overwrite").returncode == 0
 
 
 @pytest.mark.slow
 def test_token_classification_with_lora_trains_and_exports_merged(nv_tiny: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     args = ["--model", str(nv_tiny), "--task", "token", "--data", str(SECONDARY_STRUCTURE), "--steps", "6"]
-    args += ["--lora-rank", "4", "--lr", "1e-2", "--token-budget", "1024", "--max-length", "254"]
+    args += ["--lora-rank", "4", "--lr", "1e-2", "--tokens-per-batch", "1024", "--max-length", "254"]
     run_recipe(tmp_path / "lora", *args)
     history = losses(tmp_path / "lora")
     assert len(history) == 6 and all(torch.isfinite(torch.tensor(list(history.values()))))
@@ -312,7 +323,7 @@ def test_sequence_classification_with_activation_checkpointing(nv_tiny: Path, tm
 
     csv = ROOT / "recipes" / "demo_data" / "solubility.csv"
     args = ["--model", str(nv_tiny), "--task", "sequence", "--data", str(csv), "--steps", "3", "--lr", "1e-3"]
-    args += ["--token-budget", "2048", "--max-length", "254", "--log-every", "1"]
+    args += ["--tokens-per-batch", "2048", "--max-length", "254", "--log-every", "1"]
     run_recipe(tmp_path / "plain", *args, "--no-export")
     run_recipe(tmp_path / "checkpointed", *args, "--activation-checkpointing")
     plain, checkpointed = losses(tmp_path / "plain"), losses(tmp_path / "checkpointed")

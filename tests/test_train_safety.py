@@ -104,8 +104,8 @@ def test_export_refuses_to_write_over_into_or_around_its_checkpoint(step: Path) 
     before = contents(step)
     run = step.parents[1]
     for out in (step, run, run / "checkpoints", step / "hub"):
-        status, stderr = export_here(step, out, "--force")
-        assert status == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        status, stderr = export_here(step, out, "--overwrite")
+        assert status == 1 and len(stderr.strip().splitlines()) == 1, stderr
         assert "never writes over, into or around what it reads" in stderr and str(step) in stderr, stderr
         assert contents(step) == before, out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [step.name]
@@ -115,14 +115,14 @@ def test_export_force_replaces_an_earlier_export_only(step: Path, tmp_path: Path
     hub = tmp_path / "hub"
     assert export_here(step, hub)[0] == 0
     assert {p.name for p in hub.iterdir()} <= HUB_FOLDER_FILES  # what --force may replace covers what an export writes
-    assert export_here(step, hub, "--force")[0] == 0
+    assert export_here(step, hub, "--overwrite")[0] == 0
     (hub / "notes.txt").write_text("mine")
     mine = tmp_path / "mine"
     (mine / "data").mkdir(parents=True)
     (mine / "data" / "x.csv").write_text("a,b\n")
     for out, needle in ((hub, "(notes.txt)"), (mine, "(data)")):
-        status, stderr = export_here(step, out, "--force")
-        assert status == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        status, stderr = export_here(step, out, "--overwrite")
+        assert status == 1 and len(stderr.strip().splitlines()) == 1, stderr
         assert "no model folder write makes" in stderr and needle in stderr, stderr
     assert (hub / "notes.txt").read_text() == "mine" and (mine / "data" / "x.csv").read_text() == "a,b\n"
 
@@ -155,7 +155,7 @@ def test_a_checkpoint_whose_metadata_names_files_outside_it_is_refused(step: Pat
     with pytest.raises(ValueError, match=r"'\.\./__0_0\.distcp' is not a file name inside"):
         CheckpointReader(step).read_metadata()
     status, stderr = export_here(step, tmp_path / "hub")
-    assert status == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert status == 1 and len(stderr.strip().splitlines()) == 1, stderr
     assert f"{step} is damaged" in stderr and "'../__0_0.distcp' is not a file name inside" in stderr, stderr
     assert not (tmp_path / "hub").exists()
 
@@ -183,7 +183,7 @@ def test_a_model_or_data_inside_the_run_folder_is_refused(tmp_path: Path, tiny_c
     out = tmp_path / "run"
     model = Path(shutil.copytree(nv_tiny, out / "final"))
     before = contents(model)
-    args = ["--model", str(model), "--data", str(DEMO_FASTA), "--steps", "2", "--token-budget", "1024"]
+    args = ["--model", str(model), "--data", str(DEMO_FASTA), "--steps", "2", "--tokens-per-batch", "1024"]
     one_line_error(train_here(*args, out=out), f"--out {out} contains --model {model}")
     one_line_error(train_here(*args, out=model), f"--out {model} is --model {model}")
     (tmp_path / "data").mkdir()
@@ -276,7 +276,7 @@ def test_a_model_whose_config_disagrees_with_its_weights_is_a_one_line_error(
     model = Path(shutil.copytree(nv_tiny, tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **change}))
-    args = ["--model", str(model), "--data", str(DEMO_FASTA), "--steps", "2", "--token-budget", "1024"]
+    args = ["--model", str(model), "--data", str(DEMO_FASTA), "--steps", "2", "--tokens-per-batch", "1024"]
     done = train_here(*args, "--max-length", "254", out=tmp_path / "run")
     one_line_error(done, f"{model}: its config.json disagrees with its weights: ")
     assert needle in done.stderr, done.stderr

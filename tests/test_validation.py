@@ -229,7 +229,18 @@ def test_head_validation_equals_transformers(nv_tiny: Path, tmp_path: Path, task
 
     from nv_esm.data import ClassificationStream
 
-    args = ["--model", str(nv_tiny), "--steps", "3", "--lr", "5e-3", "--token-budget", "1024", "--max-length", "254"]
+    args = [
+        "--model",
+        str(nv_tiny),
+        "--steps",
+        "3",
+        "--lr",
+        "5e-3",
+        "--tokens-per-batch",
+        "1024",
+        "--max-length",
+        "254",
+    ]
     holdout = Holdout(0.25, "validation")
     if task == "token":
         rows = SECONDARY_STRUCTURE.read_text().splitlines()
@@ -304,7 +315,7 @@ def test_regression_against_class_labels_is_refused(nv_tiny: Path, tmp_path: Pat
     result = run_recipe(
         tmp_path / "run",
         *["--model", str(nv_tiny), "--task", "sequence", "--data", str(train), "--val-data", str(SOLUBILITY)],
-        *["--steps", "1", "--token-budget", "1024", "--max-length", "254"],
+        *["--steps", "1", "--tokens-per-batch", "1024", "--max-length", "254"],
         ranks=1,
         check=False,
     )
@@ -339,7 +350,17 @@ def test_a_rank_without_validation_records_runs_filler_forwards(nv_tiny: Path, t
     else:
         (tmp_path / "one.csv").write_text("\n".join(rows[:2]) + "\n")
         data, validation = [str(SECONDARY_STRUCTURE), "--task", "token"], tmp_path / "one.csv"
-    common = ["--model", str(nv_tiny), "--steps", "1", "--token-budget", "1024", "--max-length", "254", "--no-export"]
+    common = [
+        "--model",
+        str(nv_tiny),
+        "--steps",
+        "1",
+        "--tokens-per-batch",
+        "1024",
+        "--max-length",
+        "254",
+        "--no-export",
+    ]
     run_recipe(tmp_path / "run", *common, "--data", *data, "--val-data", str(validation))
     (record,) = validation_records(tmp_path / "run").values()
     if task == "mlm":

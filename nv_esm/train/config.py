@@ -17,14 +17,25 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn, get_type_hints
+from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
 
-from configuration_nv_esm import BACKENDS, FP8_LAYER_CHOICES, FP8_RECIPES, refused_combination
-from modeling_nv_esm_lora import FUSED_MODULE_TARGETS, fused_module_refusal
-from nv_esm.cli import BACKEND_HELP, HelpFormatter
+# The parser imports neither torch nor transformers (`--help` answers at once): the choices come from
+# nv_esm.vocabulary, the model code's checks are imported where they run (`TrainConfig.validate`,
+# `refuse_option_combinations`).
+from nv_esm.cli import BACKEND_HELP, HelpFormatter, add_renamed, fp8_refusal
 from nv_esm.path_guard import refuse_overlap
-from nv_esm.records import INVALID_POLICIES, STRIP_STOP_HELP, RecordRules
 from nv_esm.tasks import TASK_HEADS
+from nv_esm.vocabulary import (
+    BACKENDS,
+    FP8_LAYER_CHOICES,
+    FP8_RECIPES,
+    INVALID_POLICIES,
+    STRIP_STOP_HELP,
+    TOKENS_PER_BATCH,
+)
+
+if TYPE_CHECKING:
+    from nv_esm.records import RecordRules
 
 DATA_PARALLEL_CHOICES = ("auto", "replicate", "shard")
 PROG = "nv-esm train"  # the documented command (also `python -m nv_esm.train`, `torchrun -m nv_esm.train`)
@@ -47,7 +58,7 @@ built on the meta device and each rank materialises only its own shard: read fro
 safetensors row slices (`--model`) or drawn from scratch (`--config`) with one seeded generator per tensor, so every
 world size starts from the same weights.
 
-Batches are packed (THD) micro-batches of whole proteins up to `--token-budget` tokens. With W ranks and
+Batches are packed (THD) micro-batches of whole proteins up to `--tokens-per-batch` tokens. With W ranks and
 `--grad-accum` A, the data is split into W*A streams and rank r owns streams r*A .. r*A+A-1, so a step sees the
 same proteins for any W and A with the same product; the loss of a step is the sum over its masked tokens divided
 by their global count, so the gradients are those of one big batch whatever the split.
@@ -74,7 +85,8 @@ GROUPS = ("model", "data", "validation", "optimisation", "run")
 def option(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, **cli: Any) -> Any:
     """A command-line option as a dataclass field: its default (or `factory`), its help, and in `cli` what argparse
     needs beyond them: `flag` (not `--field-name`), `group` (not its section's), `offset` (the field holds the
-    parsed value plus this), `one_of` (exactly one of these options) and `add_argument`'s choices, type, nargs."""
+    parsed value plus this), `one_of` (exactly one of these options) and `add_argument`'s choices, type, nargs and
+    dest (where the flag was renamed: the run records of `option_values` keep the old key)."""
     return field(default=default, default_factory=factory, metadata={"help": help, **cli})
 
 
@@ -95,7 +107,14 @@ class ModelConfig:
     task: str = option("mlm", "mlm, or a fine-tuning head", choices=TASKS)
     backend: str = option("auto", BACKEND_HELP, choices=BACKENDS)
     fp8: str = option("off", "FP8 layers (TE): all, or all but first/last", choices=FP8_LAYER_CHOICES)
-    fp8_recipe: str = option("delayed", "FP8 scaling of --fp8 layers", choices=FP8_RECIPES)
+    fp8_recipe: str = option(
+        "delayed",
+        "the FP8 layers' scaling, as nv-esm embed's --fp8-scaling: delayed (from the amax history of earlier steps), "
+        "current (per tensor, from this step) or block (per 128 values)",
+        choices=FP8_RECIPES,
+        flag="--fp8-scaling",
+        dest="fp8_recipe",
+    )
     cuda_graphs: bool = option(  # the model's `cuda_graphs`: used by TE layers on one GPU (not under FSDP2)
         True, "replay the TE layers as CUDA graphs (one GPU: FSDP2-sharded layers run eagerly)"
     )
@@ -120,10 +139,12 @@ class DataConfig:
 
     files: list[str] = option(help="FASTA/.txt/.parquet (mlm) or a labelled CSV", flag="--data", nargs="+")
     token_budget: int = option(
-        16384,
+        TOKENS_PER_BATCH,
         "tokens per micro-batch and rank: at most 2**31 - 1 (packed offsets are int32), and refused before the model "
         "loads when the activations its backward keeps (at least tokens x (layers x (7 x hidden + 2 x intermediate) "
         "+ 3 x vocabulary) values) exceed the device's memory",
+        flag="--tokens-per-batch",
+        dest="token_budget",
     )
     max_length: int = option(  # crop length in tokens: --max-length residues + <cls> and <eos>
         1024,
@@ -145,6 +166,8 @@ class DataConfig:
     @property
     def rules(self) -> RecordRules:
         """How the data's records are read (`--invalid`, `--strip-stop`)."""
+        from nv_esm.records import RecordRules
+
         return RecordRules(self.invalid, self.strip_stop)
 
 
@@ -197,7 +220,7 @@ class ParallelConfig:
     parallelism, activation checkpointing and offloading, compilation."""
 
     precision: str | None = option(  # None: bf16 on GPU, fp32 on CPU
-        None, "compute dtype (default bf16 on GPU)", choices=("bf16", "fp32"), group="optimisation"
+        None, "compute dtype (default: bf16 on a GPU, fp32 on the CPU)", choices=("bf16", "fp32"), group="optimisation"
     )
     activation_checkpointing: bool = option(
         False, "recompute each layer in the backward instead of keeping its activations"
@@ -286,7 +309,7 @@ class CheckpointConfig:
     stop_at_step: int | None = option(
         None,
         "stop (with a checkpoint) after this step, e.g. for job limits: at least 1, and past the step a --resume "
-        "starts from (not taken from the run record)",
+        "starts from (not taken from the run record); default: none, the run goes to --steps",
         type=int,
     )
     export: bool = option(True, "skip the consolidated Hub folder at the end", flag="--no-export")
@@ -338,6 +361,8 @@ def refuse_option_combinations(parallel: ParallelConfig, lora_rank: int = 0, bac
     """ValueError naming the options of the first pair of features they ask for (`asked_options`) that
     `UNSUPPORTED_COMBINATIONS` refuses: "--tp 2 with --lora-rank is not supported; use one of them." for
     --tp and --cp (the table's reasons name the model's settings), else with the table's reason."""
+    from configuration_nv_esm import refused_combination
+
     asked = asked_options(parallel, lora_rank, backend)
     option_of = {OPTION_FEATURES[option]: option for option in asked}
     refused = refused_combination(option_of)
@@ -374,21 +399,23 @@ class TrainConfig:
 
     def validate(self) -> None:
         """The checks made before training starts; messages name the command-line options."""
+        from modeling_nv_esm_lora import FUSED_MODULE_TARGETS, fused_module_refusal
+
         if (self.model.init_from is None) == (self.model.config_file is None):
             raise ValueError("Give exactly one of --model and --config.")
         at_least_one = {
-            "steps": self.optimizer.steps,
-            "grad_accum": self.optimizer.grad_accum,
-            "token_budget": self.data.token_budget,
-            "max_length": self.data.max_length,
-            "log_every": self.logging.log_every,
-            "dp_replicate": self.parallel.dp_replicate,
-            "tp": self.parallel.tp,
-            "cp": self.parallel.cp,
+            "--steps": self.optimizer.steps,
+            "--grad-accum": self.optimizer.grad_accum,
+            "--tokens-per-batch": self.data.token_budget,
+            "--max-length": self.data.max_length,
+            "--log-every": self.logging.log_every,
+            "--dp-replicate": self.parallel.dp_replicate,
+            "--tp": self.parallel.tp,
+            "--cp": self.parallel.cp,
         }
-        for name, value in at_least_one.items():
+        for flag, value in at_least_one.items():
             if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+                raise ValueError(f"{flag} must be at least 1, got {value}.")
         fused = [target for target in self.model.lora_targets if target in FUSED_MODULE_TARGETS]
         if self.model.lora_rank and fused:
             raise ValueError(f"--lora-targets: {fused_module_refusal(fused[0])}")
@@ -407,7 +434,7 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {value}.")
         if self.data.token_budget > MAX_TOKEN_BUDGET:
             raise ValueError(
-                f"--token-budget must be at most 2**31 - 1 = {MAX_TOKEN_BUDGET} (packed offsets are int32), "
+                f"--tokens-per-batch must be at most 2**31 - 1 = {MAX_TOKEN_BUDGET} (packed offsets are int32), "
                 f"got {self.data.token_budget}."
             )
         if not 0 <= self.seed < 2**32:
@@ -459,6 +486,7 @@ class TrainConfig:
         if self.parallel.offloaded_layers and not self.parallel.offload_activations:
             raise ValueError("--offloaded-layers counts the layers that --offload-activations offloads: give both.")
         refuse_option_combinations(self.parallel, self.model.lora_rank)
+        self.refuse_fp8_without_te()
         asked = self.parallel.sharding_options()
         if self.parallel.data_parallel == "replicate" and asked:
             raise ValueError(
@@ -467,6 +495,20 @@ class TrainConfig:
             )
         if validation.files and self.model.task != "mlm" and len(validation.files) != 1:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
+
+    def refuse_fp8_without_te(self) -> None:
+        """ValueError (`cli.fp8_refusal`, as nv-esm embed says it) where `--fp8` asks for FP8 layers and the
+        layers would run without Transformer Engine on a CUDA GPU (the model would warn and run them in bf16)."""
+        if self.model.fp8 == "off":
+            return
+        import torch
+
+        from modeling_nv_esm import resolve_backend
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = resolve_backend(self.model.backend, device)
+        if not backend.runs_fp8:
+            raise ValueError(fp8_refusal(self.model.fp8, backend.name, device))
 
 
 def _options(cls: type, group: str = "") -> Iterator[tuple[str, Field]]:
@@ -482,6 +524,10 @@ def _flag(item: Field) -> str:
     return item.metadata.get("flag", "--" + item.name.replace("_", "-"))
 
 
+# What the help adds to the options a new run needs (none with --resume: the checkpoint's are taken).
+REQUIRED_NOTE = "required; with --resume: the checkpoint's"
+
+
 def _default(item: Field) -> Any:
     return item.default if item.default_factory is MISSING else item.default_factory()
 
@@ -492,7 +538,7 @@ def _argument(item: Field) -> dict[str, Any]:
     given = {k: v for k, v in item.metadata.items() if k not in ("flag", "group", "offset", "one_of")}
     default = _default(item)
     if default is MISSING:
-        return {"required": True, **given}
+        return {"required": True, **given, "help": f"{given['help']} ({REQUIRED_NOTE})"}
     if isinstance(default, bool):
         if default and not _flag(item).startswith("--no-"):
             return {"action": argparse.BooleanOptionalAction, "default": default, **given}
@@ -532,9 +578,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     one_of = None  # the required mutually exclusive group of the `one_of` options (--model, --config)
     for name, item in sorted(_options(TrainConfig), key=lambda pair: GROUPS.index(pair[0])):
         group = groups[name]
+        arguments = _argument(item)
         if item.metadata.get("one_of"):
             group = one_of = one_of or group.add_mutually_exclusive_group(required=True)
-        group.add_argument(_flag(item), **_argument(item))
+            others = " or ".join(_flag(other) for _, other in _options(TrainConfig) if other.metadata.get("one_of"))
+            arguments["help"] += f" ({others} {REQUIRED_NOTE})"
+        add_renamed(group, group.add_argument(_flag(item), **arguments))
     return parser
 
 
@@ -554,7 +603,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _dest(item: Field) -> str:
-    return _flag(item)[2:].replace("-", "_")
+    return item.metadata.get("dest") or _flag(item)[2:].replace("-", "_")
+
+
+def option_flag(dest: str) -> str:
+    """The command-line flag of the option argparse stores in `dest` (a run record's key): e.g. "--tokens-per-batch"
+    for "token_budget", whose flag was renamed."""
+    flags = {_dest(item): _flag(item) for _, item in _options(TrainConfig)}
+    return flags.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _field_values(section: Any) -> Iterator[tuple[Field, Any]]:
@@ -583,11 +639,12 @@ def option_values(config: TrainConfig) -> dict[str, Any]:
 
 
 def given_options(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
-    """The options `argv` gives (by argparse's dest), as argparse parses them; a usage error exits as in
-    `parse_config`."""
+    """The options `argv` gives (by argparse's dest), as argparse parses them (an old option name without its
+    notice); a usage error exits as in `parse_config`."""
     parser = build_parser(prog)
     for action in parser._actions:
         action.default, action.required = argparse.SUPPRESS, False
+        action.quiet = True  # a `RenamedOption`'s notice: `parse_config` gives it
     for group in parser._mutually_exclusive_groups:
         group.required = False
     return vars(parser.parse_args(argv))

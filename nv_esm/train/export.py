@@ -1,17 +1,16 @@
 """A consolidated Hub folder from a sharded training checkpoint, in the converter's NVEsm layout.
 
-    nv-esm train export OUT/checkpoints/step_NNNNNNN FOLDER [--force]
+    nv-esm train export OUT/checkpoints/step_NNNNNNN FOLDER [--overwrite]
 
 The trainer runs it at the end of training (OUT/final). LoRA adapters are merged into the weights they adapt. The
 command lists what it wrote; it refuses with a one-line error a CHECKPOINT that is not one, a FOLDER that is the
 checkpoint, lies in it or holds it (the run folder, its checkpoints folder), and a FOLDER that is not empty without
---force; --force replaces only an earlier export (a FOLDER holding files an export does not write is refused, so none
-of a user's files is deleted). Exported files have the permissions the user's umask gives new files.
+--overwrite; --overwrite replaces only an earlier export or conversion (a FOLDER holding files neither writes is
+refused, so none of a user's files is deleted). Exported files have the permissions the user's umask gives new files.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 
 from configuration_nv_esm import NVEsmConfig
 from nv_esm.checkpoint_io import WEIGHTS_NAME
-from nv_esm.cli import print_error
+from nv_esm.cli import parse_export_args, print_error
 from nv_esm.hub_folder import (
     check_out,
     copy_remote_code,
@@ -110,15 +109,13 @@ def export_weights(
 
 
 def export_main(argv: list[str], prog: str) -> None:
-    """The `export` command: `prog CHECKPOINT OUT [--force]`."""
-    parser = argparse.ArgumentParser(prog=prog, description="Write a Hub folder from a training checkpoint.")
-    parser.add_argument("checkpoint", type=Path, help="OUT/checkpoints/step_NNNNNNN")
-    parser.add_argument("out", type=Path, help="the Hub model folder to write (absent or empty unless --force)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
-    args = parser.parse_args(argv)
+    """The `export` command: `prog CHECKPOINT OUT [--overwrite]` (`cli.parse_export_args`; `--force` is its old
+    name). A refusal exits with status 1 after one line, as `nv-esm convert` and the other commands refuse an input
+    or an output (2 is argparse's, for usage errors)."""
+    args = parse_export_args(argv, prog)
     try:
-        export(args.checkpoint, args.out, args.force)
+        export(args.checkpoint, args.out, args.overwrite)
     except (ValueError, FileNotFoundError) as error:
         print_error(prog, error)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
     print(describe(args.out))

@@ -74,8 +74,8 @@ def _warn_if_repeated(batches: Batches, token_budget: int, world: Dist) -> None:
     smallest = min(stream.tokens_per_pass for stream in batches.streams)
     if smallest < token_budget and world.is_main:
         print(
-            f"warning: a data stream holds {smallest} tokens, fewer than --token-budget {token_budget}: each "
-            "micro-batch repeats proteins. Lower --token-budget, or add data.",
+            f"warning: a data stream holds {smallest} tokens, fewer than --tokens-per-batch {token_budget}: each "
+            "micro-batch repeats proteins. Lower --tokens-per-batch, or add data.",
             file=sys.stderr,
             flush=True,
         )

@@ -33,7 +33,9 @@ from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
 from nv_esm.train.checkpoint import (
+    CHECKPOINT_PREFIX,
     FINAL,
+    checkpoint_dirs,
     load_checkpoint,
     load_rng_state,
     prepare_out,
@@ -173,6 +175,8 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     if resume_from:
         load_rng_state(resume_from, world)
     last = min(settings.steps, config.checkpoint.stop_at_step or settings.steps)
+    if resume_from and world.is_main:
+        print(resume_line(out, step, last, settings.steps, exports), flush=True)
     log_every = config.logging.log_every
     metrics = MetricsLog(out, config.logging, settings.steps, world, step)
     profiler = StepProfiler(out, step + log_every, config.logging.profile_steps, world)
@@ -180,7 +184,9 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     checkpoint = resume_from
     pending: list[StepResult] = []
     interval_start = last_save = time.perf_counter()
-    with StopSignals() as stop, contextlib.closing(metrics):
+    signals = StopSignals(world.is_main, config.checkpoint.enabled)
+    vote = StopVote(world)
+    with signals as stop, contextlib.closing(metrics), interrupted_at(lambda: step):
         while step < last:
             micro_batches = [next(feed) for _ in range(settings.grad_accum)]
             for group in optimizer.param_groups:
@@ -191,13 +197,14 @@ def run_training(config: TrainConfig, world: Dist) -> None:
             save_every, val_every = config.checkpoint.save_every, config.validation.every
             saving = config.checkpoint.enabled and ((save_every and step % save_every == 0) or step == last)
             validating = validation is not None and ((val_every and step % val_every == 0) or step == last)
-            interrupted = False
-            if step % log_every == 0 or step == last or saving or validating:
+            interrupted = vote(stop.signum is not None)  # every step: a stop need not wait for a logging step
+            if step % log_every == 0 or step == last or saving or validating or interrupted:
                 metrics.log(step - len(pending) + 1, pending, interval_start)  # raises on a non-finite step
                 pending = []
                 minutes = config.checkpoint.save_minutes
                 due = bool(minutes) and time.perf_counter() - last_save >= 60 * minutes
-                interrupted, due = agree(world, stop.signum is not None, due)
+                now, due = agree(world, stop.signum is not None, due)
+                interrupted = interrupted or now
                 saving = config.checkpoint.enabled and (saving or due or interrupted)
             if validating and not interrupted:
                 metrics.log_validation(step, evaluate(model, validation, config, world))
@@ -206,28 +213,83 @@ def run_training(config: TrainConfig, world: Dist) -> None:
                 metrics.draw()
                 last_save = time.perf_counter()
             if interrupted:
-                raise Stopped(stop.signum or signal.SIGTERM, step, checkpoint if saving else None)
+                vote.finish()
+                raise Stopped(stop.signum or signal.SIGTERM, step, checkpoint, saved=saving)
             if not pending:
                 interval_start = time.perf_counter()
+        vote.finish()
     if world.is_main and step == settings.steps and config.checkpoint.export and checkpoint is not None:
-        print(describe(export(checkpoint, out / FINAL, force=True)), flush=True)
+        with interrupted_at(lambda: step):  # Ctrl-C now stops at once: the checkpoints are written
+            print(describe(export(checkpoint, out / FINAL, force=True)), flush=True)
+
+
+def resume_line(out: Path, step: int, last: int, steps: int, exports: bool) -> str:
+    """What `--resume` says (rank 0) once the checkpoint is loaded: the step it continues from, and what it will do
+    when there is nothing left to train (a finished run is exported again to OUT/final unless --no-export)."""
+    line = f"resuming {out} at step {step} of {steps}"
+    if step < last:
+        return line
+    if step >= steps:
+        export_note = f"exporting step {step} to {out / FINAL} again" if exports else "nothing to export (--no-export)"
+        return f"{line}: the run is complete, nothing to train; {export_note}"
+    return f"{line}: --stop-at-step {last} is reached, nothing to train"
+
+
+def checkpoint_state(out: Path | None, checkpoint: Path | None = None) -> str:
+    """Where a stopped run can be continued from, in words: `checkpoint` (the run's last one) or, without it, the
+    newest checkpoint in OUT/checkpoints on disk; never one that does not exist."""
+    if checkpoint is None and out is not None:
+        found = checkpoint_dirs(out)
+        checkpoint = found[-1] if found else None
+    if checkpoint is None or not checkpoint.is_dir():
+        return f"no checkpoint in {out} yet: a rerun starts over" if out is not None else "nothing was written"
+    step = int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
+    return f"the last checkpoint is {checkpoint} (step {step}); --resume continues from it"
 
 
 class Stopped(Exception):
-    """Ctrl-C or SIGTERM stopped the run after `step` (all ranks at the same step), with `checkpoint` saved."""
+    """Ctrl-C or SIGTERM stopped the run after `step` (all ranks at the same step); `checkpoint` is the run's last
+    checkpoint (or None), written at this step when `saved`."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, saved: bool = True) -> None:
+        self.signum, self.step, self.checkpoint, self.saved = signum, step, checkpoint, saved
         super().__init__(signal.Signals(signum).name)
+
+
+class Interrupted(Exception):
+    """A second Ctrl-C (or SIGTERM) stopped the run at once, during step `step` + 1 (or the checkpoint of step
+    `step`): what was saved is what is on disk."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(f"interrupted after step {step}")
+
+
+@contextlib.contextmanager
+def interrupted_at(step: Any) -> Any:
+    """Within: a KeyboardInterrupt (a second signal) becomes `Interrupted(step())`, so `main` can say when."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(step()) from None
+
+
+# A signal this soon after the first is taken as the same one: torchrun forwards to its ranks the Ctrl-C that the
+# terminal has already sent them (its process group), and a scheduler may signal the launcher and the ranks alike.
+REPEAT_SECONDS = 1.0
 
 
 class StopSignals:
     """Within: Ctrl-C (SIGINT) and SIGTERM (what torchrun and job schedulers send) set `signum` instead of stopping
-    the process at once, so the loop stops at its next logging step (`agree`) with a checkpoint. A second one stops
-    at once (KeyboardInterrupt). The handlers are installed only in the main thread, and restored on exit."""
+    the process at once, so the loop stops after the step it is in (`StopVote`) with a checkpoint; rank 0 says so at
+    once (`announce`), without promising a checkpoint when `saves` is false. A second one (more than
+    `REPEAT_SECONDS` later) stops at once (KeyboardInterrupt). The handlers are installed only in the main thread,
+    and restored on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = False, saves: bool = True, prog: str = PROG) -> None:
         self.signum: int | None = None
+        self.announce, self.saves, self.prog = announce, saves, prog
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -236,14 +298,54 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
+    def acknowledgement(self, signum: int) -> str:
+        """The line rank 0 prints on the first signal."""
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        saving = "a checkpoint is written first" if self.saves else "--no-checkpoint: nothing is saved"
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {name}"
+        return f"{self.prog}: {name}: stopping after this step ({saving}); {again} to stop now."
+
     def _handle(self, signum: int, _frame: object) -> None:
+        now = time.monotonic()
         if self.signum is not None:
+            if now - self._first < REPEAT_SECONDS:
+                return
             raise KeyboardInterrupt
-        self.signum = signum
+        self.signum, self._first = signum, now
+        if self.announce:  # os.write: a print here could re-enter one it interrupted; a line of its own (tqdm)
+            os.write(sys.stderr.fileno(), f"\n{self.acknowledgement(signum)}\n".encode())
 
     def __exit__(self, *_: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+class StopVote:
+    """Whether any rank has been signalled, agreed by all ranks after every step without waiting for the GPU: each
+    step's flag is all-reduced asynchronously and read one step later (the GPU has then finished that step, and the
+    next is queued), so every rank stops after the same step, at most two steps after the signal. A world of one
+    reads its flag at once."""
+
+    def __init__(self, world: Dist) -> None:
+        self.world = world
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def __call__(self, flag: bool) -> bool:
+        if self.world.world_size == 1:
+            return flag
+        value = torch.full((1,), float(flag), device=self.world.device)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        previous, self._pending = self._pending, (work, value)
+        if previous is None:
+            return False
+        previous[0].wait()
+        return bool(previous[1].item())
+
+    def finish(self) -> None:
+        """Wait for the last all-reduce (every rank calls this at the same step)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
 
 def agree(world: Dist, *flags: bool) -> list[bool]:
@@ -261,7 +363,7 @@ USER_ERRORS = (ValueError, OSError, ImportError)
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """`prog [OPTIONS]` trains (see `--help`); `prog export CHECKPOINT OUT [--force]` writes a Hub folder.
+    """`prog [OPTIONS]` trains (see `--help`); `prog export CHECKPOINT OUT [--overwrite]` writes a Hub folder.
     `argv` defaults to `sys.argv[1:]`. Returns the exit status: 0 done, 1 an error (one line on stderr, from rank 0
     or from the rank it happened on), 2 a usage error, 128 + the signal's number after Ctrl-C or SIGTERM."""
     argv = sys.argv[1:] if argv is None else argv
@@ -269,17 +371,27 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         export_main(argv[1:], prog=f"{prog} export")
         return 0
     report = int(os.environ.get("RANK", 0)) == 0  # every rank meets the same error (the data too: each checks all)
+    out: Path | None = None
     try:
-        train(parse_command_line(argv, prog))
+        config = parse_command_line(argv, prog)
+        out = config.out
+        train(config)
     except Stopped as stop:
         if report:
-            saved = f"{stop.checkpoint} saved; --resume continues" if stop.checkpoint else "no checkpoint written"
+            if stop.saved and stop.checkpoint is not None:
+                saved = f"{stop.checkpoint} saved; --resume continues"
+            else:
+                saved = f"no checkpoint written; {checkpoint_state(out, stop.checkpoint)}"
             name = signal.Signals(stop.signum).name
             print(f"{prog}: stopped by {name} after step {stop.step}: {saved}.", file=sys.stderr)
         return 128 + stop.signum
-    except KeyboardInterrupt:
+    except Interrupted as stop:
         if report:
-            print_error(prog, "interrupted; --resume continues from the last checkpoint.")
+            print(f"{prog}: stopped at once after step {stop.step}: {checkpoint_state(out)}.", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the training loop: one line, what OUT holds
+        if report:
+            print(f"{prog}: interrupted during start-up: {checkpoint_state(out)}.", file=sys.stderr)
         return 130
     except USER_ERRORS as error:
         if report:

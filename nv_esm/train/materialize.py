@@ -106,16 +106,17 @@ def device_memory(device: torch.device) -> int:
 
 
 def check_token_budget(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> None:
-    """ValueError, before the model is built, when `--token-budget` tokens keep more activations for the backward
+    """ValueError, before the model is built, when `--tokens-per-batch` tokens keep more activations for the backward
     than the device has memory (`activation_bytes_per_token`: a lower bound, so a budget it lets through may still
     not fit)."""
     budget, per_token = config.data.token_budget, activation_bytes_per_token(config, nv_config, world.device)
     memory = device_memory(world.device)
     if budget * per_token > memory:
         raise ValueError(
-            f"--token-budget {budget}: a micro-batch keeps at least {format_bytes(budget * per_token)} of activations "
-            f"for its backward ({format_bytes(per_token)} a token), more than the {format_bytes(memory)} of "
-            f"{world.device}; lower --token-budget (below {memory // per_token}), or use --activation-checkpointing."
+            f"--tokens-per-batch {budget}: a micro-batch keeps at least {format_bytes(budget * per_token)} of "
+            f"activations for its backward ({format_bytes(per_token)} a token), more than the {format_bytes(memory)} "
+            f"of {world.device}; lower --tokens-per-batch (below {memory // per_token}), or use "
+            "--activation-checkpointing."
         )
 
 
@@ -284,7 +285,22 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
     if source is not None:
         check_fresh_weights(fresh, source.folder)
     if world.is_main:
-        print(f"weights: {loaded} tensors from the checkpoint, {len(fresh)} initialised fresh {fresh[:6]}", flush=True)
+        print(weights_line(loaded, [canonical_name(name) for name in fresh], source is not None), flush=True)
+
+
+FRESH_SHOWN = 6  # fresh tensors the weights line names
+
+
+def weights_line(loaded: int, fresh: list[str], from_checkpoint: bool) -> str:
+    """Where the weights came from, in words: all from the checkpoint, all fresh (a run from scratch), or how many
+    of each, naming the first `FRESH_SHOWN` fresh tensors (", ..." when there are more)."""
+    if not fresh:
+        return f"weights: all {loaded} tensors from the checkpoint"
+    if not loaded:
+        reason = "the checkpoint holds none of them" if from_checkpoint else "training from scratch"
+        return f"weights: all {len(fresh)} tensors initialised fresh ({reason})"
+    listed = ", ".join(fresh[:FRESH_SHOWN]) + (", ..." if len(fresh) > FRESH_SHOWN else "")
+    return f"weights: {loaded} tensors from the checkpoint, {len(fresh)} initialised fresh: {listed}"
 
 
 def check_fresh_weights(fresh: list[str], folder: Path) -> None:

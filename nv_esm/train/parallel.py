@@ -80,12 +80,25 @@ class Dist:
         return self.rank // self.ranks_per_batch
 
     def describe(self) -> str:
-        """The mesh in words, e.g. "4 ranks: dp_replicate=2 x dp_shard=2", or "2 ranks: whole model on each"."""
+        """The layout in words, e.g. "1 process (no parallelism)", "4 processes: FSDP over 4", "4 processes: 2
+        replicas x FSDP over 2 (mesh dp_replicate=2 x dp_shard=2)" or "2 processes: a whole model on each
+        (gradients all-reduced)"; the mesh is named where it has more than one dimension."""
+        if self.world_size == 1:
+            return "1 process (no parallelism)"
+        head = f"{self.world_size} processes"
         if self.replicated:
-            together = f"cp={self.cp_size}, " if self.cp_size > 1 else ""
-            return f"{self.world_size} ranks: {together}whole model on each (gradients all-reduced)"
-        dimensions = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
-        return f"{self.world_size} ranks: {dimensions}"
+            together = f"context parallel over {self.cp_size}, " if self.cp_size > 1 else ""
+            return f"{head}: {together}a whole model on each (gradients all-reduced)"
+        sizes = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        words = {
+            "dp_replicate": "{} replicas",
+            "dp_shard": "FSDP over {}",
+            "cp": "context parallel over {}",
+            "tp": "tensor parallel over {}",
+        }
+        parts = [words.get(name, name + "={}").format(size) for name, size in sizes.items() if size > 1]
+        mesh = " x ".join(f"{name}={size}" for name, size in sizes.items())
+        return f"{head}: {' x '.join(parts)}" + (f" (mesh {mesh})" if len(sizes) > 1 else "")
 
     @property
     def shard_position(self) -> tuple[int, int]:

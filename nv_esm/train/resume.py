@@ -13,12 +13,14 @@ from the resumed step on.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from nv_esm.checkpoint_io import file_sha256
+from nv_esm.cli import asks_for_help
 from nv_esm.train.checkpoint import TRAIN_STATE, checkpoint_dirs
-from nv_esm.train.config import PROG, TrainConfig, given_options, option_values, parse_config
+from nv_esm.train.config import PROG, TrainConfig, given_options, option_flag, option_values, parse_config
 from nv_esm.train.lora import lora_fields
 from nv_esm.train.materialize import model_config
 from nv_esm.train.parallel import Dist
@@ -53,6 +55,8 @@ ARCHITECTURE = (
 def parse_command_line(argv: list[str] | None, prog: str = PROG) -> TrainConfig:
     """The `TrainConfig` of a training command line; with `--resume`, the options it does not give are those
     recorded in the newest checkpoint of `--out` (`recorded_options`). Usage errors exit (status 2)."""
+    if asks_for_help(sys.argv[1:] if argv is None else argv):  # the help of the one parser (`nv-esm train --help`'s)
+        return parse_config(argv, prog)
     given = given_options(argv, prog)
     recorded = recorded_options(Path(given["out"])) if given.get("resume") and "out" in given else None
     return parse_config(argv, prog, recorded)
@@ -141,7 +145,7 @@ def check_resume(folder: Path, config: TrainConfig, settings: dict[str, Any], wo
     _compare_model(folder, state["run"], config, world)
     changed = changed_options(state["run"].get("options"), config)
     if changed and world.is_main:
-        listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        listing = ", ".join(f"{option_flag(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"--resume from {folder.name} with changed options: {listing} (from step {step + 1} on).", flush=True)
     return step
 
@@ -174,7 +178,7 @@ def _compare_settings(folder: Path, saved: dict[str, Any], settings: dict[str, A
         if name in saved and name != "data_sha256" and saved[name] != value and name not in CHANGEABLE_ON_RESUME
     }
     if changed:
-        listing = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        listing = ", ".join(f"{option_flag(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(
             f"--resume from {folder} with changed options ({listing}): a resume continues the run's data order, "
             "schedule and optimizer; resume with the same ones (or leave them out: the checkpoint records them)."

@@ -51,6 +51,7 @@ from nv_esm.conversion_plan import (
     write_weights,
 )
 from nv_esm.hub_folder import (
+    check_contained,
     check_out,
     copy_remote_code,
     nv_config_dict,
@@ -59,6 +60,7 @@ from nv_esm.hub_folder import (
     write_tokenizer,
 )
 from nv_esm.model_card import ConvertedCheckpoint, model_card
+from nv_esm.path_guard import refuse_overlap
 from nv_esm.state_dict_mapping import (
     HEADS,
     RULES,
@@ -278,6 +280,8 @@ def convert_adapter(
     start = time.perf_counter()
     if options.verify:
         raise ValueError(f"{source} is a PEFT adapter folder: --verify compares models; load the adapter instead.")
+    refuse_overlap({"OUT": out}, {"SRC": source})  # replacing it would delete the adapter being converted
+    check_contained(source)  # no file linked in from elsewhere is read or copied
     check_out(out, options.force)
     weights = [source / name for name in ADAPTER_WEIGHTS if (source / name).is_file()]
     if not weights:

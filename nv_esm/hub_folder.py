@@ -266,6 +266,8 @@ HUB_FOLDER_FILES = frozenset(
         WEIGHTS_INDEX_NAME,
         *TOKENIZER_SETTINGS_FILES,
         *REMOTE_CODE_FILES,
+        "adapter_config.json",  # a converted PEFT adapter folder (`nv_esm.conversion.convert_adapter`)
+        "adapter_model.safetensors",
     }
 )
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

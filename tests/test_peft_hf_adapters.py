@@ -108,6 +108,12 @@ def test_converting_an_adapter_back_gives_transformers_tensors_bit_for_bit(tmp_p
     assert all(torch.equal(returned[key], tensor) for key, tensor in original.items())
     assert (back / "adapter_config.json").read_text() == (tmp_path / "adapter" / "adapter_config.json").read_text()
     assert convert_checkpoint.main(["hf-to-te", str(converted), str(tmp_path / "twice")]) == 1  # already NVEsm's
+    before = {path.name: path.read_bytes() for path in (tmp_path / "adapter").iterdir()}
+    into_itself = ["hf-to-te", str(tmp_path / "adapter"), str(tmp_path / "adapter"), "--overwrite"]
+    assert convert_checkpoint.main(into_itself) == 1  # never over the adapter it converts
+    assert {path.name: path.read_bytes() for path in (tmp_path / "adapter").iterdir()} == before
+    again = ["hf-to-te", str(tmp_path / "adapter"), str(converted), "--overwrite"]
+    assert convert_checkpoint.main(again) == 0  # over an earlier conversion of an adapter
 
 
 @pytest.mark.parametrize("layers", [3, 1], ids=["more layers", "fewer layers"])

@@ -25,9 +25,24 @@ ENV = {**os.environ, **forked_ranks.SERVER_ENV}
 ACK = "nv-esm train: Ctrl-C: stopping after this step (a checkpoint is written first); Ctrl-C again to stop now."
 
 
+def as_from_a_terminal() -> None:
+    """In the child before it runs: Ctrl-C's disposition as a shell gives it (default, not blocked), whatever the
+    test worker's own threads left behind (a blocked or ignored SIGINT is inherited across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def start(command: list[str], stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
-    """COMMAND in a session (and process group) of its own, its stderr read line by line."""
-    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    """COMMAND in a session (and process group) of its own, as from a terminal, its stderr read line by line."""
+    return subprocess.Popen(
+        command,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+        preexec_fn=as_from_a_terminal,
+    )
 
 
 def trainer(out: Path, *args: str) -> list[str]:

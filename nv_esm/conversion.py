@@ -60,7 +60,7 @@ from nv_esm.hub_folder import (
     write_tokenizer,
 )
 from nv_esm.model_card import ConvertedCheckpoint, model_card
-from nv_esm.path_guard import refuse_overlap
+from nv_esm.path_guard import overlap, refuse_overlap
 from nv_esm.state_dict_mapping import (
     HEADS,
     RULES,
@@ -212,9 +212,9 @@ def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: 
 
 
 def check_not_source(out: Path, source: Source) -> None:
-    """Refuse an OUT that is, or contains, the source (replacing it would delete the source)."""
-    resolved, src = out.resolve(), source.path.resolve()
-    if resolved == src or resolved in src.parents:
+    """Refuse an OUT that is, or contains, the source (replacing it would delete the source); how two paths meet
+    is `path_guard.overlap`'s to say, as for every command."""
+    if overlap(out, source.path) in ("is", "contains"):
         raise ValueError(f"{out} holds the source checkpoint {source.path}; choose another output folder.")
 
 

@@ -288,7 +288,7 @@ def time_command(args: argparse.Namespace, checkpoint: Path, folder: Path, varia
     if returncode != 0:
         raise SystemExit(f"nv-esm proteingym ({variant}) exited with {returncode}:\n{text[-4000:]}")
     written = sorted(output.glob("*.csv"))
-    phases = re.search(r"in ([\d.]+) s on rank 0 .* after ([\d.]+) s of set-up", text)  # the command's own timing
+    phases = re.search(r"in ([\d.]+) s(?: on rank 0)?\b.* after ([\d.]+) s of set-up", text)  # the command's own timing
     return {
         "command": " ".join(command),
         "seconds": seconds,

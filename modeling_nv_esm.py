@@ -14,6 +14,7 @@ Transformer Engine is imported lazily: importing this file never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable
@@ -61,6 +62,7 @@ try:
         adapter_load_pre_hook,
     )
     from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
+    from .modeling_nv_esm_plan import inference_autocast, plan_forward
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
     from modeling_nv_esm_batch import (
@@ -88,6 +90,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         adapter_load_pre_hook,
     )
     from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
+    from modeling_nv_esm_plan import inference_autocast, plan_forward
 
 # ESM-2 was trained masking 15% of tokens, 80% of those with <mask>: token dropout rescales to this ratio.
 MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -270,6 +273,22 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         them over the group: they are multiplied by the group's size instead."""
         self.base_model.encoder.reduce_partial_gradients(averaged)
 
+    def runs_eagerly(self) -> contextlib.AbstractContextManager:
+        """Within: every forward runs eagerly and the CUDA graphs captured before stay as they are
+        (`NVEsmEncoder.eager`; e.g. a validation pass between training steps that replay graphs)."""
+        return self.base_model.encoder.eager()
+
+    def reduce_gradients_after_backward(self, enabled: bool = True) -> None:
+        """For a training loop whose ranks each hold the whole model and average `.grad` themselves after the
+        step's backwards: training forwards may replay CUDA graphs in a process group of several ranks
+        (`NVEsmEncoder.reduce_gradients_after_backward`); `layer_gradients` says when each layer's are ready."""
+        self.base_model.encoder.reduce_gradients_after_backward(enabled)
+
+    def layer_gradients(self) -> tuple[list[list[nn.Parameter]], list[tuple[Any, torch.Tensor]] | None]:
+        """Per layer, the GEMM weights whose gradients a training replay writes, and after a replayed backward the
+        event and flat gradient view of each layer (`NVEsmEncoder.layer_gradients`)."""
+        return self.base_model.encoder.layer_gradients()
+
     def enable_context_parallel(self, cp_group: Any) -> None:
         """Run the encoder layers across the ranks of the `torch.distributed` process group `cp_group`
         (`NVEsmEncoder.enable_context_parallel`). Every rank of the group calls it, then runs the same batches and
@@ -437,9 +456,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        # asked before the input checks: their device sync would leave the GPU idle through this host work
-        precision = self.encoder.precision()
-        graphed = self.encoder.uses_cuda_graphs(output_hidden_states or output_attentions, precision)
+        # planned before the input checks: their device sync would leave the GPU idle through this host work
+        plan = plan_forward(self.encoder, output_hidden_states, output_attentions)
         batch = self._prepare_inputs(
             input_ids,
             attention_mask,
@@ -453,13 +471,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
         maps: list[torch.Tensor] = []
         last_hidden_state, all_hidden_states = self.encoder(
-            hidden_states,
-            batch,
-            self.rotary_embeddings,
-            output_hidden_states,
-            maps.append if output_attentions else None,
-            graphed=graphed,
-            precision=precision,
+            hidden_states, batch, self.rotary_embeddings, plan, maps.append if output_attentions else None
         )
         cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
         pooler_output = None
@@ -501,7 +513,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         )
         hidden_states = self._embed(input_ids, None, batch)
         contacts = StreamedContacts(self.contact_head.regression, batch.run_token_ids(input_ids), self.config)
-        self.encoder(hidden_states, batch, self.rotary_embeddings, attention_sink=contacts.add_layer, graphed=False)
+        plan = plan_forward(self.encoder, attention_maps=True)
+        self.encoder(hidden_states, batch, self.rotary_embeddings, plan, contacts.add_layer)
         result = contacts.probabilities()
         if batch.input_is_packed:
             return result
@@ -565,7 +578,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         for batch in length_sorted_batches(token_lists, max_tokens_per_batch):
             packed = pack_proteins([token_lists[i] for i in batch])
             cu_seq_lens = packed["cu_seq_lens_q"].to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with inference_autocast(device):
                 output = self(
                     packed["input_ids"].to(device),
                     cu_seq_lens_q=cu_seq_lens,

@@ -160,7 +160,7 @@ class StaticShapeGraphs(FreshWhenCopied):
     batch of each `nv-esm embed` shard, so never pays a capture.
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
-    replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
+    replay of a training graph and its backward no other forward may run (`plan_forward` refuses it). The
     output is copied out
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
     optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
@@ -371,13 +371,14 @@ class StaticShapeGraphs(FreshWhenCopied):
         return _layer_weights(encoder)
 
     def replayed_layer_gradients(self, layers: list[list[nn.Parameter]]) -> list[tuple[Any, torch.Tensor]] | None:
-        """For a data-parallel caller that reduces gradients itself (`gradients_reduced_after_backward`), to start
-        on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer of
-        `layers` (`layer_weights`, in `encoder.layers` order) the CUDA event that replay's backward records once the
-        layer's weight gradients are complete, and those gradients (`main_grad`, which is each GEMM weight's `.grad`)
-        as one flat view; the views of consecutive layers are adjacent in one buffer. None when the last training
-        call ran eagerly or the gradients are not laid out so (other dtypes, a `.grad` that is not the `main_grad`).
-        The layers' other parameters (LayerNorms, biases) get their gradients after the graph, as ordinary `.grad`s."""
+        """For a data-parallel caller that reduces gradients itself (`NVEsmEncoder.reduce_gradients_after_backward`),
+        to start on each layer's as soon as its backward is done: when the last training call replayed a graph, per
+        layer of `layers` (`layer_weights`, in `encoder.layers` order) the CUDA event that replay's backward records
+        once the layer's weight gradients are complete, and those gradients (`main_grad`, which is each GEMM
+        weight's `.grad`) as one flat view; the views of consecutive layers are adjacent in one buffer. None when the
+        last training call ran eagerly or the gradients are not laid out so (other dtypes, a `.grad` that is not the
+        `main_grad`). The layers' other parameters (LayerNorms, biases) get their gradients after the graph, as
+        ordinary `.grad`s."""
         if not self.last_training_call_replayed or self._weights is None or self._backward_events is None:
             return None
         weights = [weight for layer in layers for weight in layer]
@@ -462,9 +463,8 @@ class StaticShapeGraphs(FreshWhenCopied):
                     enabled=precision.recipe is not None,
                     recipe=precision.recipe,
                     pool=self._pool,
-                    # Inference needs one eager forward before capture (lazy set-up: cuDNN plans, workspaces); it
-                    # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
-                    # captures`). Training keeps TE's three forward+backward passes.
+                    # One eager forward sets up what inference captures (cuDNN plans, workspaces); training keeps
+                    # TE's three forward+backward passes.
                     num_warmup_iters=3 if training else 1,
                     **warm_up_hooks(te.make_graphed_callables, warm_up),
                 )

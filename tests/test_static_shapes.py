@@ -26,6 +26,7 @@ from modeling_nv_esm_graphs import (
     warm_up_hooks,
 )
 from modeling_nv_esm_layout import PackedRun, pad_packed, pad_packed_to_multiple
+from modeling_nv_esm_plan import ForwardPrecision
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -121,7 +122,7 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     assert torch.equal(padded.cu_seq_lens[: len(proteins) + 1], packed.cu_seq_lens)
     rotary = nv.esm.rotary_embeddings
     with torch.no_grad():
-        precision = nv.esm.encoder.precision()
+        precision = ForwardPrecision.of(nv.esm.encoder)
         expected = nv.esm.encoder.body(
             embeddings, PackedRun(packed, rotary(packed.max_length), packed.num_tokens), precision
         )
@@ -155,7 +156,7 @@ def test_layers_with_fp8_attention_get_a_layout_that_leaves_the_rotation_to_tran
     seen = []
     monkeypatch.setattr(encoder, "run_layer", lambda layer, states, run: seen.append(run.qkv_rotation) or states)
     recipe = object() if model_recipe else None
-    plain = encoder.precision()
+    plain = ForwardPrecision.of(encoder)
     assert not plain.attention_fp8 and not any(plain.fp8_attention(i) for i in range(3))
     precision = dataclasses.replace(
         plain, recipe=recipe, caller_fp8=not model_recipe, layer_fp8=layer_fp8, attention_fp8=True

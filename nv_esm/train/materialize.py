@@ -154,13 +154,15 @@ def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dis
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:
     """The model of `nv_config` for `config.model.task` (with LoRA adapters if asked), parallelized
     (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank. `--recompute-mlp`
-    is the model's load-time option `recompute_mlp`, which its layers read when they are built. Ranks holding whole
-    models average `.grad` after the step's backwards (`complete_gradients`), so their training forwards may replay
-    CUDA graphs (`gradients_reduced_after_backward`)."""
+    and `--offload-activations` are the model's load-time options, which its layers read when they are built.
+    Ranks holding whole models average `.grad` after the step's backwards (`complete_gradients`) and tell the model
+    so (`reduce_gradients_after_backward`): their training forwards may replay CUDA graphs."""
     nv_config.recompute_mlp = config.parallel.recompute_mlp
-    nv_config.gradients_reduced_after_backward = world.replicated
+    if config.parallel.offload_activations:
+        offload_activations(nv_config, config.parallel.offloaded_layers, world.device)
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model.task](nv_config)
+    model.reduce_gradients_after_backward(world.replicated)
     if config.model.lora_rank:
         model = add_lora(model, config.model)
     parallelize(model, config.parallel, world, nv_config.backend)
@@ -172,6 +174,21 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
         check_checkpoint_shapes(model, source, world)
     materialise(model, nv_config, source, config.seed, world)
     return model
+
+
+def offload_activations(nv_config: NVEsmConfig, offloaded_layers: int, device: torch.device) -> None:
+    """`--offload-activations` (`--offloaded-layers`, 0: every layer but the last) as the model's load-time options
+    `offload_activations` and `offloaded_layers`. ValueError naming the option where it cannot run."""
+    layers = nv_config.num_hidden_layers
+    if offloaded_layers >= layers:
+        raise ValueError(
+            f"--offloaded-layers {offloaded_layers}: this model has {layers} layers, and the last one is never "
+            f"offloaded (at most {layers - 1})."
+        )
+    if device.type != "cuda":
+        raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
+    nv_config.offload_activations = True
+    nv_config.offloaded_layers = offloaded_layers or None
 
 
 def whole_shape(name: str, tensor: torch.Tensor, world: Dist) -> tuple[int, ...]:

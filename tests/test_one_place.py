@@ -1,0 +1,106 @@
+"""Each decision about how a batch runs has one place (`modeling_nv_esm_plan.py`), and the trainer reaches the model
+through its runtime interface only: these tests read the sources and fail when a second place appears.
+
+- graph or eager: only the plan reads `config.cuda_graphs` and asks whether a stream is capturing or the layers are
+  sharded (`_graphed`);
+- the inference precision (bf16 autocast on CUDA): only the plan makes it (`inference_autocast`); the trainer's
+  compute dtype (`forward_context`) and the CUDA-graph capture (which re-enters the caller's autocast) are not
+  choices of it;
+- the trainer never duck-types the model (`hasattr(module, "graphs")`, "partial_gradients") nor flips its config
+  fields after it is built (`model.config.X = ...`): it calls `runs_eagerly`, `reduce_gradients_after_backward`,
+  `layer_gradients`, `reduce_partial_gradients`;
+- the trainer's configuration does not import the command-line module.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+REMOTE_CODE = sorted(ROOT.glob("*_nv_esm*.py"))
+PACKAGE = sorted((ROOT / "nv_esm").rglob("*.py"))
+TRAINER = sorted((ROOT / "nv_esm" / "train").glob("*.py"))
+PLAN = ROOT / "modeling_nv_esm_plan.py"
+
+
+def places(pattern: str, files: list[Path]) -> set[str]:
+    """The files (relative names) among `files` whose code (comments and docstrings left out) matches `pattern`."""
+    found = set()
+    for path in files:
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        code = [
+            ast.unparse(node)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.expr) and id(node) not in docstrings and not isinstance(node, ast.Constant)
+        ]
+        if any(re.search(pattern, text) for text in code):
+            found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+@pytest.mark.parametrize(
+    ("what", "pattern"),
+    [
+        ("the model's cuda_graphs option", r"config\.cuda_graphs\b"),
+        ("a capture in progress", r"is_current_stream_capturing"),
+        ("sharded layers", r"\bis_sharded\("),
+        ("the training ranks", r"\bseveral_ranks\(\)"),
+        ("bf16 inference autocast", r"torch\.autocast\('cuda', dtype=torch\.bfloat16"),
+    ],
+)
+def test_how_a_batch_runs_is_decided_in_the_plan_only(what, pattern):
+    assert places(pattern, REMOTE_CODE + PACKAGE) == {PLAN.name}, what
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"hasattr\(\w+, [\"'](graphs|partial_gradients|reduce_partial_gradients)[\"']\)",
+        r"\.graphs\.",
+        r"(?<!\w)(\w+\.)?config\.\w+ = ",  # a built model's config (not `nv_config` before it is built)
+    ],
+)
+def test_the_trainer_reaches_the_model_through_its_interface(pattern):
+    found = set()
+    for path in TRAINER:
+        text = path.read_text()
+        if re.search(pattern, text):
+            found.add(path.name)
+    assert not found, f"{pattern!r} in {sorted(found)}"
+
+
+def test_the_trainer_configuration_does_not_import_the_command_line():
+    tree = ast.parse((ROOT / "nv_esm" / "train" / "config.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "nv_esm.cli" not in imported
+
+
+def test_a_moved_option_is_refused_with_what_replaces_it(tmp_path):
+    """`gradients_reduced_after_backward` is the model's runtime interface now, not a config option: passing it
+    says what to call; a config.json that still holds it (never meant to) loads without it."""
+    import json
+
+    from configuration_nv_esm import NVEsmConfig
+
+    with pytest.raises(ValueError, match=r"call model\.reduce_gradients_after_backward\(\) on the model"):
+        NVEsmConfig(gradients_reduced_after_backward=True)
+    config = NVEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    fields = {**config.to_saved_dict(use_diff=False), "gradients_reduced_after_backward": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    loaded = NVEsmConfig.from_json_file(path)
+    assert not hasattr(loaded, "gradients_reduced_after_backward")

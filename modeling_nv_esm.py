@@ -53,7 +53,7 @@ try:
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_kernels import rotate_qk
-    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -81,7 +81,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_kernels import rotate_qk
-    from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -199,6 +199,39 @@ class NVEsmPooler(nn.Module):
         return torch.tanh(self.dense(first_token_states))
 
 
+def initial_value(
+    name: str,
+    module: nn.Module,
+    shape: tuple[int, ...],
+    config: NVEsmConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """NVEsm's one weight-initialisation rule: the initial value of parameter `name` (its name in `module`, or a
+    longer name ending so) of `module`, of `shape`, on `device`, drawn from `generator` (the default one if None).
+    `_init_weights` applies it to a new model, the trainer to every parameter it does not load
+    (`nv_esm.train.materialize`, drawing each whole tensor from a generator of its own).
+
+    - zeros: biases (`bias`, the fused modules' `*_bias`) and LoRA's B;
+    - ones: LayerNorm gains (`nn.LayerNorm`'s `weight`, the fused modules' `layer_norm_weight`);
+    - normal(0, `config.initializer_range`): every other weight; in an embedding, the padding row and the rows past
+      `config.vocab_size` (the padded vocabulary) zero;
+    - LoRA's A: normal(0, 1 / sqrt(fan_in)).
+    """
+    short = name.rsplit(".", 1)[-1]
+    if short == "bias" or short.endswith("_bias") or "lora_B" in name:
+        return torch.zeros(shape, device=device)
+    if short == "layer_norm_weight" or (isinstance(module, nn.LayerNorm) and short == "weight"):
+        return torch.ones(shape, device=device)
+    std = 1 / math.sqrt(shape[1]) if "lora_A" in name else config.initializer_range
+    value = torch.randn(shape, generator=generator, device=device) * std
+    if isinstance(module, nn.Embedding):
+        value[config.vocab_size :] = 0
+        if module.padding_idx is not None:
+            value[module.padding_idx] = 0
+    return value
+
+
 class NVEsmPreTrainedModel(PreTrainedModel):
     """Weight initialisation and loading rules shared by NVEsm models."""
 
@@ -227,36 +260,17 @@ class NVEsmPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """transformers' per-module initialisation of a new model: `initial_value` for each parameter of `module`,
+        ESM's rotary frequencies for its rotary table."""
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if tensors and all(getattr(tensor, "_is_hf_initialized", False) for tensor in tensors):
             return  # loaded by from_pretrained: transformers < 5.13 skips these itself only for Hub remote code
-        std = self.config.initializer_range
         if isinstance(module, NVEsmLoraTarget):
             return  # its `weight` is a fused module's, initialised there
-        if isinstance(module, (nn.Linear, NVEsmLinear)):
-            module.weight.normal_(0.0, std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
-            module.weight[self.config.vocab_size :].zero_()
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            module.bias.zero_()
-        elif isinstance(module, (NVEsmLayerNormLinear, NVEsmLayerNormMLP)):
-            module.layer_norm_weight.fill_(1.0)
-            module.layer_norm_bias.zero_()
-            for name, parameter in module.named_parameters(recurse=False):
-                if name.startswith("layer_norm"):
-                    continue
-                if name.endswith("weight"):
-                    parameter.normal_(0.0, std)
-                else:
-                    parameter.zero_()
-        elif isinstance(module, NVEsmRotaryEmbedding):
+        if isinstance(module, NVEsmRotaryEmbedding):
             module.inv_freq.copy_(module.default_inv_freq(self.config))
+        for name, parameter in module.named_parameters(recurse=False):
+            parameter.copy_(initial_value(name, module, tuple(parameter.shape), self.config, device=parameter.device))
 
     def enable_tensor_parallel(self, tp_group: Any) -> None:
         """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`

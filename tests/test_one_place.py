@@ -9,6 +9,7 @@ through its runtime interface only: these tests read the sources and fail when a
 - the trainer never duck-types the model (`hasattr(module, "graphs")`, "partial_gradients") nor flips its config
   fields after it is built (`model.config.X = ...`): it calls `runs_eagerly`, `reduce_gradients_after_backward`,
   `layer_gradients`, `reduce_partial_gradients`;
+- weights are initialised by one rule (`modeling_nv_esm.initial_value`);
 - the trainer's configuration does not import the command-line module.
 """
 
@@ -28,27 +29,18 @@ TRAINER = sorted((ROOT / "nv_esm" / "train").glob("*.py"))
 PLAN = ROOT / "modeling_nv_esm_plan.py"
 
 
+def code_of(path: Path) -> str:
+    """The code of `path` without its comments, docstrings and other strings (each string becomes '')."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+    return ast.unparse(tree)
+
+
 def places(pattern: str, files: list[Path]) -> set[str]:
-    """The files (relative names) among `files` whose code (comments and docstrings left out) matches `pattern`."""
-    found = set()
-    for path in files:
-        tree = ast.parse(path.read_text())
-        docstrings = {
-            id(node.body[0].value)
-            for node in ast.walk(tree)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.body
-            and isinstance(node.body[0], ast.Expr)
-            and isinstance(node.body[0].value, ast.Constant)
-        }
-        code = [
-            ast.unparse(node)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.expr) and id(node) not in docstrings and not isinstance(node, ast.Constant)
-        ]
-        if any(re.search(pattern, text) for text in code):
-            found.add(path.relative_to(ROOT).as_posix())
-    return found
+    """The files (relative names) among `files` whose code (`code_of`) matches `pattern`."""
+    return {path.relative_to(ROOT).as_posix() for path in files if re.search(pattern, code_of(path))}
 
 
 @pytest.mark.parametrize(
@@ -56,9 +48,9 @@ def places(pattern: str, files: list[Path]) -> set[str]:
     [
         ("the model's cuda_graphs option", r"config\.cuda_graphs\b"),
         ("a capture in progress", r"is_current_stream_capturing"),
-        ("sharded layers", r"\bis_sharded\("),
-        ("the training ranks", r"\bseveral_ranks\(\)"),
-        ("bf16 inference autocast", r"torch\.autocast\('cuda', dtype=torch\.bfloat16"),
+        ("sharded layers", r"(?<!def )\bis_sharded\("),
+        ("the training ranks", r"(?<!def )\bseveral_ranks\(\)"),
+        ("bf16 inference autocast", r"torch\.autocast\('', dtype=torch\.bfloat16"),
     ],
 )
 def test_how_a_batch_runs_is_decided_in_the_plan_only(what, pattern):
@@ -80,6 +72,13 @@ def test_the_trainer_reaches_the_model_through_its_interface(pattern):
         if re.search(pattern, text):
             found.add(path.name)
     assert not found, f"{pattern!r} in {sorted(found)}"
+
+
+def test_weights_are_initialised_by_one_rule():
+    """`modeling_nv_esm.initial_value` is the rule: the trainer's fresh tensors come from it, not from a rule of
+    their own (a second reader of `initializer_range`, or random draws, in the package)."""
+    assert places(r"initializer_range", PACKAGE) == set()
+    assert places(r"\b(randn|normal_)\(", [ROOT / "nv_esm" / "train" / "materialize.py"]) == set()
 
 
 def test_the_trainer_configuration_does_not_import_the_command_line():

@@ -24,6 +24,7 @@ from modeling_nv_esm import (
     NVEsmForSequenceClassification,
     NVEsmForTokenClassification,
     NVEsmRotaryEmbedding,
+    initial_value,
     resolve_backend,
 )
 from modeling_nv_esm_parallel import tensor_parallel_split_dim
@@ -290,7 +291,9 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
             rows = source.rows(canonical_name(name), start, stop, columns) if source is not None else None
             if rows is None:
                 fresh.append(name)
-                drawn = fresh_tensor(name, whole, config, seed * 100_003 + index, world.device)
+                generator = torch.Generator(device=world.device).manual_seed(seed * 100_003 + index)
+                owner = model.get_submodule(name.rpartition(".")[0])
+                drawn = initial_value(name, owner, whole, config, generator, world.device)
                 rows = drawn[start:stop] if columns is None else drawn[start:stop, columns]
             else:
                 loaded += 1
@@ -331,23 +334,3 @@ def check_fresh_weights(fresh: list[str], folder: Path) -> None:
             f"{folder} has no weights for {len(encoder)} tensors of the base model ({listed}), which would start from "
             "random values: the checkpoint is incomplete; convert it again."
         )
-
-
-def fresh_tensor(
-    name: str, shape: tuple[int, ...], config: NVEsmConfig, seed: int, device: torch.device
-) -> torch.Tensor:
-    """A new tensor of `shape` for parameter `name`, by `NVEsmPreTrainedModel._init_weights`' rules (and LoRA's):
-    zeros for biases and LoRA B, ones for LayerNorm gains, else normal(0, initializer_range) drawn from a generator
-    seeded by `seed` (LoRA A: std 1/sqrt(fan_in)), with zero padding and padded-vocabulary embedding rows."""
-    short = name.rsplit(".", 1)[-1]
-    if short.endswith("bias") or "lora_B" in name:
-        return torch.zeros(shape, device=device)
-    if short == "layer_norm_weight" or name.endswith("emb_layer_norm_after.weight"):
-        return torch.ones(shape, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    std = 1 / math.sqrt(shape[1]) if "lora_A" in name else config.initializer_range
-    tensor = torch.randn(shape, generator=generator, device=device) * std
-    if name.endswith("word_embeddings.weight") or name.endswith("lm_head.decoder.weight"):
-        tensor[config.vocab_size :] = 0
-        tensor[config.pad_token_id] = 0
-    return tensor

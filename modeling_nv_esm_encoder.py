@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,7 +87,7 @@ class ActivationOffload(FreshWhenCopied):
         backward runs."""
         if not transformer_engine_available():
             raise ImportError(f"offload_activations uses Transformer Engine's offloading. {TE_INSTALL_HINT}")
-        offloading = importlib.import_module("transformer_engine.pytorch.cpu_offload")
+        offloading = import_transformer_engine("pytorch.cpu_offload")
         if not hasattr(offloading, "DefaultOffloadSynchronizer") or offloading.NVTE_CPU_OFFLOAD_V1:
             raise ImportError(
                 "offload_activations needs Transformer Engine's offloading of any saved tensor (TE 2.20's default; "
@@ -274,7 +273,7 @@ class NVEsmEncoder(nn.Module):
         records event i once it is done: when the gradient of the layer's input is complete, after its weight
         gradients (TE computes them in the same backward calls, on the same stream)."""
         offload = self.activation_offload(hidden_states)
-        te_rotates = layout.with_qkv_rotation(None) if precision.attention_fp8 else None  # FP8 attention
+        unrotated = layout.with_qkv_rotation(None) if precision.attention_fp8 else None  # TE's FP8 attention rotates
         try:
             for index, layer in enumerate(self.layers):
                 if backward_events is not None and hidden_states.requires_grad:
@@ -282,7 +281,7 @@ class NVEsmEncoder(nn.Module):
                 if attention_sink is not None:
                     attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
                 with precision.layer(index), offload.context if offload else contextlib.nullcontext():
-                    layer_layout = te_rotates if precision.fp8_attention(index) else layout
+                    layer_layout = unrotated if precision.fp8_attention(index) else layout
                     hidden_states = self.run_layer(layer, hidden_states, layer_layout)
                 if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
                     hidden_states = offload.sync(hidden_states)

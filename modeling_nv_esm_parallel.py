@@ -199,10 +199,9 @@ class ContextParallel(RankGroup):
     def te_exchange(self, heads: int) -> str:
         """How Transformer Engine's attention (`cp_comm_type`), with `heads` heads per rank, shares the tokens: "a2a"
         (an all-to-all gives each rank whole proteins for `heads / size` heads) where the heads divide among the
-        ranks, else "all_gather" (every rank gathers all keys and values). Not TE's ring ("p2p"): on 2 and 4 H200s
-        (TE 2.20.2, bench/cp_modes.py, bench/results/cp_comm_h200x4_2026-11-27/) it gave logits up to 3 off for
-        proteins of 1 to 3 tokens, where both of these were right for every length; at 32k tokens (650M, forward
-        and backward) a2a took 0.98 / 0.51 s on 2 / 4 ranks, all_gather 0.96 / 0.54, the ring 0.95 / 0.61."""
+        ranks, else "all_gather" (every rank gathers all keys and values). Not TE's ring ("p2p"): with TE 2.20 it
+        gave wrong logits for proteins of 1 to 3 tokens, where both of these are right for every length (and no
+        faster; bench/results/cp_comm_h200x4_2026-11-27/)."""
         return "a2a" if heads % self.size == 0 else "all_gather"
 
 

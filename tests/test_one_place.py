@@ -9,6 +9,7 @@ through its runtime interface only: these tests read the sources and fail when a
 - the trainer never duck-types the model (`hasattr(module, "graphs")`, "partial_gradients") nor flips its config
   fields after it is built (`model.config.X = ...`): it calls `runs_eagerly`, `reduce_gradients_after_backward`,
   `layer_gradients`, `reduce_partial_gradients`;
+- Transformer Engine is imported in one guarded place (`import_transformer_engine`);
 - weights are initialised by one rule (`modeling_nv_esm.initial_value`);
 - the trainer's configuration does not import the command-line module.
 """
@@ -79,6 +80,17 @@ def test_weights_are_initialised_by_one_rule():
     their own (a second reader of `initializer_range`, or random draws, in the package)."""
     assert places(r"initializer_range", PACKAGE) == set()
     assert places(r"\b(randn|normal_)\(", [ROOT / "nv_esm" / "train" / "materialize.py"]) == set()
+
+
+def test_transformer_engine_is_imported_in_one_guarded_place():
+    """The model code and the package import Transformer Engine through `import_transformer_engine` (which says how
+    to install it), never directly: only `transformer_engine_available` tries the import itself."""
+    direct = r"import_module\(f?'transformer_engine|\bimport transformer_engine\b(?!_)|\bfrom transformer_engine\b(?!_)"
+    found = {path.name for path in REMOTE_CODE + PACKAGE if re.search(direct, ast.unparse(ast.parse(path.read_text())))}
+    assert found == {"modeling_nv_esm_layers.py"}
+    layers = (ROOT / "modeling_nv_esm_layers.py").read_text()
+    assert layers.count('importlib.import_module("transformer_engine') == 1  # the guard
+    assert layers.count('importlib.import_module(f"transformer_engine.{module}")') == 1  # after the guard
 
 
 def test_the_trainer_configuration_does_not_import_the_command_line():

@@ -34,10 +34,10 @@ try:
     from .modeling_nv_esm_layout import RotaryTable, RunLayout
     from .modeling_nv_esm_lora import with_qkv_updates
     from .modeling_nv_esm_parallel import (
-        TENSOR_PARALLEL_SPLITS,
         ContextParallel,
         RankGroup,
         tensor_parallel_layer,
+        tensor_parallel_part,
         tensor_parallel_split_dim,
     )
     from .modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
@@ -58,10 +58,10 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_layout import RotaryTable, RunLayout
     from modeling_nv_esm_lora import with_qkv_updates
     from modeling_nv_esm_parallel import (
-        TENSOR_PARALLEL_SPLITS,
         ContextParallel,
         RankGroup,
         tensor_parallel_layer,
+        tensor_parallel_part,
         tensor_parallel_split_dim,
     )
     from modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
@@ -326,9 +326,10 @@ class NVEsmEncoder(nn.Module):
                 for new_layer, old_layer in zip(layers, old):
                     whole = dict(old_layer.named_parameters())
                     for name, parameter in new_layer.named_parameters():
-                        dim = TENSOR_PARALLEL_SPLITS.get(name)
-                        value = whole[name] if dim is None else whole[name].chunk(size, dim)[tensor_parallel.rank]
-                        parameter.copy_(value)
+                        part = tensor_parallel_part(name, tuple(whole[name].shape), size, tensor_parallel.rank)
+                        parameter.copy_(
+                            whole[name] if part is None else whole[name][(slice(None),) * part[0] + (part[1],)]
+                        )
         layers.train(self.training)
         self.layers, self.tensor_parallel = layers, tensor_parallel
         self.graphs.clear()

@@ -45,10 +45,27 @@ TENSOR_PARALLEL_SPLITS = {
 
 def tensor_parallel_split_dim(name: str) -> int | None:
     """The dimension along which tensor parallelism splits the parameter `name` (a model's, an encoder's or a layer
-    list's: `....layers.<i>.<name in the layer>`; `TENSOR_PARALLEL_SPLITS`), or None for one every rank holds
-    whole."""
+    list's: `....layers.<i>.<name in the layer>`, or a layer's own; `TENSOR_PARALLEL_SPLITS`), or None for one every
+    rank holds whole."""
     _, in_layers, rest = f".{name}".partition(".layers.")
-    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1] if in_layers else name)
+
+
+def tensor_parallel_part(name: str, whole_shape: tuple[int, ...], size: int, rank: int) -> tuple[int, slice] | None:
+    """The part of parameter `name` (of `whole_shape`) that rank `rank` of `size` tensor-parallel ranks holds: the
+    split dimension and the slice of it (`tensor_parallel_split_dim`), or None where every rank holds it whole. The
+    one place a whole weight is cut for a rank: `NVEsmEncoder.enable_tensor_parallel` and the trainer's loading."""
+    dim = tensor_parallel_split_dim(name) if size > 1 else None
+    if dim is None:
+        return None
+    part = whole_shape[dim] // size
+    return dim, slice(rank * part, (rank + 1) * part)
+
+
+def tensor_parallel_whole_shape(name: str, part_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """The whole shape of parameter `name` whose part on each of `size` tensor-parallel ranks is `part_shape`."""
+    dim = tensor_parallel_split_dim(name) if size > 1 else None
+    return tuple(length * size if index == dim else length for index, length in enumerate(part_shape))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ through its runtime interface only: these tests read the sources and fail when a
   fields after it is built (`model.config.X = ...`): it calls `runs_eagerly`, `reduce_gradients_after_backward`,
   `layer_gradients`, `reduce_partial_gradients`;
 - Transformer Engine is imported in one guarded place (`import_transformer_engine`);
+- a tensor-parallel rank's part of a weight is computed in one place (`tensor_parallel_part`);
 - weights are initialised by one rule (`modeling_nv_esm.initial_value`);
 - the trainer's configuration does not import the command-line module.
 """
@@ -73,6 +74,13 @@ def test_the_trainer_reaches_the_model_through_its_interface(pattern):
         if re.search(pattern, text):
             found.add(path.name)
     assert not found, f"{pattern!r} in {sorted(found)}"
+
+
+def test_a_weight_is_cut_for_a_tensor_parallel_rank_in_one_place():
+    """`modeling_nv_esm_parallel.tensor_parallel_part` (and `tensor_parallel_whole_shape`, its inverse) say which part
+    of a weight a rank holds: the encoder's split and the trainer's loading and checkpoints do not compute it."""
+    cuts = r"\*=? ?world\.tp_size|tp_rank \*|\.chunk\(size|TENSOR_PARALLEL_SPLITS"
+    assert places(cuts, [ROOT / "modeling_nv_esm_encoder.py", *TRAINER]) == set()
 
 
 def test_weights_are_initialised_by_one_rule():

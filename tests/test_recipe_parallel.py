@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -322,8 +321,8 @@ def test_offloaded_layers_sets_how_many_layers_offload(
     engine = types.SimpleNamespace(get_cpu_offload_context=lambda **kwargs: (asked.append(kwargs), (None, None))[1])
     offloading = types.SimpleNamespace(DefaultOffloadSynchronizer=object, NVTE_CPU_OFFLOAD_V1=False)
     monkeypatch.setattr(encoder_module, "transformer_engine_available", lambda: True)
-    monkeypatch.setattr(encoder_module, "import_transformer_engine", lambda: engine)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cpu_offload", offloading)
+    modules = {"pytorch": engine, "pytorch.cpu_offload": offloading}
+    monkeypatch.setattr(encoder_module, "import_transformer_engine", lambda module="pytorch": modules[module])
     for offloaded_layers in (None, 1, 2):
         model = make_nv_model(hf, offload_activations=True, offloaded_layers=offloaded_layers)
         model.esm.encoder._offload.build(len(model.esm.encoder.layers), model.config.offloaded_layers)

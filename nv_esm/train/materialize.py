@@ -27,7 +27,7 @@ from modeling_nv_esm import (
     initial_value,
     resolve_backend,
 )
-from modeling_nv_esm_parallel import tensor_parallel_split_dim
+from modeling_nv_esm_parallel import tensor_parallel_part, tensor_parallel_whole_shape
 from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.train.config import ModelConfig, TrainConfig
@@ -194,12 +194,8 @@ def offload_activations(nv_config: NVEsmConfig, offloaded_layers: int, device: t
 
 def whole_shape(name: str, tensor: torch.Tensor, world: Dist) -> tuple[int, ...]:
     """The shape of parameter `name` in a checkpoint: `tensor`'s whole shape (an FSDP2 shard's `shape` is the whole
-    one), its `--tp` split dimension (`tensor_parallel_split_dim`) multiplied by the `--tp` ranks."""
-    shape = list(tensor.shape)
-    split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
-    if split_dim is not None:
-        shape[split_dim] *= world.tp_size
-    return tuple(shape)
+    one), of the whole parameter with `--tp` (`tensor_parallel_whole_shape`)."""
+    return tensor_parallel_whole_shape(name, tuple(tensor.shape), world.tp_size)
 
 
 def check_checkpoint_shapes(model: nn.Module, source: CheckpointReader, world: Dist) -> None:
@@ -269,7 +265,7 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
 
     A fresh tensor is drawn whole (on the device, one at a time) from a generator seeded by `seed` and the
     parameter's index, then cut to this rank's rows, so the weights do not depend on the world size. With `--tp`,
-    a split parameter's rank part (`tensor_parallel_split_dim`) is this rank's rows or columns of the whole one."""
+    a split parameter's rank part (`tensor_parallel_part`) is this rank's rows or columns of the whole one."""
     loaded, fresh = 0, []
     with torch.no_grad():
         for index, (name, tensor) in enumerate(model.named_parameters()):
@@ -281,13 +277,12 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
                 start = shard * math.ceil(tensor.shape[0] / shards)
             stop = min(start + local.shape[0], tensor.shape[0])
             whole, columns = whole_shape(name, tensor, world), None
-            split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
-            if split_dim is not None:  # this rank's part of the whole parameter
-                part = tensor.shape[split_dim]
-                if split_dim == 0:
-                    start, stop = start + world.tp_rank * part, stop + world.tp_rank * part
+            part = tensor_parallel_part(name, whole, world.tp_size, world.tp_rank)
+            if part is not None:  # this rank's part of the whole parameter: its rows, or its columns
+                if part[0] == 0:
+                    start, stop = start + part[1].start, stop + part[1].start
                 else:
-                    columns = slice(world.tp_rank * part, (world.tp_rank + 1) * part)
+                    columns = part[1]
             rows = source.rows(canonical_name(name), start, stop, columns) if source is not None else None
             if rows is None:
                 fresh.append(name)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modeling_nv_esm_parallel import tensor_parallel_split_dim
+from modeling_nv_esm_parallel import tensor_parallel_split_dim, tensor_parallel_whole_shape
 from nv_esm.train.config import ParallelConfig, refuse_option_combinations
 
 
@@ -424,11 +424,10 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
         return state
     from torch.distributed.tensor import DTensor, Shard
 
-    def whole(value: Any, dim: int) -> Any:
+    def whole(value: Any, name: str, dim: int) -> Any:
         if not isinstance(value, DTensor) or value.dim() == 0:  # e.g. the optimizer's step count
             return value
-        shape = list(value.shape)
-        shape[dim] *= world.tp_size
+        shape = tensor_parallel_whole_shape(name, tuple(value.shape), world.tp_size)
         stride = torch.empty(shape, device="meta").stride()
         placements = (Shard(dim), *value.placements)
         return DTensor.from_local(
@@ -442,7 +441,7 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
             }
             return items if any(items[key] is not value[key] for key in value) else value
         dim = None if name is None else tensor_parallel_split_dim(name)
-        return value if dim is None else whole(value, dim)
+        return value if dim is None else whole(value, name, dim)
 
     if "state" in state and "param_groups" in state:  # optimizer: {"state": {name: {"exp_avg": ...}}, ...}
         return {**state, "state": view(state["state"], None)}

@@ -32,6 +32,17 @@ SPECIAL_TOKEN_IDS = {"mask_token_id": MASK, "pad_token_id": PAD, "eos_token_id":
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_model_type(fields: Mapping[str, Any], checkpoint: str | Path) -> None:
+    """Refuse a config.json (`fields`, of the folder or Hub id `checkpoint`) that is not NVEsm's: the commands load
+    NVEsm checkpoints only, and say how to convert another ESM-2 one. No `model_type` is taken as NVEsm's."""
+    model_type = fields.get("model_type", NVEsmConfig.model_type)
+    if model_type != NVEsmConfig.model_type:
+        raise ValueError(
+            f"{checkpoint} is not an NVEsm checkpoint (its config.json says model_type {model_type!r}); convert it "
+            f"first: nv-esm convert hf-to-te {checkpoint} OUT"
+        )
+
+
 def check_checkpoint_tokens(checkpoint: str | Path, config: NVEsmConfig) -> None:
     """Refuse a checkpoint (a folder or a Hub id) whose config.json names other special-token ids than ESM-2's
     (`check_special_token_ids`) or whose vocab.txt and tokenizer files are not ESM-2's (`check_vocabulary`): the

@@ -359,12 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"nv-esm: error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    if asks_for_help(arguments):  # the command's parser alone (torch is not imported): prints, exits 0
-        PARSERS[command](arguments, f"nv-esm {command}")
-    with interrupted_start_up(f"nv-esm {command}"):
+    return run_command(command, arguments)
+
+
+def run_command(command: str, arguments: list[str]) -> int:
+    """Run `nv-esm COMMAND ARGS...` (`command` one of `COMMANDS`), the one way every entry point starts a command
+    (`nv-esm`, `python -m nv_esm`, `python -m nv_esm.train`, `recipes/train.py`): `--help` from the parser alone
+    (torch is not imported; prints, exits 0), Ctrl-C during the imports one line (`interrupted_start_up`), then the
+    command's `main`. Returns the exit status."""
+    prog = f"nv-esm {command}"
+    if asks_for_help(arguments):
+        PARSERS[command](arguments, prog)
+    with interrupted_start_up(prog):
         module = importlib.import_module(COMMANDS[command][0])
-    status = module.main(arguments, prog=f"nv-esm {command}")
-    return status or 0
+    return module.main(arguments, prog=prog) or 0
 
 
 @contextlib.contextmanager

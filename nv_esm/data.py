@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, text_lines
-from nv_esm.records import RecordRules, read_sequences, residue_ids
+from nv_esm.records import BadRecords, RecordRules, plural, read_records, residue_ids
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
 IGNORE_INDEX = -100
@@ -345,7 +345,7 @@ class _PackedStream:
     def load_state_dict(self, state: dict) -> None:
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= len(self):
-            raise ValueError(f"invalid stream state {state} for a stream of {len(self)} proteins.")
+            raise ValueError(f"invalid stream state {state} for a stream of {plural(len(self), 'protein')}.")
         self._epoch, self._position = (epoch + 1, 0) if position == len(self) else (epoch, position)
 
 
@@ -355,7 +355,8 @@ class MLMStream(_PackedStream):
 
     Proteins are tokenized, cropped to a random window of `max_length` tokens, masked (`mask_tokens` with
     `mask_prob`) and packed into micro-batches of at most `token_budget` tokens; labels are `[1, T]`. Infinite.
-    Records are read by `rules` (`RecordRules`): one left out has no global index.
+    Records are read by `rules` (`RecordRules`): one left out has no global index; with `invalid="error"` a file's
+    bad records stop the reading at its end, every one named in one error (`BadRecords`).
     """
 
     def __init__(
@@ -380,10 +381,11 @@ class MLMStream(_PackedStream):
         global_index = kept = 0
         for path in self.files:
             count = 0
-            for number, sequence in enumerate(read_sequences(path, empty_ok=True), 1):
+            bad = BadRecords(path)  # with --invalid error, the file's bad records, named in one error after it
+            for number, (sequence, line) in enumerate(read_records(path, empty_ok=True), 1):
                 # every stream checks every record, so that every rank meets a bad one alike
-                ids = rules.residue_ids(sequence, path, f"record {number}", self.skipped)
-                if ids is None:  # left out: not a record of the data set (no index, no stream)
+                ids = rules.residue_ids(sequence, path, f"record {number}", self.skipped, bad, line)
+                if ids is None:  # left out (or bad): not a record of the data set (no index, no stream)
                     continue
                 if holdout is None or holdout.keeps(global_index):
                     if kept % num_streams == stream_index:
@@ -391,6 +393,7 @@ class MLMStream(_PackedStream):
                     kept += 1
                 global_index += 1
                 count += 1
+            bad.raise_if_any([rules.SKIP_HINT])
             self.file_counts.append(count)
         self._finish_loading(", ".join(map(str, self.files)))
 
@@ -413,32 +416,49 @@ def read_labelled_csv(
     task "sequence": columns `sequence,label`, numeric labels (all integers: class ids; any float: regression);
     alphabet None. task "token": columns `sequence,labels`, one label character per residue; labels are lists of
     characters and the alphabet is their sorted set. Each sequence is read by `rules` (`RecordRules`); the problems
-    of the rows it leaves out are appended to `skipped`.
+    of the rows it leaves out are appended to `skipped`. Every bad row (a bad sequence that `rules` does not skip, an
+    empty label, a label that is not a number, as many token labels as residues) is named in one ValueError, with
+    its row and line (`BadRecords`).
     """
     if task not in ("sequence", "token"):
         raise ValueError(f"task must be 'sequence' or 'token', got {task!r}.")
     label_column = "label" if task == "sequence" else "labels"
     sequences, raw_labels = [], []
     skipped = [] if skipped is None else skipped
+    bad, bad_sequences = BadRecords(path), 0
     with open(path, "rb") as file:
         reader = csv.DictReader(text_lines(file, Path(path)))
         missing = {"sequence", label_column} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: the header needs columns sequence,{label_column}; missing {sorted(missing)}.")
         for row_number, row in enumerate(reader, 1):
+            where = f"{path}, row {row_number} (line {reader.line_num})"
             sequence = "".join((row["sequence"] or "").split())
             label = "".join((row[label_column] or "").split())
-            if not label:
-                raise ValueError(f"{path}, row {row_number} (line {reader.line_num}): empty {label_column}.")
-            ids = rules.residue_ids(sequence, path, f"row {row_number} (line {reader.line_num})", skipped)
-            if ids is None:
+            problems: list[str] = []  # this row's, on one line
+            ids = rules.residue_ids(sequence, path, f"row {row_number} (line {reader.line_num})", skipped, problems)
+            bad_sequences += bool(problems)
+            if ids is None and not problems:  # left out by `rules`
                 continue
-            where = f"{path}, row {row_number} (line {reader.line_num})"
-            sequence = sequence[: len(ids)].upper()  # one id per residue: a stripped stop mark was the last character
-            if task == "token" and len(label) != len(sequence):
-                raise ValueError(f"{where}: {len(label)} labels for {len(sequence)} residues.")
-            sequences.append(sequence)
+            if not label:
+                problems.append(f"{where}: empty {label_column}.")
+            elif task == "sequence" and not _is_number(label):
+                problems.append(f"{where}: label {label!r} is not a number.")
+            elif task == "token" and ids is not None and len(label) != len(ids):
+                problems.append(f"{where}: {plural(len(label), 'label')} for {plural(len(ids), 'residue')}.")
+            if problems:
+                rest = [problem.removeprefix(f"{where}: ").removesuffix(".") for problem in problems[1:]]
+                bad.append("; ".join([problems[0].removesuffix("."), *rest]) + ".")
+                continue
+            sequences.append(sequence[: len(ids)].upper())  # one id per residue: a stripped stop mark was the last
             raw_labels.append(label)
+    if bad_sequences == len(bad):
+        hints = [rules.SKIP_HINT]
+    elif bad_sequences:
+        hints = ["--invalid skip leaves out rows with a bad sequence, not rows with a bad label"]
+    else:
+        hints = []
+    bad.raise_if_any(hints)
     if not sequences:
         raise ValueError(f"{path}: no rows.")
     if task == "token":
@@ -446,14 +466,15 @@ def read_labelled_csv(
     try:
         return sequences, [int(label) for label in raw_labels], None
     except ValueError:
-        pass
-    labels = []
-    for row_number, label in enumerate(raw_labels, 1):
-        try:
-            labels.append(float(label))
-        except ValueError:
-            raise ValueError(f"{path}, row {row_number}: label {label!r} is not a number.") from None
-    return sequences, labels, None
+        return sequences, [float(label) for label in raw_labels], None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ClassificationStream(_PackedStream):

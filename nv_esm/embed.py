@@ -40,7 +40,6 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from nv_esm.alphabet import iter_fasta
 from nv_esm.cli import add_run_arguments as add_run_arguments  # score's and proteingym's shared options
@@ -68,9 +67,10 @@ from nv_esm.embed_plan import (
     text_lines,
     token_budget_warning,
 )
-from nv_esm.job_clock import JobClock, ReportingProgress
+from nv_esm.job_clock import JobClock, ReportingProgress, progress_bar
 from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_contact_maps, pyplot
+from nv_esm.records import plural
 
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
@@ -247,7 +247,7 @@ def _run(
         for record in records[shard * args.shard_size : (shard + 1) * args.shard_size]
     )
     embedder = ShardEmbedder(model, settings, args.tokens_per_batch)
-    bar = tqdm(total=todo, unit="protein", desc="embedding", disable=args.no_progress or rank != 0)
+    bar = progress_bar(todo, "embedding", "protein", args.no_progress or rank != 0)
     progress = ReportingProgress(bar, clock)
     started = time.perf_counter()
     # A shard is written on a thread while the next one is embedded; at most one write is under way.
@@ -284,11 +284,12 @@ def _run(
             for record in records:
                 counts[record.status] = counts.get(record.status, 0) + 1
             summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
-            reused = f"{num_shards - len(missing)} of {num_shards} shards were already done"
-            rate = (
-                f"this run: {todo} proteins in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} proteins/s on rank 0)"
-            )
-            print(f"{len(records)} records ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
+            were = "was" if num_shards == 1 else "were"
+            reused = f"{num_shards - len(missing)} of {plural(num_shards, 'shard')} {were} already done"
+            where = " on rank 0" if world_size > 1 else ""
+            rate = f"{todo / max(seconds, 1e-9):.1f} proteins/s{where}"
+            rate = f"this run: {plural(todo, 'protein')} in {seconds:.1f} s ({rate})"
+            print(f"{plural(len(records), 'record')} ({summary}); {reused}; {rate}; wrote {args.output / INDEX_NAME}")
             if "contacts" in settings.include:
                 draw_contacts(args.output)
     return RunStats(todo, seconds)
@@ -306,7 +307,12 @@ def draw_contacts(folder: Path) -> None:
     if png is None and pyplot() is None:
         print(PLOTS_HINT.format(what=f"the first {CONTACT_MAP_PROTEINS} contact maps"), file=sys.stderr)
     elif png is not None:
-        print(f"wrote {png} (the contact maps of the first {len(maps)} proteins)")
+        which = (
+            "the contact map of the first protein"
+            if len(maps) == 1
+            else f"the contact maps of the first {len(maps)} proteins"
+        )
+        print(f"wrote {png} ({which})")
 
 
 if __name__ == "__main__":

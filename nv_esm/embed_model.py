@@ -17,7 +17,7 @@ import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
 from modeling_nv_esm_plan import inference_autocast
-from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_tensor_names
+from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type, check_tensor_names
 from nv_esm.checkpoint_io import checked_weight_files, read_json
 from nv_esm.embed_plan import (
     COMMAND_FP8_RECIPE,
@@ -53,12 +53,7 @@ def load_config(checkpoint: str) -> Any:
         config_dict = read_json(folder / "config.json")
     else:
         config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
-    model_type = config_dict.get("model_type")
-    if model_type != NVEsmConfig.model_type:
-        raise ValueError(
-            f"{checkpoint} is a {model_type!r} checkpoint, not NVEsm; convert it first: "
-            f"nv-esm convert hf-to-te {checkpoint} OUT"
-        )
+    check_model_type(config_dict, checkpoint)
     try:
         config = NVEsmConfig.from_pretrained(checkpoint)
     except (ValueError, TypeError) as error:

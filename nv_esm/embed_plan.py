@@ -24,7 +24,7 @@ from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import chunk_digests
 from nv_esm.options import fp8_refusal
-from nv_esm.records import residue_ids
+from nv_esm.records import bad_records_error, residue_ids
 from nv_esm.vocabulary import COMMAND_FP8_RECIPE as COMMAND_FP8_RECIPE
 from nv_esm.vocabulary import FP8_SCALINGS as FP8_SCALINGS
 from nv_esm.vocabulary import OUTPUTS as OUTPUTS
@@ -92,13 +92,16 @@ def scan_fasta(
 ) -> tuple[list[Record], str]:
     """First pass: every record's id, length and status, and the file's SHA-256. Raises one `ValueError` listing
     every bad record of the file (`bad_records_error`: the first `LISTED_PROBLEMS`, and how many more), each named:
-    a duplicate or missing id, an empty record or an invalid letter (`modeling_nv_esm.protein_residues`, with
-    `invalid="error"`; with "skip" the record is skipped and the index says why) or a protein longer than
-    `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing '*' is removed, not refused."""
+    a duplicate id (whatever `invalid` says: the error says which records --invalid skip would take, and that it
+    does not apply to a duplicate id) or a missing one, an empty record or an invalid letter
+    (`modeling_nv_esm.protein_residues`, with `invalid="error"`; with "skip" the record is skipped and the index
+    says why) or a protein longer than `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing
+    '*' is removed, not refused."""
     records: list[Record] = []
     problems: list[str] = []
     hints: dict[str, None] = {}  # the options that would take the refused records, in the order first needed
     first_seen: dict[str, int] = {}
+    counts = {"invalid": 0, "duplicate": 0}  # refused records: for their letters (or none), for a repeated id
     digest = hashlib.sha256()
     with open(path, "rb") as raw:
         lines = text_lines(raw, path, digest)
@@ -107,11 +110,13 @@ def scan_fasta(
             if not record_id:
                 problems.append(f"{path}: record {number} has no id (an empty '>' header line).")
                 continue
-            if record_id in first_seen:
+            if record_id in first_seen:  # refused whatever --invalid says: which copy is meant is the user's call
                 problems.append(
                     f"{path}: id {record_id!r} appears twice (records {first_seen[record_id]} and {number}); "
-                    "ids name the outputs, so they must be unique."
+                    "ids name the outputs, so they must be unique: rename or remove a copy (--invalid skip does not "
+                    "apply to duplicate ids)."
                 )
+                counts["duplicate"] += 1
                 continue
             first_seen[record_id] = number
             stop_removed = strip_stop and sequence.endswith(STOP_MARK)
@@ -124,6 +129,7 @@ def scan_fasta(
             if problem is not None:
                 if invalid == "error":
                     problems.append(problem)
+                    counts["invalid"] += 1
                     hints["--invalid skip skips {them}"] = None
                 status = "skipped: empty" if residues == 0 else "skipped: invalid letter"
             elif residues <= max_length:
@@ -139,28 +145,16 @@ def scan_fasta(
                 status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
             records.append(Record(record_id, number, residues, status, stop_removed))
     if problems:
+        if counts["invalid"] and counts["duplicate"]:  # --invalid skip takes the records of bad letters, not those
+            which = "the record" if counts["invalid"] == 1 else f"the {counts['invalid']} records"
+            skip = (
+                f"--invalid skip skips {which} with letters outside the alphabet or no residues, not the duplicate ids"
+            )
+            hints = {skip if hint.startswith("--invalid skip") else hint: None for hint in hints}
         raise bad_records_error(path, problems, list(hints))
     if not records:
         raise ValueError(f"{path}: no FASTA records.")
     return records, digest.hexdigest()
-
-
-# How many bad records one error lists (the rest are counted).
-LISTED_PROBLEMS = 20
-
-
-def bad_records_error(path: Path, problems: list[str], hints: list[str]) -> ValueError:
-    """The error of a file with bad records, each `problems` line naming one (in file order): one line for one
-    record, else a line per record under a summary (the first `LISTED_PROBLEMS`, then how many more); `hints`: the
-    options that would take them ("{them}": the records)."""
-    them = "it" if len(problems) == 1 else "them"
-    advice = f" ({'; '.join(hint.format(them=them) for hint in hints)})" if hints else ""
-    if len(problems) == 1:
-        return ValueError(f"{problems[0].removesuffix('.')}{advice}.")
-    listed = [f"  {problem.removeprefix(f'{path}: ')}" for problem in problems[:LISTED_PROBLEMS]]
-    if len(problems) > LISTED_PROBLEMS:
-        listed.append(f"  ... and {len(problems) - LISTED_PROBLEMS} more")
-    return ValueError("\n".join([f"{path}: {len(problems)} bad records{advice}:", *listed]))
 
 
 def tokenize(sequence: str) -> torch.Tensor:

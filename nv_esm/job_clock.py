@@ -10,6 +10,9 @@ model's work, from the first batch queued to the last result back; the first-sha
 their timing, happens inside it and is said apart), `writing` (waiting for output files, the index, summaries and
 pictures), `other` (anything else: the output folder's checks and locks). Phases nest: time goes to the innermost
 one open (a shard's write waited for inside the batch loop is writing, not batches).
+
+`progress_bar` is the commands' progress bar (`WholeBar`: 100% said once, when the work is done), `ReportingProgress`
+one that also tells the clock when the first results are back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from tqdm.auto import tqdm
 
 PHASES = ("start-up", "input", "load", "batches", "writing", "other")
 
@@ -110,11 +115,39 @@ class JobClock:
         if self.first_result is not None:
             details.append(f"first result at {self.first_result:.1f} s")
         if self.captures:
-            details.append(f"{self.captures} CUDA graph captures {self.capture_seconds:.1f} s")
+            captures = "1 CUDA graph capture" if self.captures == 1 else f"{self.captures} CUDA graph captures"
+            details.append(f"{captures} {self.capture_seconds:.1f} s")
         seconds = self.seconds["batches"]
         rate = f", {self.tokens / seconds / 1e3:,.0f}k tokens/s" if seconds > 0 else ""
         details.append(f"{self.tokens:,} tokens{rate}")
         return details
+
+
+def progress_bar(total: int, desc: str, unit: str, disable: bool, unit_scale: bool = False) -> WholeBar:
+    """The commands' progress bar over `total` units of work: it says 100% once, when the work is done."""
+    return WholeBar(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=disable)
+
+
+class WholeBar(tqdm):
+    """A tqdm bar (`tqdm.auto`'s) that says "100%" once, at the end. tqdm rounds the percentage (99.6% of the work
+    reads "100%") and, closing, prints the bar once more: a bar whose last update was printed said 100% twice in a
+    log (where each refresh is a line of its own), or 100% before the work was done. Here the percentage is rounded
+    down, and the update that completes the work is left to `close` to print."""
+
+    @property
+    def format_dict(self) -> dict:
+        values = super().format_dict
+        if values.get("total") and values.get("n", 0) < values["total"]:
+            bar = self.bar_format or "{l_bar}{bar}{r_bar}"
+            values["bar_format"] = bar.replace("{l_bar}", "{desc}: {percent_done:3d}%|")
+            values["percent_done"] = min(int(100 * values["n"] / values["total"]), 99)
+        return values
+
+    def update(self, n: float = 1) -> bool | None:
+        if not self.disable and self.total and self.n < self.total <= self.n + n:
+            self.n += n  # the work is done: `close` prints the bar, once
+            return None
+        return super().update(n)
 
 
 class ReportingProgress:

@@ -8,25 +8,28 @@ REFERENCE_CSV is ProteinGym's `reference_files/DMS_substitutions.csv` (columns `
 `target_seq` read here), ASSAY_FOLDER holds the assays (`DMS_filename`; each with a `mutant` column: `A24G:K30R`,
 1-based). OUT gets, per assay, `<DMS_id>.csv`: the assay's CSV with one score column per method
 (`score_column`: `MODEL_NAME` for `masked-marginals`, the column ProteinGym's `config.json` reads as an ESM-2
-model's `input_score_name`, and `MODEL_NAME_<method>` for the others), and `manifest.json` (the settings). Methods
-and windows: `nv_esm.proteingym_scoring`.
+model's `input_score_name`, and `MODEL_NAME_<method>` for the others; scores in nats with 6 decimals,
+`nv_esm.scoring.score_text`: the fp32 log-probabilities they come from are good to about 1e-6, and the summary's
+metrics are computed from the scores as written, so a rerun's summary is the same), and `manifest.json` (the
+settings). Methods and windows: `nv_esm.proteingym_scoring`.
 
 Then OUT/summary/ gets ProteinGym's metrics of every score column (`nv_esm.proteingym_metrics`: per assay, per
 UniProt_ID and selection type, their mean and bootstrap standard error; CSV files named as their benchmarks/ folder's),
 `Spearman.png` (per selection type) and `<DMS_id>.png` (one assay's scores against DMS_score, `--scatter-assay`).
 
-Every input is checked before anything is scored or written (a one-line error names the file, row and column): the
-reference before the model loads, the assays in a thread while it loads (`AssayReading`). The assays run in groups
-of whole wild types (`groups_of`; every copy of a group packed in one pass, each wild-type position computed once
-for all the assays of that wild type); an assay's file is written, atomically, when its group is done, by a thread
-while the next group is scored (`AssayWriter`), after a record of its inputs (OUT/inputs/<DMS_id>.json: the
-SHA-256 of the assay file and of its `target_seq`). A rerun skips the assays whose file is there and was scored from
-the same inputs; it refuses an assay whose file or `target_seq` changed since, and an OUT of other settings
-(checkpoint, methods, windows...), unless `--overwrite` (which scores them again, and deletes only what runs of
-this command wrote: a user's own files in OUT stay). OUT is never the checkpoint, REFERENCE_CSV or ASSAY_FOLDER, nor
-inside or around them; a `DMS_filename` names a file inside ASSAY_FOLDER. Under torchrun each rank reads, checks
-and scores its `shares` of the wild types (dealt out before any assay file is read); each assay's metrics are
-computed as it is written, and rank 0 gathers them for the summary.
+Every input is checked before anything is scored or written: an error names the file, and every bad row of it with
+its line and column (`raise_bad_rows`: the first 20 listed, then how many more), the reference before the model
+loads, the assays in a thread while it loads (`AssayReading`; the first bad assay file stops the run). The assays
+run in groups of whole wild types (`groups_of`; every copy of a group packed in one pass, each wild-type position
+computed once for all the assays of that wild type); an assay's file is written, atomically, when its group is done,
+by a thread while the next group is scored (`AssayWriter`), after a record of its inputs (OUT/inputs/<DMS_id>.json:
+the SHA-256 of the assay file and of its `target_seq`). A rerun skips the assays whose file is there and was scored
+from the same inputs; it refuses an assay whose file or `target_seq` changed since, and an OUT of other settings
+(checkpoint, methods, windows...), unless `--overwrite` (which scores them again, and deletes only what runs of this
+command wrote: a user's own files in OUT stay). OUT is never the checkpoint, REFERENCE_CSV or ASSAY_FOLDER, nor
+inside or around them; a `DMS_filename` names a file inside ASSAY_FOLDER. Under torchrun each rank reads, checks and
+scores its `shares` of the wild types (dealt out before any assay file is read); each assay's metrics are computed
+as it is written, and rank 0 gathers them for the summary.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import io
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +71,9 @@ from nv_esm.proteingym_output import (
     record_inputs,
 )
 from nv_esm.proteingym_scoring import Assay, Plan, RowNames, check_assay, run_plans
+from nv_esm.records import BadRecords, plural
 from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
-from nv_esm.scoring import Scorer, progress_bar, resolve_window
+from nv_esm.scoring import Scorer, progress_bar, resolve_window, score_text
 
 SUMMARY_COLUMNS = ("UniProt_ID", "coarse_selection_type")  # of the reference, for the summary
 MEASURED_COLUMNS = ("DMS_score", "DMS_score_bin")  # of each assay, for the summary
@@ -161,21 +165,28 @@ class AssayTable:
             return [line.split(",", index + 1)[index] for line in self.lines]
         return [line.rsplit(",", after + 1)[-after - 1] for line in self.lines]
 
-    def floats(self, path: Path, name: str) -> list[float]:
-        """The column's values as floats; ValueError naming the file, row and column of one that is not a number."""
+    def floats(self, path: Path, name: str, bad: dict[int, str] | None = None) -> list[float]:
+        """The column's values as floats; ValueError naming the file, row and column of the first one that is not a
+        number, or with `bad`, every such row's error put there (by row; its value NaN)."""
         column = self.column(name)
         try:
             return list(map(float, column))  # type: ignore[arg-type]
-        except (TypeError, ValueError):  # name the first value that is not a number, with its row
-            for number, value in enumerate(column, 1):
+        except (TypeError, ValueError):  # name the values that are not numbers, with their rows
+            values = []
+            for row, value in enumerate(column):
                 try:
-                    float(value)  # type: ignore[arg-type]
+                    values.append(float(value))  # type: ignore[arg-type]
                 except (TypeError, ValueError):
-                    raise ValueError(
-                        f"{path}: row {number} (line {self.line(number - 1)}), column {name!r}: {value!r} is not a "
-                        "number."
-                    ) from None
-            raise
+                    message = f"{self.row_name(path, row)}, column {name!r}: {value!r} is not a number."
+                    if bad is None:
+                        raise ValueError(message) from None
+                    bad[row] = message
+                    values.append(float("nan"))
+            return values
+
+    def row_name(self, path: Path, row: int) -> str:
+        """`row` (0-based) as errors name it: `path: row N (line L)`."""
+        return f"{path}: row {row + 1} (line {self.line(row)})"
 
 
 def read_table(path: Path) -> AssayTable:
@@ -205,37 +216,59 @@ def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
     """The reference's assays (`--assays` of them), each row checked without opening its assay file: ValueError
     naming the file, row and column of a missing column, a repeated or unknown DMS_id, a DMS_id that cannot name an
     output file, an assay file outside ASSAY_FOLDER (an absolute `DMS_filename`, or one with '..'), a missing one
-    or a `target_seq` that is not a protein."""
+    or a `target_seq` that is not a protein; every bad row in one error (`raise_bad_rows`)."""
     columns, rows = read_csv(args.reference)
     missing = [name for name in REFERENCE_COLUMNS if name not in columns]
     if missing:
         raise ValueError(f"{args.reference} has no column {', '.join(map(repr, missing))} (ProteinGym's reference).")
+    bad: dict[int, list[str]] = {}  # per bad row (0-based), its problems
     seen: dict[str, int] = {}
-    for number, (row, line) in enumerate(rows, 1):
+    for number, (row, _) in enumerate(rows, 1):
         dms_id = row["DMS_id"] or ""
         if dms_id in seen:
-            raise ValueError(
-                f"{args.reference}: row {number} (line {line}), column 'DMS_id': {dms_id!r} repeats row {seen[dms_id]}."
-            )
-        seen[dms_id] = number
+            bad.setdefault(number - 1, []).append(f"column 'DMS_id': {dms_id!r} repeats row {seen[dms_id]}")
+        else:
+            seen[dms_id] = number
     wanted = list(dict.fromkeys(args.assays or [row["DMS_id"] for row, _ in rows]))
     unknown = [dms_id for dms_id in wanted if dms_id not in seen]
     if unknown:
-        raise ValueError(f"--assays: {unknown[0]!r} is not a DMS_id of {args.reference}.")
+        listed = ", ".join(map(repr, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        verb = "is not a DMS_id" if len(unknown) == 1 else "are not DMS_ids"
+        raise ValueError(f"--assays: {listed} {verb} of {args.reference}.")
     if args.scatter_assay is not None and args.scatter_assay not in wanted:
         raise ValueError(f"--scatter-assay: {args.scatter_assay!r} is not among the assays scored.")
     entries = []
     for dms_id in wanted:
-        row, line = rows[seen[dms_id] - 1]
-        where = f"{args.reference}: row {seen[dms_id]} (line {line})"
+        index = seen[dms_id] - 1
+        row, line = rows[index]
+        where = f"{args.reference}: row {index + 1} (line {line})"
+        problems = bad.setdefault(index, [])
         if not dms_id or "/" in dms_id or dms_id.startswith("."):
-            raise ValueError(f"{where}, column 'DMS_id': {dms_id!r} cannot name an output file.")
-        path = confined(args.assays_folder, row["DMS_filename"] or "", f"{where}, column 'DMS_filename':")
-        if not path.is_file():
-            raise ValueError(f"{where}, column 'DMS_filename': assay file {path} is missing.")
-        wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
-        entries.append(ReferenceEntry(dms_id, path, wild_type, where, *(row.get(name) for name in SUMMARY_COLUMNS)))
+            problems.append(f"column 'DMS_id': {dms_id!r} cannot name an output file")
+        try:
+            path = confined(args.assays_folder, row["DMS_filename"] or "", f"{where}, column 'DMS_filename':")
+            if not path.is_file():
+                problems.append(f"column 'DMS_filename': assay file {path} is missing")
+        except ValueError as error:
+            problems.append(str(error).removeprefix(f"{where}, ").removesuffix("."))
+        try:
+            wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
+        except ValueError as error:
+            problems.append(str(error).removeprefix(f"{where}, ").removesuffix("."))
+        if not problems:
+            entries.append(ReferenceEntry(dms_id, path, wild_type, where, *(row.get(n) for n in SUMMARY_COLUMNS)))
+    raise_bad_rows(args.reference, bad, lambda index: rows[index][1])
     return entries
+
+
+def raise_bad_rows(path: Path, bad: dict[int, list[str]], line: Callable[[int], int]) -> None:
+    """Raise one error naming every bad row of the CSV file at `path` (`bad`: per row, 0-based, its problems, each
+    `column 'NAME': ...`; `line`: a row's line in the file), in row order, a row's problems on its line
+    (`records.BadRecords`: the first ones listed, then how many more); nothing where no row has a problem."""
+    errors = BadRecords(path)
+    for index in sorted(index for index, problems in bad.items() if problems):
+        errors.append(f"{path}: row {index + 1} (line {line(index)}), {'; '.join(bad[index])}.")
+    errors.raise_if_any()
 
 
 def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, longest: int) -> AssayFile:
@@ -247,17 +280,32 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
     table = read_table(path)
     if MUTANT_COLUMN not in table.columns:
         raise ValueError(f"{path} has no column {MUTANT_COLUMN!r} (its columns: {', '.join(table.columns[:20])}).")
-    # a value the summary cannot read is refused now, not after the scoring
-    measured = {name: table.floats(path, name) for name in MEASURED_COLUMNS if name in table.columns}
     taken = [name for name in args.columns if name in table.columns]
     if taken:
         raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
+    found: list[dict[int, str]] = []  # per check, the errors of the rows it finds bad
+    # a value the summary cannot read is refused now, not after the scoring
+    measured = {}
+    for name in MEASURED_COLUMNS:
+        if name in table.columns:
+            measured[name] = table.floats(path, name, _new(found))
     mutants = table.column(MUTANT_COLUMN)
-    names = RowNames(lambda i: f"{path}: row {i + 1} (line {table.line(i)}), column {MUTANT_COLUMN!r}", len(mutants))
+    names = RowNames(lambda i: f"{table.row_name(path, i)}, column {MUTANT_COLUMN!r}", len(mutants))
     assay = Assay(entry.dms_id, entry.wild_type, mutants, names)  # type: ignore[arg-type]
-    assay.parse()
-    check_assay(assay, args.methods, args.windows, window, longest)
+    assay.parse(_new(found))
+    check_assay(assay, args.methods, args.windows, window, longest, _new(found))
+    bad: dict[int, list[str]] = {}
+    for errors in found:
+        for row, error in errors.items():
+            bad.setdefault(row, []).append(error.removeprefix(f"{table.row_name(path, row)}, ").removesuffix("."))
+    raise_bad_rows(path, bad, table.line)
     return AssayFile(assay, table, measured, inputs_fingerprint(entry.path, entry.wild_type))
+
+
+def _new(found: list[dict[int, str]]) -> dict[int, str]:
+    """A new dict for a check's bad rows, kept in `found`."""
+    found.append({})
+    return found[-1]
 
 
 @contextlib.contextmanager
@@ -363,17 +411,17 @@ def output_path(args: argparse.Namespace, dms_id: str) -> Path:
 
 def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> None:
     """The assay's CSV (its rows, in order) with one column per score column of `scores` (column name -> a value per
-    row), written atomically: each plain line as it was, the scores after it (`AssayTable.lines`), else each row
-    written anew."""
+    row, written as `score_text` writes it), written atomically: each plain line as it was, the scores after it
+    (`AssayTable.lines`), else each row written anew."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     table = file.table
     writer.writerow([*table.columns, *scores])
     values = list(zip(*scores.values()))
     if table.lines is not None:
-        text.write("".join(f"{line},{','.join(map(repr, row))}\n" for line, row in zip(table.lines, values)))
+        text.write("".join(f"{line},{','.join(map(score_text, row))}\n" for line, row in zip(table.lines, values)))
     else:
-        writer.writerows([*fields, *map(repr, row)] for fields, row in zip(table.fields or (), values))
+        writer.writerows([*fields, *map(score_text, row)] for fields, row in zip(table.fields or (), values))
     write_atomically(path, text.getvalue())
 
 
@@ -429,11 +477,13 @@ def _run(args: argparse.Namespace, scorer: Scorer, entries: list[ReferenceEntry]
         report = gathered_on_rank_0(report, rank, world_size)
         if rank == 0:
             done = sum(not scored for _, _, scored in report.values())
-            rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s on rank 0"
+            where = " on rank 0" if world_size > 1 else ""
+            rate = f"this run: {total:,} tokens of masked copies in {seconds:.2f} s{where}"
             rate += f" ({total / max(seconds, 1e-9):,.0f} tokens/s)"
             if set_up_seconds is not None:
                 rate += f" after {set_up_seconds:.2f} s of set-up (assays read, model loaded)"
-            print(f"{len(entries)} assays ({done} were already done); {rate}; wrote {args.output}")
+            done_text = f"{done} {'was' if done == 1 else 'were'} already done"
+            print(f"{plural(len(entries), 'assay')} ({done_text}); {rate}; wrote {args.output}")
             missing = summary_gap(entries, report)
             if missing is None:
                 with clock.phase("writing"):
@@ -478,7 +528,11 @@ class AssayWriter:
             if self.failed.is_set():
                 return
             try:
-                values = {column: tensor.tolist() for column, tensor in zip(self.columns, scores.values())}
+                # the scores as the file holds them (`score_text`): the summary is the same from a rerun's files
+                values = {
+                    column: [float(score_text(value)) for value in tensor.tolist()]
+                    for column, tensor in zip(self.columns, scores.values())
+                }
                 path = output_path(self.args, file.assay.dms_id)
                 path.unlink(missing_ok=True)  # scored again (--overwrite): never the old scores beside the new record
                 record_inputs(self.args.output, file.assay.dms_id, file.inputs)
@@ -576,7 +630,7 @@ def summarize_output(
     proteingym_metrics.write_summary(summary, folder)
     spearman = summary.metrics["Spearman"]
     averages = ", ".join(f"{name} {spearman.average[i]:.3f}" for i, name in enumerate(summary.methods))
-    print(f"average Spearman over selection types ({len(entries)} assays): {averages}; wrote {folder}")
+    print(f"average Spearman over selection types ({plural(len(entries), 'assay')}): {averages}; wrote {folder}")
     chosen = args.scatter_assay or entries[0].dms_id
     result = next(result for result in results if result.DMS_id == chosen)
     values = read.get(chosen) or read_values(args, chosen, columns)

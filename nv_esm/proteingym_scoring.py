@@ -123,13 +123,14 @@ class Assay:
     names: Sequence[str] | None = None
     variants: list[tuple[Substitution, ...]] = field(default_factory=list, init=False)
 
-    def parse(self) -> None:
-        """Check the wild type and every mutant (`nv_esm.scoring.parse_mutants`: ValueError naming the mutant)."""
+    def parse(self, bad: dict[int, str] | None = None) -> None:
+        """Check the wild type and every mutant (`nv_esm.scoring.parse_mutants`: ValueError naming the first bad
+        mutant, or with `bad`, every bad mutant's error put there by row, its variant `()`)."""
         self.wild_type = protein_residues(self.wild_type, f"{self.dms_id}: target_seq")
         if self.names is not None and len(self.names) != len(self.mutants):
             raise ValueError(f"{self.dms_id}: {len(self.names)} names for {len(self.mutants)} mutants.")
         self.names = self.names or RowNames(lambda i: f"{self.dms_id}[{i}]", len(self.mutants))
-        self.variants = parse_mutants(self.mutants, self.wild_type, self.names)
+        self.variants = parse_mutants(self.mutants, self.wild_type, self.names, bad)
 
 
 class RowNames(Sequence[str]):
@@ -158,11 +159,14 @@ def mutated_sequence(wild_type: str, substitutions: Sequence[Substitution]) -> s
     return "".join(residues)
 
 
-def check_assay(assay: Assay, methods: Sequence[str], windows: str, window: int, longest: int) -> None:
+def check_assay(
+    assay: Assay, methods: Sequence[str], windows: str, window: int, longest: int, bad: dict[int, str] | None = None
+) -> None:
     """ValueError naming the mutant (`Assay.names`) for what `methods` cannot score: a mutant whose sites span more
     than `window` residues where one forward holds them all (`masked_marginal`; `wt-marginals` with nv-esm
     windows), and, with ProteinGym's windows, `pseudo-ppl` of a protein over `longest` residues
-    (`config.max_protein_length - 2`: it runs whole)."""
+    (`config.max_protein_length - 2`: it runs whole). With `bad`, a mutant's error is put there by row instead (a
+    row already there, or without substitutions, is not checked), and only the whole assay's raises."""
     if "pseudo-ppl" in methods and windows == "proteingym" and len(assay.wild_type) > longest:
         raise ValueError(
             f"{assay.dms_id}: pseudo-ppl runs the whole mutated sequence (as ProteinGym's compute_pppl) and its "
@@ -170,10 +174,15 @@ def check_assay(assay: Assay, methods: Sequence[str], windows: str, window: int,
         )
     joint = [m for m in methods if m == "masked_marginal" or (m == "wt-marginals" and windows == "nv-esm")]
     for i, variant in enumerate(assay.variants) if joint else ():
+        if not variant:  # a bad row (`Assay.parse` with `bad`)
+            continue
         try:
             window_bounds(len(assay.wild_type), variant[0].position - 1, variant[-1].position - 1, window)
         except ValueError as error:
-            raise ValueError(f"{assay.names[i]}: {error} {joint[0]} scores a mutant in one forward.") from None
+            message = f"{assay.names[i]}: {error} {joint[0]} scores a mutant in one forward."
+            if bad is None:
+                raise ValueError(message) from None
+            bad.setdefault(i, message)
 
 
 class Plan:

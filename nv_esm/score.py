@@ -7,13 +7,16 @@
 FASTA mode: one output row per record (id, residues, pll, pseudo_perplexity, status). Mutant mode: the FASTA file
 holds the wild type (one record) and the CSV a `--mutant-column` in ProteinGym's notation (`A24G`, `A24G:K30R`,
 1-based); the output is the CSV with one column per method and a status column added, rows in the input order. A
-`--score-column` (default `DMS_score`, where there is one) gets Spearman's rho per method, printed. The methods, the
-window rule for long proteins and the numerics are `nv_esm.scoring`'s.
+`--score-column` (default `DMS_score`, where there is one) gets Spearman's rho per method, printed (of the scores as
+written). The methods, the window rule for long proteins and the numerics are `nv_esm.scoring`'s. Scores (nats) are
+written with 6 decimals (`nv_esm.scoring.score_text`: the fp32 log-probabilities they come from are good to about
+1e-6, so no digit that carries information is dropped; scores closer than that read as ties).
 
 Every input is checked before the model loads: FASTA records as `nv-esm embed` checks them, the CSV (parsed
 strictly: a malformed line stops the run with its line), each mutant row (format, positions, the wild-type letter;
-for the marginal methods, that its positions fit one window). A bad one stops the run with its row and position, or
-with `--invalid skip` is left unscored (its status says why). So is the output: an existing one, or the plot a
+for the marginal methods, that its positions fit one window). The bad rows stop the run, every one named in one
+error with its row, line and position (the first 20 listed, then how many more: `records.BadRecords`), or with
+`--invalid skip` are left unscored (each one's status says why). So is the output: an existing one, or the plot a
 mutant run draws beside it (`OUTPUT` with `.png`), without `--overwrite`, or parts of a run with other settings, are
 refused before the model loads; and before anything is read, an OUTPUT, plot or parts folder that is, lies inside or
 holds the checkpoint or an input file (`path_guard.refuse_overlap`).
@@ -75,6 +78,7 @@ from nv_esm.job_clock import JobClock, ReportingProgress
 from nv_esm.path_guard import refuse_overlap
 from nv_esm.plots import PLOTS_HINT, plot_scores
 from nv_esm.rank_statistics import spearman
+from nv_esm.records import BadRecords, plural
 from nv_esm.scoring import (
     Scorer,
     SequenceLikelihood,
@@ -82,6 +86,7 @@ from nv_esm.scoring import (
     check_variant,
     progress_bar,
     resolve_window,
+    score_text,
 )
 
 SCORE_FOLDER = OutputFolder(
@@ -189,6 +194,7 @@ def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: Sco
     if args.score_column and args.score_column not in columns:
         raise ValueError(f"{args.mutants} has no --score-column {args.score_column!r}.")
     statuses, variants = [], {}
+    bad = BadRecords(args.mutants)  # with --invalid error: every bad row, named in one error
     for number, (row, line) in enumerate(rows, 1):
         name = f"{args.mutants}: row {number} (line {line}), column {args.mutant_column!r}"
         try:
@@ -198,8 +204,9 @@ def _plan_mutants(args: argparse.Namespace, records: list[Record], settings: Sco
             statuses.append("scored")
         except ValueError as error:
             if args.invalid == "error":
-                raise ValueError(f"{str(error).removesuffix('.')} (--invalid skip leaves it unscored).") from None
+                bad.append(str(error))
             statuses.append(f"skipped: {str(error).removeprefix(name + ': ').removesuffix('.')}")
+    bad.raise_if_any(["--invalid skip leaves {them} unscored"])
     order = sorted(variants, key=lambda row: tuple(s.position for s in variants[row]))
     parts: list[list[int]] = [[]]
     for previous, row in zip([None, *order], order):
@@ -386,7 +393,7 @@ def _run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int, wor
         with clock.phase("batches"):
             for part, values in _score_parts(args, scorer, job, mine, progress):
                 lines = [",".join(["unit", *columns])]
-                lines += [",".join([str(u), *(repr(v) for v in vs)]) for u, vs in zip(job.parts[part], values)]
+                lines += [",".join([str(u), *map(score_text, vs)]) for u, vs in zip(job.parts[part], values)]
                 with clock.phase("writing"):
                     write_atomically(folder / part_name(part), "\n".join(lines) + "\n")
         progress.close()
@@ -402,7 +409,7 @@ def _run(args: argparse.Namespace, scorer: Scorer, job: ScoreJob, rank: int, wor
                         raise RuntimeError(f"{folder / part_name(k)} is missing or does not hold the rows of its part.")
                     scores.update(found)
                 _write_output(args, job, columns, scores)
-                _report(args, job, columns, scores, len(job.parts) - len(missing), todo, seconds)
+                _report(args, job, columns, scores, len(job.parts) - len(missing), todo, seconds, world_size)
                 for path in folder.iterdir():
                     if path.name != SCORE_FOLDER.lock_name:
                         path.unlink()
@@ -467,18 +474,24 @@ def _read_part(path: Path, units: list[int], columns: list[str]) -> dict[int, li
 
 
 def _write_output(args: argparse.Namespace, job: ScoreJob, columns: list[str], scores: dict[int, list[str]]) -> None:
-    """The output CSV, every unit in the input order (skipped ones with empty scores), written atomically."""
+    """The output CSV, every unit in the input order (skipped ones with empty scores), written atomically; the scores
+    as `score_text` writes them (a part of an earlier version's run held more digits)."""
+
+    def values(unit: int) -> list[str]:
+        found = scores.get(unit)
+        return [""] * len(columns) if found is None else [score_text(float(value)) for value in found]
+
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     if job.rows is None:
         writer.writerow(["id", "residues", *columns, STATUS_COLUMN])
         for index, record in enumerate(job.records):
-            writer.writerow([record.id, record.residues, *scores.get(index, [""] * len(columns)), job.statuses[index]])
+            writer.writerow([record.id, record.residues, *values(index), job.statuses[index]])
     else:
         writer.writerow([*job.columns, *columns, STATUS_COLUMN])
         for index, row in enumerate(job.rows):
             cells = [row.get(column) or "" for column in job.columns]
-            writer.writerow([*cells, *scores.get(index, [""] * len(columns)), job.statuses[index]])
+            writer.writerow([*cells, *values(index), job.statuses[index]])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(args.output, text.getvalue())
 
@@ -491,16 +504,18 @@ def _report(
     reused: int,
     todo: int,
     seconds: float,
+    world_size: int = 1,
 ) -> None:
     counts: dict[str, int] = {}
     for status in job.statuses:  # skipped rows by kind only: the status column has each reason
         kind = status.split(":")[0]
         counts[kind] = counts.get(kind, 0) + 1
     summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
-    unit = "records" if job.rows is None else "rows"
-    rate = f"this run: {todo} {unit} in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} {unit}/s on rank 0)"
-    print(f"{len(job.statuses)} {unit} ({summary}); {reused} of {len(job.parts)} parts were already done; {rate}; "
-          f"wrote {args.output}")  # fmt: skip
+    unit = "record" if job.rows is None else "row"
+    where = " on rank 0" if world_size > 1 else ""
+    rate = f"this run: {plural(todo, unit)} in {seconds:.1f} s ({todo / max(seconds, 1e-9):.1f} {unit}s/s{where})"
+    parts = f"{reused} of {plural(len(job.parts), 'part')} {'was' if len(job.parts) == 1 else 'were'} already done"
+    print(f"{plural(len(job.statuses), unit)} ({summary}); {parts}; {rate}; wrote {args.output}")
     measured = measured_column(args, job)
     if job.rows is None or measured is None:
         return
@@ -515,9 +530,10 @@ def _report(
     rhos, panels = [], {}
     for m, method in enumerate(columns):
         rho, count = method_spearman([p[1][m] for p in pairs], [p[0] for p in pairs])
-        rhos.append(f"{method} {rho:.4f}" + ("" if count == len(pairs) else f" ({count} rows with a finite score)"))
+        finite = "" if count == len(pairs) else f" ({plural(count, 'row')} with a finite score)"
+        rhos.append(f"{method} {rho:.4f}{finite}")
         panels[f"{method}: Spearman {rho:.3f}"] = [p[1][m] for p in pairs]
-    print(f"Spearman's rho with {measured} ({len(pairs)} rows): {', '.join(rhos)}")
+    print(f"Spearman's rho with {measured} ({plural(len(pairs), 'row')}): {', '.join(rhos)}")
     png = scatter_path(args.output)
     if plot_scores(panels, [p[0] for p in pairs], png, measured) is None:
         print(PLOTS_HINT.format(what=f"the scores against {measured}"), file=sys.stderr)

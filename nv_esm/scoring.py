@@ -50,10 +50,10 @@ from itertools import repeat
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from modeling_nv_esm_batch import RESIDUE_LETTERS, length_sorted_batches, pack_proteins, protein_residues
 from modeling_nv_esm_plan import inference_autocast
+from nv_esm import job_clock
 from nv_esm.embed_model import to_device, to_host
 from nv_esm.vocabulary import SCORE_METHODS
 
@@ -139,16 +139,28 @@ def parse_mutant(
     return tuple(substitutions[position] for position in sorted(substitutions))
 
 
-def parse_mutants(mutants: Sequence[str], wild_type: str, names: Sequence[str]) -> list[tuple[Substitution, ...]]:
+def parse_mutants(
+    mutants: Sequence[str], wild_type: str, names: Sequence[str], bad: dict[int, str] | None = None
+) -> list[tuple[Substitution, ...]]:
     """`parse_mutant` of every one of `mutants` (a whole assay; errors name `names[i]`, made only for an error). The
     quick way checks each distinct substitution's text once and assembles the rows from them; where it finds
     anything unusual (a value that is not text, spaces, a bad substitution, a position changed twice), every row is
-    parsed on its own, so the first bad row's error is `parse_mutant`'s."""
+    parsed on its own, so a bad row's error is `parse_mutant`'s: the first one raised, or with `bad`, every bad
+    row's error put there (`bad[i]`; the row's substitutions are then `()`)."""
     quick = _assembled(mutants, wild_type) if len(mutants) else []
     if quick is not None:
         return quick
     known: dict[str, Substitution] = {}
-    return [parse_mutant(mutant, wild_type, lambda i=i: names[i], known) for i, mutant in enumerate(mutants)]
+    if bad is None:
+        return [parse_mutant(mutant, wild_type, lambda i=i: names[i], known) for i, mutant in enumerate(mutants)]
+    variants: list[tuple[Substitution, ...]] = []
+    for i, mutant in enumerate(mutants):
+        try:
+            variants.append(parse_mutant(mutant, wild_type, lambda i=i: names[i], known))
+        except ValueError as error:
+            bad[i] = str(error)
+            variants.append(())
+    return variants
 
 
 def _assembled(mutants: Sequence[str], wild_type: str) -> list[tuple[Substitution, ...]] | None:
@@ -517,9 +529,23 @@ class Scorer:
 
 
 def progress_bar(total: int, desc: str, disable: bool) -> Any:
-    """A tqdm bar over the `total` tokens that scoring runs through the model (the masked copies' tokens, each
-    copy's `<cls>` and `<eos>` included): the work, whatever the number of proteins or mutant rows."""
-    return tqdm(total=total, unit="token", unit_scale=True, desc=desc, disable=disable)
+    """A progress bar (`job_clock.progress_bar`) over the `total` tokens that scoring runs through the model (the
+    masked copies' tokens, each copy's `<cls>` and `<eos>` included): the work, whatever the number of proteins or
+    mutant rows."""
+    return job_clock.progress_bar(total, desc, "token", disable, unit_scale=True)
+
+
+# Decimals of a score in the commands' CSV files (`score_text`).
+SCORE_DECIMALS = 6
+
+
+def score_text(value: float) -> str:
+    """A score (nats) as `nv-esm score` and `nv-esm proteingym` write it: fixed-point with `SCORE_DECIMALS` decimals
+    ("-0.314687"; "nan", "inf" as Python writes them; never "-0.000000"). A score is a sum of differences of fp32
+    log-probabilities, each good to about 1e-6 nats (fp32's spacing at the log-probabilities of a protein's
+    letters), so the digits dropped are rounding noise; values closer than 1e-6 are written equal, as ties."""
+    text = f"{value:.{SCORE_DECIMALS}f}"
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
 
 
 def copy_tokens(copies: Iterable[MaskedCopy]) -> int:

@@ -312,7 +312,7 @@ def test_the_checkpoint_is_recognised_by_its_weights_not_its_spelling(tiny_sourc
     relative = os.path.relpath(checkpoint)
     capsys.readouterr()
     assert run_embed(relative, fasta, out, *CPU) == 0
-    assert "1 of 1 shards were already done" in capsys.readouterr().out
+    assert "1 of 1 shard was already done" in capsys.readouterr().out
 
     from conftest import make_hf_model
     from convert_helpers import save_hf

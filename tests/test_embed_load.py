@@ -469,3 +469,20 @@ def test_no_progress_turns_off_transformers_loading_bar_too(checkpoint, tmp_path
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "scoring" not in err and "embedding" not in err, err
     assert logging.is_progress_bar_enabled()  # as it was: only the command's loading was quiet
+
+
+def test_embed_and_train_refuse_a_transformers_checkpoint_in_the_same_words(tiny_source, tmp_path, capsys):
+    """A transformers ESM-2 folder given to a command is refused before anything runs, with the conversion command,
+    in one sentence that embed (the model loader of embed/score/proteingym) and the trainer share
+    (`checkpoint_checks.check_model_type`)."""
+    fasta = write_fasta(tmp_path / "in.fasta", [("a", "MKV")])
+    assert run_embed(tiny_source, fasta, tmp_path / "out", "--device", "cpu") == 1
+    embed_line = one_line(capsys.readouterr().err)
+    trained = train_here("--model", tiny_source, "--data", fasta, "--steps", "1", out=tmp_path / "run")
+    assert trained.returncode == 1
+    train_line = one_line(trained.stderr)
+    expected = (
+        f"{tiny_source} is not an NVEsm checkpoint (its config.json says model_type 'esm'); convert it first: "
+        f"nv-esm convert hf-to-te {tiny_source} OUT"
+    )
+    assert embed_line == train_line == expected

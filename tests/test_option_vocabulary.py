@@ -220,3 +220,24 @@ def test_fp8_without_transformer_engine_errors_alike_in_embed_and_train(tmp_path
     assert str(embed_error.value) == options.fp8_refusal("all", "torch", "cpu")
     assert "--cuda-graphs" not in str(embed_error.value) and "--fp8 all" in str(embed_error.value)
     assert "\n" not in str(embed_error.value)
+
+
+@pytest.mark.parametrize(
+    ("start", "argv"),
+    [
+        ("runpy.run_module('nv_esm.train', run_name='__main__', alter_sys=True)", ["--help"]),
+        ("runpy.run_path('recipes/train.py', run_name='__main__')", ["--help"]),
+        ("runpy.run_module('nv_esm', run_name='__main__', alter_sys=True)", ["train", "--help"]),
+    ],
+)
+def test_every_entry_point_answers_help_without_torch(start, argv):
+    """`python -m nv_esm.train --help`, `recipes/train.py --help` and `python -m nv_esm train --help` start the
+    command as `nv-esm` does (`cli.run_command`): the help comes from the parser alone, torch not imported."""
+    code = (
+        f"import runpy, sys\nsys.argv = ['x', *{argv!r}]\n"
+        f"try:\n    {start}\nexcept SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: nv-esm train ")

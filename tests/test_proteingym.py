@@ -459,7 +459,7 @@ def test_a_rerun_scores_only_the_missing_assays_and_refuses_other_settings(check
     assert run_command(checkpoint, reference, out, "--assays", "S1") == 0
     assert sorted(path.name for path in out.glob("*.csv")) == ["S1.csv"]
     # S1's 21 residues masked at its mutants' 3 sites: 3 copies of <cls> + 21 + <eos>, and the time they took
-    assert re.search(r"this run: 69 tokens of masked copies in [\d.]+ s on rank 0 \([\d,]+ tokens/s\) after "
+    assert re.search(r"this run: 69 tokens of masked copies in [\d.]+ s \([\d,]+ tokens/s\) after "
                      r"[\d.]+ s of set-up", capsys.readouterr().out)  # fmt: skip
     first = (out / "S1.csv").read_bytes()
     written = []
@@ -801,7 +801,7 @@ def test_a_write_that_fails_while_the_next_group_fails_too_is_not_lost(checkpoin
 def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layout):
     """`read_table` splits a file of plain lines itself and keeps them for the output; any other file goes through
     `read_csv`. Either way the fields and line numbers are the csv module's, and `write_assay` writes what
-    csv.writer writes for the fields and the scores' reprs."""
+    csv.writer writes for the fields and the scores' texts (`scoring.score_text`: 6 decimals)."""
     from nv_esm.score import read_csv as module_read_csv
 
     generator = random.Random(hash(layout) % 1000)
@@ -840,7 +840,8 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         writer.writerow([*expected_columns, "x", "y"])
         values = zip(*(tensor.tolist() for tensor in scores.values()))
         writer.writerows(
-            [*(row[c] for c in expected_columns), *map(repr, v)] for (row, _), v in zip(expected_rows, values)
+            [*(row[c] for c in expected_columns), *(f"{x:.6f}" for x in v)]
+            for (row, _), v in zip(expected_rows, values)
         )
     assert (tmp_path / "out.csv").read_text() == (tmp_path / "expected.csv").read_text()
 

@@ -442,7 +442,7 @@ def test_labelled_csv_errors(tmp_path: Path) -> None:
         read_labelled_csv(write("sequence,label\nMKV,1\n"), "token")
     with pytest.raises(ValueError, match=r"row 2 .*3 labels for 4 residues"):
         read_labelled_csv(write("sequence,labels\nMKV,CCH\nMKVL,CCH\n"), "token")
-    with pytest.raises(ValueError, match=r"row 2: label 'soluble'"):
+    with pytest.raises(ValueError, match=r"row 2 \(line 3\): label 'soluble'"):
         read_labelled_csv(write("sequence,label\nMKV,1.5\nMKL,soluble\n"), "sequence")
     with pytest.raises(ValueError, match=r"row 1 .*'J' at residue 3"):
         read_labelled_csv(write("sequence,label\nMKJ,1\n"), "sequence")

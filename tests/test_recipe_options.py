@@ -55,8 +55,8 @@ def write_records(path: Path, sequences: list[str]) -> Path:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_skipped_and_stripped_records_read_as_the_clean_file(tmp_path: Path, seed: int) -> None:
     """--strip-stop --invalid skip reads a file with stop marks and bad records as the file without them (the
-    same batches: a record left out takes no index), and lists every bad record; without skip the first bad one
-    stops the reading, naming the file, the record and the option."""
+    same batches: a record left out takes no index), and lists every bad record; without skip one error names every
+    bad record of the file (a stop mark is one without --strip-stop) and the options that would take them."""
     sequences = random_sequences(30, seed=seed)
     mixed, bad = with_bad_records(sequences, seed)
     clean = write_fasta(tmp_path / "clean.fasta", sequences)
@@ -67,12 +67,15 @@ def test_skipped_and_stripped_records_read_as_the_clean_file(tmp_path: Path, see
     assert_same_batches([next(reference) for _ in range(6)], [next(skipping) for _ in range(6)])
     assert [problem.split(":")[0] for problem in skipping.skipped] == [f"{dirty}, record {n}" for n in bad]
     assert skipping.file_counts == [len(sequences)]
-    with pytest.raises(ValueError, match=rf"dirty.fasta, record {bad[0]}: .*\(--invalid skip leaves it out\)"):
+    message = rf"dirty.fasta: {len(bad)} bad records \(--invalid skip leaves them out\):"
+    with pytest.raises(ValueError, match=message) as raised:
         MLMStream(dirty, **common, rules=RecordRules(strip_stop=True))
-    first_stop = next(index + 1 for index, s in enumerate(mixed) if s.endswith("*"))
-    hint = r"'\*'.*--strip-stop" if first_stop < bad[0] else ""
-    with pytest.raises(ValueError, match=rf"record {min(first_stop, bad[0])}: .*{hint}"):
+    assert [line.split(":")[0] for line in str(raised.value).splitlines()[1:]] == [f"  record {n}" for n in bad]
+    stops = [index + 1 for index, sequence in enumerate(mixed) if sequence.endswith("*")]
+    with pytest.raises(ValueError, match=r"--strip-stop") as raised:  # the stop marks are bad records too
         MLMStream(dirty, **common)
+    listed = [int(line.split(":")[0].removeprefix("  record ")) for line in str(raised.value).splitlines()[1:]]
+    assert listed == sorted({*bad, *stops})
 
 
 def test_labelled_csv_rows_follow_the_record_rules(tmp_path: Path) -> None:
@@ -103,7 +106,10 @@ def test_train_offers_the_record_rules_of_embed_and_score(tmp_path: Path, tiny_c
     data = write_records(tmp_path / "with_stop.fasta", mixed)
     args = mlm_args(tiny_config, 2, "--data", str(data), "--no-export")
     done = train(*args, out=tmp_path / "bad")
-    one_line_error(done, "with_stop.fasta, record ")
+    first, *listed = done.stderr.strip().splitlines()  # every bad record (a stop mark is one) in one error
+    count = len({*bad, *(index + 1 for index, sequence in enumerate(mixed) if sequence.endswith("*"))})
+    assert done.returncode == 1 and first.startswith("nv-esm train: error: ") and "with_stop.fasta: " in first
+    assert f"{count} bad records" in first and len(listed) == min(count, 20) + (count > 20), done.stderr
     assert "--strip-stop" in done.stderr or "--invalid skip" in done.stderr
     for option in ("--strip-stop", "--invalid"):
         assert option in build_parser().format_help()

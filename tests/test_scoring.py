@@ -32,7 +32,7 @@ from transformers import EsmForMaskedLM
 import convert_checkpoint
 from conftest import ATOL_FP32, make_hf_model, make_nv_model
 from convert_helpers import save_hf
-from nv_esm import rank_statistics, score, scoring
+from nv_esm import job_clock, rank_statistics, score, scoring
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
 from nv_esm.embed_model import load_config
 
@@ -431,7 +431,7 @@ class RecordingBar:
 def bars(monkeypatch) -> list[RecordingBar]:
     """The progress bars that scoring opens, recorded."""
     recorded: list[RecordingBar] = []
-    monkeypatch.setattr(scoring, "tqdm", lambda **kwargs: RecordingBar(recorded, **kwargs))
+    monkeypatch.setattr(job_clock, "WholeBar", lambda **kwargs: RecordingBar(recorded, **kwargs))
     return recorded
 
 
@@ -569,8 +569,9 @@ def test_command_pll_of_a_fasta_file(checkpoint, model, tokenizer, tmp_path, cap
 
 
 def test_command_scores_a_mutant_table(checkpoint, model, tokenizer, tmp_path, capsys):
-    """Every method's column equals the Python API; other columns are kept; Spearman's rho is printed; a bad row
-    stops the run with its row and position, or is left unscored with --invalid skip."""
+    """Every method's column equals the Python API; other columns are kept; Spearman's rho is printed; the bad rows
+    stop the run, every one named in one error with its row, line and position, or are left unscored with --invalid
+    skip."""
     generator = torch.Generator().manual_seed(51)
     wild_type = random_sequence(40, generator)
     fasta = write_fasta(tmp_path / "wt.fasta", [("wt", wild_type)])
@@ -595,16 +596,15 @@ def test_command_scores_a_mutant_table(checkpoint, model, tokenizer, tmp_path, c
     wrong = "G" if wild_type[4] != "G" else "A"
     bad.write_text(f"mutant,DMS_score\n{wild_type[0]}1A,1\n{wrong}5A,2\nX,3\n")
     assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU) == 1
-    error = capsys.readouterr().err
-    assert (
-        error.count("\n") == 1
-        and f"bad.csv: row 2 (line 3), column 'mutant': mutant '{wrong}5A' says position 5 is" in error
-    )
+    error = capsys.readouterr().err.splitlines()
+    assert error[0].endswith("bad.csv: 2 bad records (--invalid skip leaves them unscored):") and len(error) == 3
+    assert error[1].startswith(f"  row 2 (line 3), column 'mutant': mutant '{wrong}5A' says position 5 is")
+    assert error[2].startswith("  row 3 (line 4), column 'mutant': 'X' in mutant 'X' is not a substitution")
     assert not (tmp_path / "bad_out.csv").exists()
     assert run_score(checkpoint, fasta, tmp_path / "bad_out.csv", "--mutants", bad, *CPU, "--invalid", "skip") == 0
     statuses = [row["status"] for row in read_csv(tmp_path / "bad_out.csv")]
     assert statuses[0] == "scored" and statuses[1].startswith("skipped: mutant") and "'X'" in statuses[2]
-    assert "(1 rows): masked_marginal nan" in capsys.readouterr().out
+    assert "(1 row): masked_marginal nan" in capsys.readouterr().out
 
 
 def test_a_position_of_thousands_of_digits_names_its_file_row_and_column(checkpoint, tmp_path, capsys):

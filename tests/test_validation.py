@@ -65,8 +65,20 @@ def brute_f1_macro(predictions: list[int], labels: list[int]) -> float:
     return sum(scores) / len(scores)
 
 
+def brute_f1(predictions: list[int], labels: list[int], positive: int = 1) -> float | None:
+    """The F1 of class `positive`: the harmonic mean of its precision and recall; None where it is neither
+    predicted nor labelled."""
+    tp = sum(p == positive and t == positive for p, t in zip(predictions, labels))
+    predicted, actual = predictions.count(positive), labels.count(positive)
+    if not predicted and not actual:
+        return None
+    precision, recall = (tp / predicted if predicted else 0.0), (tp / actual if actual else 0.0)
+    return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
 def brute_classification(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Cross-entropy, accuracy, macro F1, AUROC (two classes: class 1; more: mean one-vs-rest) by the definitions."""
+    """Cross-entropy, accuracy, macro F1, AUROC (two classes: class 1; more: mean one-vs-rest) and, for two
+    classes, class 1's F1, by the definitions."""
     rows, truth = logits.double().tolist(), labels.tolist()
     probabilities = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
     predictions = [max(range(len(row)), key=row.__getitem__) for row in rows]
@@ -79,6 +91,7 @@ def brute_classification(logits: torch.Tensor, labels: torch.Tensor) -> dict:
     return {
         "val_loss": -sum(math.log(p[t]) for p, t in zip(probabilities, truth)) / len(truth),
         "val_accuracy": sum(p == t for p, t in zip(predictions, truth)) / len(truth),
+        **({"val_f1": brute_f1(predictions, truth)} if len(rows[0]) == 2 else {}),
         "val_f1_macro": brute_f1_macro(predictions, truth),
         "val_auroc": sum(areas) / len(areas) if areas else None,
         "val_count": len(truth),
@@ -379,3 +392,16 @@ def test_the_filler_batch_scores_nothing() -> None:
 
     filler = filler_batch()
     assert filler.num_proteins == 1 and bool((filler.labels == IGNORE_INDEX).all())
+
+
+def test_the_validation_line_shows_counts_in_full_and_metrics_to_four_digits():
+    """`step N validation: ...`: a token count as a whole number ("29,418", not "2.942e+04"), a metric to 4
+    significant digits, a metric that could not be computed as n/a."""
+    from nv_esm.train.metrics import shown_value
+
+    assert shown_value(29418.0) == "29,418"
+    assert shown_value(29418) == "29,418"
+    assert shown_value(3.50512) == "3.505"
+    assert shown_value(0.0673712) == "0.06737"
+    assert shown_value(1.0) == "1"
+    assert shown_value(None) == "n/a"

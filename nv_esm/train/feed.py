@@ -22,6 +22,7 @@ from nv_esm.data import (
     rank_stream_indices,
     rank_streams,
 )
+from nv_esm.records import plural
 from nv_esm.train.config import TrainConfig
 from nv_esm.train.parallel import Dist
 
@@ -61,7 +62,8 @@ def warn_if_skipped(stream: MLMStream | ClassificationStream, world: Dist, sourc
     if stream.skipped and world.is_main:
         shown = [problem.removesuffix(".") for problem in stream.skipped[:SKIPPED_SHOWN]]
         more = "; ..." if len(stream.skipped) > SKIPPED_SHOWN else ""
-        message = f"warning: --invalid skip left {len(stream.skipped)} records of {source} out: {'; '.join(shown)}"
+        left = plural(len(stream.skipped), "record")
+        message = f"warning: --invalid skip left {left} of {source} out: {'; '.join(shown)}"
         print(f"{message}{more}.", file=sys.stderr)
 
 

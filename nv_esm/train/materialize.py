@@ -28,7 +28,7 @@ from modeling_nv_esm import (
     resolve_backend,
 )
 from modeling_nv_esm_parallel import tensor_parallel_part, tensor_parallel_whole_shape
-from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite
+from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
@@ -54,10 +54,7 @@ def model_config(settings: ModelConfig, labels: dict[str, Any], device: torch.de
         raise ValueError(f"{path} is not JSON ({error}).") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{path} holds a JSON {type(fields).__name__}, not a config's fields.")
-    if fields.get("model_type", "nv_esm") != "nv_esm":
-        raise ValueError(
-            f"{source} is a {fields['model_type']!r} checkpoint; convert it first: nv-esm convert hf-to-te {source} OUT"
-        )
+    check_model_type(fields, source)
     for key in ("auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "model_type"):
         fields.pop(key, None)
     try:  # the architecture's own checks first: e.g. "hidden_size": "64" is refused, naming the file

@@ -53,6 +53,15 @@ def open_log(path: Path) -> TextIO:
     return open(descriptor, "a", encoding="utf-8")
 
 
+def shown_value(value: float | None) -> str:
+    """A validation metric as the console line shows it: 4 significant digits, a count (`val_count`) in full."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1e4:
+        return f"{int(value):,}"
+    return f"{value:.4g}"
+
+
 class MetricsLog:
     """metrics.jsonl (rank 0): one record per step, and one of `val_*` keys per validation; a tqdm bar on rank 0,
     optional TensorBoard; peak GPU memory of every rank."""
@@ -80,8 +89,10 @@ class MetricsLog:
         """Write the steps `first_step`, `first_step + 1`, ... of `results`, launched since `started`
         (`time.perf_counter()`). One wait for the GPU per call. Each record holds its step's loss, gradient norm,
         learning rate and tokens; the throughput, time and memory fields are those of the logging interval
-        (`interval`: its first and last step), the same in each of its records. Raises `NonFiniteStep` (every rank
-        alike: the numbers are global) after writing a step whose loss or gradient norm is not finite."""
+        (`interval`: its first and last step), the same in each of its records, and `device`, the device type the
+        ranks run on (`cuda`, `cpu`: `tokens_per_s_per_gpu` is per process on the CPU). Raises `NonFiniteStep`
+        (every rank alike: the numbers are global) after writing a step whose loss or gradient norm is not
+        finite."""
         memory = [torch.zeros(1, device=self.world.device) for _ in range(self.world.world_size)]
         dist.all_gather(memory, torch.tensor([self.memory_gb()], device=self.world.device))
         values = torch.stack([torch.cat([r.sums.float(), r.grad_norm.reshape(1).float()]) for r in results]).tolist()
@@ -95,11 +106,11 @@ class MetricsLog:
             mfu=None if self.peak is None else tflops_per_gpu / self.peak,
             step_seconds=seconds / len(results),
             interval=[first_step, first_step + len(results) - 1],
+            device=self.world.device.type,  # "cuda" or "cpu": what `tokens_per_s_per_gpu` is per (metrics.png)
         )
         if self.world.device.type == "cuda":
             interval.update(max_memory_gb=max(m.item() for m in memory))
             interval.update(memory_gb_per_rank=[round(m.item(), 2) for m in memory])
-        self.bar.update(len(results))
         steps = range(first_step, first_step + len(results))
         records = []
         for step, result, (loss_sum, labels, step_tokens, grad_norm) in zip(steps, results, values):
@@ -116,6 +127,11 @@ class MetricsLog:
             self.file.flush()
             last = records[-1]
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
+        if self.bar.n + len(results) < self.bar.total:
+            self.bar.update(len(results))  # drawn with the interval's loss
+        else:  # the last step: drawn once at 100% (by `close`), not again after the final validation
+            self.bar.n += len(results)
+            self.bar.close()
         for record in records:
             if not record.get("skipped") and not math.isfinite(record["loss"] + record["grad_norm"]):
                 raise NonFiniteStep(
@@ -133,9 +149,7 @@ class MetricsLog:
             for key, value in values.items():
                 if value is not None:
                     self.tensorboard.add_scalar(key, value, step)
-        shown = ", ".join(
-            f"{key.removeprefix('val_')} {'n/a' if value is None else f'{value:.4g}'}" for key, value in values.items()
-        )
+        shown = ", ".join(f"{key.removeprefix('val_')} {shown_value(value)}" for key, value in values.items())
         self.bar.write(f"step {step} validation: {shown}")
 
     def memory_gb(self) -> float:

@@ -2,7 +2,7 @@
 model over it (`evaluate`), and the metrics of each task, computed from all ranks' predictions.
 
     mlm                  val_loss (cross-entropy per masked token), val_perplexity, val_masked_accuracy
-    token / sequence     val_loss (cross-entropy), val_accuracy, val_f1_macro, val_auroc
+    token / sequence     val_loss (cross-entropy), val_accuracy, val_f1_macro, val_auroc; two classes: also val_f1
     sequence regression  val_loss (mean squared error), val_rmse, val_spearman
 
 plus `val_count`, the masked tokens, labelled residues or proteins scored. The set is read in file order and masked
@@ -178,18 +178,19 @@ def mlm_metrics(loss_sum: float, correct: float, count: float) -> dict[str, floa
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, loss: float) -> dict[str, float | None]:
     """The head's `loss` (cross-entropy), and accuracy, macro F1 and AUROC of `logits [n, C]` against class ids
-    `labels [n]`.
+    `labels [n]`; for two classes also `val_f1`, the F1 of class 1 (the positive class).
 
-    Macro F1 averages the F1 of every class that occurs in the labels or the predictions. AUROC: of class 1's
-    probability for two classes, else the mean one-vs-rest AUROC over the classes with positives and negatives
+    F1 of a class: 2 TP / (2 TP + FP + FN), None for the binary `val_f1` where class 1 is neither labelled nor
+    predicted. Macro F1 averages the F1 of every class that occurs in the labels or the predictions. AUROC: of class
+    1's probability for two classes, else the mean one-vs-rest AUROC over the classes with positives and negatives
     among the labels; None where no class has both."""
     logits, labels = logits.double(), labels.long()
     predictions = logits.argmax(-1)
-    f1 = []
+    f1 = {}
     for label in torch.unique(torch.cat([labels, predictions])).tolist():
         true_positives = ((predictions == label) & (labels == label)).sum().item()
         predicted, actual = (predictions == label).sum().item(), (labels == label).sum().item()
-        f1.append(2 * true_positives / (predicted + actual))
+        f1[label] = 2 * true_positives / (predicted + actual)
     probabilities = logits.softmax(-1)
     classes = [1] if logits.shape[-1] == 2 else range(logits.shape[-1])
     areas = [auroc(probabilities[:, label].cpu(), (labels == label).cpu()) for label in classes]
@@ -197,7 +198,8 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, loss: flo
     return {
         "val_loss": loss,
         "val_accuracy": (predictions == labels).double().mean().item(),
-        "val_f1_macro": sum(f1) / len(f1),
+        **({"val_f1": f1.get(1)} if logits.shape[-1] == 2 else {}),
+        "val_f1_macro": sum(f1.values()) / len(f1),
         "val_auroc": sum(areas) / len(areas) if areas else None,
         "val_count": labels.numel(),
     }

@@ -36,13 +36,14 @@ LOAD_TIME_OPTIONS = (
     "fp8_weights",
     "check_inputs",
     "cuda_graphs",
-    "gradients_reduced_after_backward",
     "offload_activations",
     "offloaded_layers",
     "recompute_mlp",
     "cudnn_layer_norm",
     "max_protein_length",
 )
+# Former load-time options that are now the model's runtime interface, each with what replaces it.
+MOVED_OPTIONS = {"gradients_reduced_after_backward": "model.reduce_gradients_after_backward()"}
 
 
 # An ESM-2 has at most 48 layers (15B); the bound stops a mistyped config from allocating without end.
@@ -147,12 +148,8 @@ class NVEsmConfig(PretrainedConfig):
             as CUDA graphs captured once per bucket, for training (train mode with gradients) and inference (eval
             mode without gradients). Other calls, and `output_hidden_states`, run eagerly. A training forward must
             be followed by its backward before the next forward; set False to run several forwards per backward.
-            Training calls in a process group of several ranks run eagerly unless `gradients_reduced_after_backward`.
-        gradients_reduced_after_backward: Set by a training loop whose ranks each hold the whole model and average
-            their gradients themselves once a step's backwards are done, reading `.grad` (as `nv-esm train
-            --data-parallel replicate` does): its training calls then replay CUDA graphs on several ranks too. Off
-            by default: DDP and DeepSpeed reduce each weight's gradient in hooks as autograd accumulates it, and a
-            graph's backward adds the layers' weight gradients to `main_grad` without calling those hooks.
+            Training calls in a process group of several ranks run eagerly unless the caller says it reduces the
+            gradients itself (`model.reduce_gradients_after_backward()`).
         offload_activations: Training forwards (train mode with gradients, on a CUDA GPU, Transformer Engine
             installed) keep what every layer but the last saves for backward in pinned host memory (Transformer
             Engine's `get_cpu_offload_context`: layer i is copied out before layer i + 1 runs and back when its
@@ -177,7 +174,7 @@ class NVEsmConfig(PretrainedConfig):
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
     Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `fp8_weights`, `check_inputs`, `cuda_graphs`, `gradients_reduced_after_backward`, `offload_activations`,
+    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`,
     `offloaded_layers`, `recompute_mlp`, `cudnn_layer_norm`, `max_protein_length`) describe the machine and the run,
     not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an
     older version) is read without them, with a warning for values other than the defaults. Pass them to
@@ -216,7 +213,6 @@ class NVEsmConfig(PretrainedConfig):
         fp8_weights: bool = False,
         check_inputs: bool = True,
         cuda_graphs: bool = True,
-        gradients_reduced_after_backward: bool = False,
         offload_activations: bool = False,
         offloaded_layers: int | None = None,
         recompute_mlp: bool = False,
@@ -252,12 +248,13 @@ class NVEsmConfig(PretrainedConfig):
         self.fp8_weights = fp8_weights
         self.check_inputs = check_inputs
         self.cuda_graphs = cuda_graphs
-        self.gradients_reduced_after_backward = gradients_reduced_after_backward
         self.offload_activations = offload_activations
         self.offloaded_layers = offloaded_layers
         self.recompute_mlp = recompute_mlp
         self.cudnn_layer_norm = cudnn_layer_norm
         self.tie_word_embeddings = tie_word_embeddings
+        for name in MOVED_OPTIONS.keys() & kwargs.keys():
+            raise ValueError(f"{name} is not a config option any more: call {MOVED_OPTIONS[name]} on the model.")
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
 
@@ -290,6 +287,8 @@ class NVEsmConfig(PretrainedConfig):
         config_dict = super()._dict_from_json_file(json_file)
         parameters = inspect.signature(NVEsmConfig.__init__).parameters
         ignored = {}
+        for name in MOVED_OPTIONS:  # load-time options once, never meant for config.json
+            config_dict.pop(name, None)
         for name in LOAD_TIME_OPTIONS:
             if name in config_dict:
                 value = config_dict.pop(name)
@@ -358,7 +357,6 @@ class NVEsmConfig(PretrainedConfig):
             "fp8_weights",
             "check_inputs",
             "cuda_graphs",
-            "gradients_reduced_after_backward",
             "offload_activations",
             "recompute_mlp",
             "cudnn_layer_norm",

@@ -30,10 +30,11 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, parse_size
-from nv_esm.cli import HelpFormatter, add_renamed, print_error
+from nv_esm.cli import print_error
 from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder, verify_folder
 from nv_esm.conversion_plan import DIRECTIONS
 from nv_esm.hub_folder import push_to_hub
+from nv_esm.options import HelpFormatter, add_renamed
 from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL, VERIFY_DEVICES, VerificationFailed
 
 EPILOG = f"""examples:

@@ -14,6 +14,7 @@ Transformer Engine is imported lazily: importing this file never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable
@@ -52,7 +53,7 @@ try:
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_kernels import rotate_qk
-    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -61,6 +62,7 @@ try:
         adapter_load_pre_hook,
     )
     from .modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
+    from .modeling_nv_esm_plan import inference_autocast, plan_forward
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import NVEsmConfig
     from modeling_nv_esm_batch import (
@@ -79,7 +81,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_kernels import rotate_qk
-    from modeling_nv_esm_layers import NVEsmLayerNormLinear, NVEsmLayerNormMLP, NVEsmLinear, gelu, resolve_backend
+    from modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -88,6 +90,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         adapter_load_pre_hook,
     )
     from modeling_nv_esm_parallel import ContextParallel, ContextParallelLayout, RankGroup
+    from modeling_nv_esm_plan import inference_autocast, plan_forward
 
 # ESM-2 was trained masking 15% of tokens, 80% of those with <mask>: token dropout rescales to this ratio.
 MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -196,6 +199,39 @@ class NVEsmPooler(nn.Module):
         return torch.tanh(self.dense(first_token_states))
 
 
+def initial_value(
+    name: str,
+    module: nn.Module,
+    shape: tuple[int, ...],
+    config: NVEsmConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """NVEsm's one weight-initialisation rule: the initial value of parameter `name` (its name in `module`, or a
+    longer name ending so) of `module`, of `shape`, on `device`, drawn from `generator` (the default one if None).
+    `_init_weights` applies it to a new model, the trainer to every parameter it does not load
+    (`nv_esm.train.materialize`, drawing each whole tensor from a generator of its own).
+
+    - zeros: biases (`bias`, the fused modules' `*_bias`) and LoRA's B;
+    - ones: LayerNorm gains (`nn.LayerNorm`'s `weight`, the fused modules' `layer_norm_weight`);
+    - normal(0, `config.initializer_range`): every other weight; in an embedding, the padding row and the rows past
+      `config.vocab_size` (the padded vocabulary) zero;
+    - LoRA's A: normal(0, 1 / sqrt(fan_in)).
+    """
+    short = name.rsplit(".", 1)[-1]
+    if short == "bias" or short.endswith("_bias") or "lora_B" in name:
+        return torch.zeros(shape, device=device)
+    if short == "layer_norm_weight" or (isinstance(module, nn.LayerNorm) and short == "weight"):
+        return torch.ones(shape, device=device)
+    std = 1 / math.sqrt(shape[1]) if "lora_A" in name else config.initializer_range
+    value = torch.randn(shape, generator=generator, device=device) * std
+    if isinstance(module, nn.Embedding):
+        value[config.vocab_size :] = 0
+        if module.padding_idx is not None:
+            value[module.padding_idx] = 0
+    return value
+
+
 class NVEsmPreTrainedModel(PreTrainedModel):
     """Weight initialisation and loading rules shared by NVEsm models."""
 
@@ -224,36 +260,17 @@ class NVEsmPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """transformers' per-module initialisation of a new model: `initial_value` for each parameter of `module`,
+        ESM's rotary frequencies for its rotary table."""
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if tensors and all(getattr(tensor, "_is_hf_initialized", False) for tensor in tensors):
             return  # loaded by from_pretrained: transformers < 5.13 skips these itself only for Hub remote code
-        std = self.config.initializer_range
         if isinstance(module, NVEsmLoraTarget):
             return  # its `weight` is a fused module's, initialised there
-        if isinstance(module, (nn.Linear, NVEsmLinear)):
-            module.weight.normal_(0.0, std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
-            module.weight[self.config.vocab_size :].zero_()
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            module.bias.zero_()
-        elif isinstance(module, (NVEsmLayerNormLinear, NVEsmLayerNormMLP)):
-            module.layer_norm_weight.fill_(1.0)
-            module.layer_norm_bias.zero_()
-            for name, parameter in module.named_parameters(recurse=False):
-                if name.startswith("layer_norm"):
-                    continue
-                if name.endswith("weight"):
-                    parameter.normal_(0.0, std)
-                else:
-                    parameter.zero_()
-        elif isinstance(module, NVEsmRotaryEmbedding):
+        if isinstance(module, NVEsmRotaryEmbedding):
             module.inv_freq.copy_(module.default_inv_freq(self.config))
+        for name, parameter in module.named_parameters(recurse=False):
+            parameter.copy_(initial_value(name, module, tuple(parameter.shape), self.config, device=parameter.device))
 
     def enable_tensor_parallel(self, tp_group: Any) -> None:
         """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`
@@ -269,6 +286,22 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         gradient. `averaged=True` where a wrapper (FSDP2 or DDP over the context-parallel ranks) already averaged
         them over the group: they are multiplied by the group's size instead."""
         self.base_model.encoder.reduce_partial_gradients(averaged)
+
+    def runs_eagerly(self) -> contextlib.AbstractContextManager:
+        """Within: every forward runs eagerly and the CUDA graphs captured before stay as they are
+        (`NVEsmEncoder.eager`; e.g. a validation pass between training steps that replay graphs)."""
+        return self.base_model.encoder.eager()
+
+    def reduce_gradients_after_backward(self, enabled: bool = True) -> None:
+        """For a training loop whose ranks each hold the whole model and average `.grad` themselves after the
+        step's backwards: training forwards may replay CUDA graphs in a process group of several ranks
+        (`NVEsmEncoder.reduce_gradients_after_backward`); `layer_gradients` says when each layer's are ready."""
+        self.base_model.encoder.reduce_gradients_after_backward(enabled)
+
+    def layer_gradients(self) -> tuple[list[list[nn.Parameter]], list[tuple[Any, torch.Tensor]] | None]:
+        """Per layer, the GEMM weights whose gradients a training replay writes, and after a replayed backward the
+        event and flat gradient view of each layer (`NVEsmEncoder.layer_gradients`)."""
+        return self.base_model.encoder.layer_gradients()
 
     def enable_context_parallel(self, cp_group: Any) -> None:
         """Run the encoder layers across the ranks of the `torch.distributed` process group `cp_group`
@@ -437,9 +470,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        # asked before the input checks: their device sync would leave the GPU idle through this host work
-        precision = self.encoder.precision()
-        graphed = self.encoder.uses_cuda_graphs(output_hidden_states or output_attentions, precision)
+        # planned before the input checks: their device sync would leave the GPU idle through this host work
+        plan = plan_forward(self.encoder, output_hidden_states, output_attentions)
         batch = self._prepare_inputs(
             input_ids,
             attention_mask,
@@ -453,13 +485,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         hidden_states = self._embed(input_ids, inputs_embeds, batch)
         maps: list[torch.Tensor] = []
         last_hidden_state, all_hidden_states = self.encoder(
-            hidden_states,
-            batch,
-            self.rotary_embeddings,
-            output_hidden_states,
-            maps.append if output_attentions else None,
-            graphed=graphed,
-            precision=precision,
+            hidden_states, batch, self.rotary_embeddings, plan, maps.append if output_attentions else None
         )
         cu_seq_lens = batch.packed.cu_seq_lens if batch.input_is_packed else None
         pooler_output = None
@@ -501,7 +527,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
         )
         hidden_states = self._embed(input_ids, None, batch)
         contacts = StreamedContacts(self.contact_head.regression, batch.run_token_ids(input_ids), self.config)
-        self.encoder(hidden_states, batch, self.rotary_embeddings, attention_sink=contacts.add_layer, graphed=False)
+        plan = plan_forward(self.encoder, attention_maps=True)
+        self.encoder(hidden_states, batch, self.rotary_embeddings, plan, contacts.add_layer)
         result = contacts.probabilities()
         if batch.input_is_packed:
             return result
@@ -565,7 +592,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         for batch in length_sorted_batches(token_lists, max_tokens_per_batch):
             packed = pack_proteins([token_lists[i] for i in batch])
             cu_seq_lens = packed["cu_seq_lens_q"].to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with inference_autocast(device):
                 output = self(
                     packed["input_ids"].to(device),
                     cu_seq_lens_q=cu_seq_lens,

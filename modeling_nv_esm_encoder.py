@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +19,7 @@ from transformers.utils import logging
 
 try:
     from .configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
-    from .modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
+    from .modeling_nv_esm_batch import InputBatch
     from .modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs
     from .modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
@@ -31,25 +29,21 @@ try:
         holds_fp8_weights,
         import_transformer_engine,
         is_fp8_tensor,
-        quantizes_attention,
         transformer_engine_available,
     )
-    from .modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
-    from .modeling_nv_esm_lora import has_active_adapters, with_qkv_updates
+    from .modeling_nv_esm_layout import RotaryTable, RunLayout
+    from .modeling_nv_esm_lora import with_qkv_updates
     from .modeling_nv_esm_parallel import (
-        TENSOR_PARALLEL_SPLITS,
         ContextParallel,
-        ContextParallelLayout,
         RankGroup,
-        TensorParallelRun,
-        is_sharded,
-        several_ranks,
         tensor_parallel_layer,
+        tensor_parallel_part,
         tensor_parallel_split_dim,
     )
+    from .modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
 except ImportError:  # imported as top-level modules (tests, scripts) rather than as Hub remote code
     from configuration_nv_esm import FEATURES, NVEsmConfig, refuse_combinations
-    from modeling_nv_esm_batch import FP8_TOKEN_MULTIPLE, InputBatch
+    from modeling_nv_esm_batch import InputBatch
     from modeling_nv_esm_graphs import FreshWhenCopied, StaticShapeGraphs
     from modeling_nv_esm_layers import (
         TE_INSTALL_HINT,
@@ -59,22 +53,18 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
         holds_fp8_weights,
         import_transformer_engine,
         is_fp8_tensor,
-        quantizes_attention,
         transformer_engine_available,
     )
-    from modeling_nv_esm_layout import PackedRun, PaddedRun, RotaryTable, RunLayout
-    from modeling_nv_esm_lora import has_active_adapters, with_qkv_updates
+    from modeling_nv_esm_layout import RotaryTable, RunLayout
+    from modeling_nv_esm_lora import with_qkv_updates
     from modeling_nv_esm_parallel import (
-        TENSOR_PARALLEL_SPLITS,
         ContextParallel,
-        ContextParallelLayout,
         RankGroup,
-        TensorParallelRun,
-        is_sharded,
-        several_ranks,
         tensor_parallel_layer,
+        tensor_parallel_part,
         tensor_parallel_split_dim,
     )
+    from modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
 
 logger = logging.get_logger(__name__)
 
@@ -97,7 +87,7 @@ class ActivationOffload(FreshWhenCopied):
         backward runs."""
         if not transformer_engine_available():
             raise ImportError(f"offload_activations uses Transformer Engine's offloading. {TE_INSTALL_HINT}")
-        offloading = importlib.import_module("transformer_engine.pytorch.cpu_offload")
+        offloading = import_transformer_engine("pytorch.cpu_offload")
         if not hasattr(offloading, "DefaultOffloadSynchronizer") or offloading.NVTE_CPU_OFFLOAD_V1:
             raise ImportError(
                 "offload_activations needs Transformer Engine's offloading of any saved tensor (TE 2.20's default; "
@@ -143,58 +133,6 @@ def ignore_missing_te_extra_state(module: nn.Module, incompatible_keys: Any) -> 
     missing[:] = [key for key in missing if not key.endswith("._extra_state")]
 
 
-@dataclass(frozen=True)
-class ForwardPrecision:
-    """Every precision question of one forward, answered once (`NVEsmEncoder.precision`, before the batch is laid out)
-    and only read from then on: by `plan` (the token multiple), the eager run and the CUDA graphs (`region`, `layer`,
-    `recipe`) and `uses_cuda_graphs` (`graphable`). Nothing below reads Transformer Engine's FP8 state for these.
-
-    Attributes:
-        recipe: the FP8 recipe of the model's own FP8 layers (`config.layer_precision`), or None.
-        caller_fp8: FP8 turned on by the caller around the model (`te.autocast(enabled=True, recipe=...)`).
-        layer_fp8: per layer, whether it runs in FP8 inside `region` (with `recipe`).
-        backend: the layers' backend (`TEBackend` / `TorchBackend`), which makes the regions.
-        amax_group: the process group FP8 amaxes are reduced over (tensor or context parallelism), or None.
-        attention_fp8: the FP8 recipe in effect (the model's, else the caller's) quantizes attention too
-            (`quantizes_attention`), so its FP8 layers run Transformer Engine's own forward (`fp8_attention`).
-    """
-
-    recipe: Any
-    caller_fp8: bool
-    layer_fp8: tuple[bool, ...]
-    backend: Backend
-    amax_group: Any = None
-    attention_fp8: bool = False
-
-    @property
-    def token_multiple(self) -> int:
-        """The token count a run pads to a multiple of: `FP8_TOKEN_MULTIPLE` where FP8 GEMMs run (the model's own FP8
-        layers, or the caller's FP8 around it, any recipe), else 1."""
-        return FP8_TOKEN_MULTIPLE if self.recipe is not None or self.caller_fp8 else 1
-
-    @property
-    def graphable(self) -> bool:
-        """False where only the caller's FP8 is on: its recipe and scaling state are not the graphs' to capture."""
-        return self.recipe is not None or not self.caller_fp8
-
-    def region(self) -> contextlib.AbstractContextManager:
-        """One FP8 autocast around all layers when any layer is FP8 (TE backend only). One region, not one per layer:
-        Transformer Engine reduces amaxes and updates scales when the outermost region exits, so per-layer regions
-        would repeat that work for every layer."""
-        return self.backend.precision_region(self.recipe, self.amax_group)
-
-    def layer(self, index: int) -> contextlib.AbstractContextManager:
-        """Inside `region`: FP8 stays on for the FP8 layers and is switched off for the others."""
-        if self.recipe is None or self.layer_fp8[index]:
-            return contextlib.nullcontext()
-        return self.backend.high_precision()
-
-    def fp8_attention(self, index: int) -> bool:
-        """Whether layer `index` runs FP8 attention (inside `layer(index)`): Transformer Engine's own forward wires
-        it in and rotates q/k itself, so `run_layers` hands that layer its layout without a QKV rotation."""
-        return self.attention_fp8 and (self.recipe is None or self.layer_fp8[index])
-
-
 class NVEsmEncoder(nn.Module):
     """The transformer layers (TE or PyTorch twin, made by the `backend` object) and the final LayerNorm, and how a
     batch runs through them: `plan` lays it out (`RunLayout`) and decides graph or eager, `body` runs it.
@@ -221,6 +159,8 @@ class NVEsmEncoder(nn.Module):
         self.tensor_parallel: RankGroup | None = None  # set by `enable_tensor_parallel`
         self.context_parallel: ContextParallel | None = None  # set by `enable_context_parallel`
         self.graphs = StaticShapeGraphs()
+        self.graphs_paused = False  # `eager`
+        self.gradients_reduced_after_backward = False  # `reduce_gradients_after_backward`
         self._offload = ActivationOffload()
         self.register_state_dict_post_hook(drop_te_extra_state)
         self.register_load_state_dict_post_hook(ignore_missing_te_extra_state)
@@ -272,36 +212,18 @@ class NVEsmEncoder(nn.Module):
         hidden_states: torch.Tensor,
         batch: InputBatch,
         rotary: RotaryTable,
-        output_hidden_states: bool = False,
+        plan: ForwardPlan,
         attention_sink: Callable[[torch.Tensor], None] | None = None,
-        *,
-        graphed: bool,
-        precision: ForwardPrecision | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """Run the layers and the final LayerNorm on `batch`'s embeddings: packed `[T, hidden]`, or `[B, S, hidden]`
-        when `batch.packed` is None (`NVEsmModel._embed`). The encoder lays them out as the layers run them
-        (`plan`), runs them as a CUDA graph or eagerly, and returns the final states in the input's layout and, if
-        asked, the embedding output and every layer's output (the last one LayerNormed, as in ESM and
-        transformers). `attention_sink`, if given, receives each layer's attention probabilities in the run layout
-        (`attention_probabilities`) as the layers run. `graphed`: what `uses_cuda_graphs` said for this call, asked
-        by the caller before checking the inputs (whose device sync leaves the GPU idle while the host works);
-        `precision`: the `precision()` it was asked with (made here when not given)."""
-        if precision is None:
-            precision = self.precision()
-        if precision.recipe is None and any(self.fp8_weight_recipes) and not precision.caller_fp8:
-            raise ValueError(
-                "this model holds its layers' weights in FP8 (built inside te.quantized_model_init): run it under "
-                "te.autocast(enabled=True, recipe=...), or load it with layer_precision and fp8_weights=True."
-            )
-        if self.parallel_ranks is not None and attention_sink is not None:
-            raise ValueError(
-                "attention maps (output_attentions, predict_contacts) are not supported with tensor or context "
-                "parallelism."
-            )
-        if graphed and (output_hidden_states or attention_sink is not None):
-            raise ValueError("per-layer outputs and attention maps come from eager runs: pass graphed=False.")
-        hidden_states, layout = self.plan(hidden_states, batch, rotary, graphed, precision)
-        timing = self.graphs.take_timing_request() if graphed else None  # what `plan` chose to time
+        """Run the layers and the final LayerNorm on `batch`'s embeddings (packed `[T, hidden]`, or `[B, S, hidden]`
+        when `batch.packed` is None: `NVEsmModel._embed`) as `plan` says (`plan_forward`, made when the forward
+        started): laid out for the layers (`ForwardPlan.lay_out`), replayed as a CUDA graph or run eagerly. Returns
+        the final states in the input's layout and, with `plan.per_layer_outputs`, the embedding output and every
+        layer's output (the last one LayerNormed, as in ESM and transformers). `attention_sink`, if given, receives
+        each layer's attention probabilities in the run layout (`attention_probabilities`) as the layers run."""
+        precision = plan.precision
+        hidden_states, layout = plan.lay_out(self, hidden_states, batch, rotary)
+        timing = self.graphs.take_timing_request() if plan.graphed else None  # what `lay_out` chose to time
         states = (
             self.graphs.run(self, self.body, hidden_states, layout, precision, timing) if layout.static_shape else None
         )
@@ -311,40 +233,13 @@ class NVEsmEncoder(nn.Module):
             return layout.to_input(states), None
         if layout.static_shape:  # its capture failed: the padded batch runs eagerly, rotated as an eager run is
             layout = layout.with_qkv_rotation(layout.make_qkv_rotation())
-        all_hidden_states = [hidden_states] if output_hidden_states else None
+        all_hidden_states = [hidden_states] if plan.per_layer_outputs else None
         with precision.region(), self.graphs.timed(timing, "eager"):
             states = self.body(hidden_states, layout, precision, all_hidden_states, attention_sink)
         if all_hidden_states is None:
             return layout.to_input(states), None
         all_hidden_states[-1] = states
         return layout.to_input(states), tuple(map(layout.to_input, all_hidden_states))
-
-    def plan(
-        self,
-        hidden_states: torch.Tensor,
-        batch: InputBatch,
-        rotary: RotaryTable,
-        graphed: bool,
-        precision: ForwardPrecision,
-    ) -> tuple[torch.Tensor, RunLayout]:
-        """The one place that decides how this batch runs: its run layout (`RunLayout`) and the states laid out for
-        it. Padded layers run `PaddedRun`; packed layers pad the tokens with dummy proteins (`pad_packed`) to a
-        CUDA graph's static shape when this call replays one (`graphed`: `uses_cuda_graphs` said so;
-        `StaticShapeGraphs.shape_for`), else to the multiple FP8 (`precision.token_multiple`) and tensor
-        parallelism's ranks need; context parallelism pads each protein (`ContextParallelLayout`)."""
-        multiple = precision.token_multiple
-        if batch.packed is None or self.config.attn_input_format == "bshd":
-            return PaddedRun.of(hidden_states, batch, rotary, multiple > 1)
-        if self.context_parallel is not None:
-            self.backend.check_context_parallel_dtype(hidden_states)
-            return hidden_states, ContextParallelLayout.of(
-                batch.run_packing, self.context_parallel, multiple, rotary, batch
-            )
-        if self.tensor_parallel is not None:
-            tp = self.tensor_parallel
-            return TensorParallelRun.of(hidden_states, batch, rotary, multiple * tp.size, tp=tp)
-        shape = self.graphs.shape_for(self, hidden_states, batch.run_packing) if graphed else None
-        return PackedRun.of(hidden_states, batch, rotary, multiple, shape)
 
     def body(
         self,
@@ -378,7 +273,7 @@ class NVEsmEncoder(nn.Module):
         records event i once it is done: when the gradient of the layer's input is complete, after its weight
         gradients (TE computes them in the same backward calls, on the same stream)."""
         offload = self.activation_offload(hidden_states)
-        te_rotates = layout.with_qkv_rotation(None) if precision.attention_fp8 else None  # FP8 attention
+        unrotated = layout.with_qkv_rotation(None) if precision.attention_fp8 else None  # TE's FP8 attention rotates
         try:
             for index, layer in enumerate(self.layers):
                 if backward_events is not None and hidden_states.requires_grad:
@@ -386,7 +281,7 @@ class NVEsmEncoder(nn.Module):
                 if attention_sink is not None:
                     attention_sink(attention_probabilities(layer, hidden_states, layout, self.config))
                 with precision.layer(index), offload.context if offload else contextlib.nullcontext():
-                    layer_layout = te_rotates if precision.fp8_attention(index) else layout
+                    layer_layout = unrotated if precision.fp8_attention(index) else layout
                     hidden_states = self.run_layer(layer, hidden_states, layer_layout)
                 if offload and hidden_states.requires_grad:  # its backward hook starts the layer's reload
                     hidden_states = offload.sync(hidden_states)
@@ -431,9 +326,10 @@ class NVEsmEncoder(nn.Module):
                 for new_layer, old_layer in zip(layers, old):
                     whole = dict(old_layer.named_parameters())
                     for name, parameter in new_layer.named_parameters():
-                        dim = TENSOR_PARALLEL_SPLITS.get(name)
-                        value = whole[name] if dim is None else whole[name].chunk(size, dim)[tensor_parallel.rank]
-                        parameter.copy_(value)
+                        part = tensor_parallel_part(name, tuple(whole[name].shape), size, tensor_parallel.rank)
+                        parameter.copy_(
+                            whole[name] if part is None else whole[name][(slice(None),) * part[0] + (part[1],)]
+                        )
         layers.train(self.training)
         self.layers, self.tensor_parallel = layers, tensor_parallel
         self.graphs.clear()
@@ -449,6 +345,30 @@ class NVEsmEncoder(nn.Module):
         self.backend.join_context_parallel(self.layers, context_parallel)
         self.context_parallel = context_parallel
         self.graphs.clear()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Within: every forward runs eagerly, and the CUDA graphs captured before stay as they are (e.g. a
+        validation pass between training steps that replay graphs)."""
+        paused, self.graphs_paused = self.graphs_paused, True
+        try:
+            yield
+        finally:
+            self.graphs_paused = paused
+
+    def reduce_gradients_after_backward(self, enabled: bool = True) -> None:
+        """Tell the model that its caller, whose ranks each hold the whole model, averages `.grad` over them itself
+        after the step's backwards (not DDP's or DeepSpeed's per-gradient hooks, which a replay does not call): its
+        training forwards may then replay CUDA graphs in a process group of several ranks (`plan_forward`)."""
+        self.gradients_reduced_after_backward = enabled
+
+    def layer_gradients(self) -> tuple[list[list[nn.Parameter]], list[tuple[Any, torch.Tensor]] | None]:
+        """For a caller that reduces gradients itself: per layer, the GEMM weights whose gradients a training replay
+        writes (`StaticShapeGraphs.layer_weights`), and, when the last training call replayed a graph, per layer
+        the CUDA event its backward records once that layer's gradients are complete with those gradients as one
+        flat view (`StaticShapeGraphs.replayed_layer_gradients`; None after an eager backward)."""
+        layers = self.graphs.layer_weights(self)
+        return layers, self.graphs.replayed_layer_gradients(layers)
 
     def _refuse_parallelism(self, subject: str, own: dict[str, Any]) -> None:
         """ValueError naming the first true reason among `own` (the limits of `subject`, "tensor_parallel" or
@@ -541,61 +461,6 @@ class NVEsmEncoder(nn.Module):
             return layer(hidden_states, layout)
         checkpoint_function = getattr(self, "_gradient_checkpointing_func", None)  # TE's needs none
         return self.backend.checkpoint(layer, hidden_states, layout, checkpoint_function)
-
-    def uses_cuda_graphs(self, output_hidden_states: bool, precision: ForwardPrecision | None = None) -> bool:
-        """Whether this call runs as a CUDA graph: `config.cuda_graphs` on the TE backend with packed layers, in
-        train mode with gradients or eval mode without, no per-layer outputs, activation checkpointing or
-        offloading, layers not sharded by FSDP, no module hooks (`StaticShapeGraphs.replayable`, which also drops
-        the graphs when the parameters changed), not inside
-        `torch.compile`, another CUDA graph's capture or an `nn.DataParallel` replica, and for training not in a
-        process group of several ranks (DDP and DeepSpeed wait for each weight's gradient, which a graph adds to
-        `main_grad` instead) unless `config.gradients_reduced_after_backward` says the caller averages `.grad` itself.
-
-        Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not)
-        would overwrite memory that backward reads. (A training forward must be followed by its backward; an
-        eager call in between gave NaN gradients.)"""
-        if not (self.config.cuda_graphs and self.backend.runs_cuda_graphs and self.config.attn_input_format == "thd"):
-            return False
-        if self.parallel_ranks is not None:  # eager: the layers' collectives are not captured
-            return False
-        if self.graphs.awaiting_backward():
-            raise RuntimeError(
-                "cuda_graphs=True: this model ran a training forward whose backward has not run yet, and another "
-                "forward now would overwrite what that backward reads. Call backward first (or, to drop that forward, "
-                "model.esm.encoder.graphs.clear()), or load the model with cuda_graphs=False to run several forwards "
-                "per backward."
-            )
-        if output_hidden_states or self.training != torch.is_grad_enabled():
-            return False
-        if self.training and (self.gradient_checkpointing or self.config.offload_activations):
-            return False
-        if self.training and several_ranks() and not self.config.gradients_reduced_after_backward:
-            return False
-        if (
-            torch.compiler.is_compiling()
-            or torch.cuda.is_current_stream_capturing()
-            or getattr(self, "_is_replica", False)
-        ):
-            return False
-        if any(has_active_adapters(layer) for layer in self.layers):  # PEFT's adapters: eager
-            return False
-        if not (precision or self.precision()).graphable:
-            return False
-        return not is_sharded(self.layers[0]) and self.graphs.replayable(self)
-
-    def precision(self) -> ForwardPrecision:
-        """The precision of a forward called now (`ForwardPrecision`): the model's FP8 layers and recipe, and whether
-        the caller turned FP8 on around it, read here once per forward."""
-        ranks = self.parallel_ranks  # one set of scales for the weights they share
-        caller_recipe = self.backend.caller_fp8_recipe()
-        return ForwardPrecision(
-            recipe=self.fp8_recipe,
-            caller_fp8=caller_recipe is not None,
-            layer_fp8=tuple(precision == "fp8" for precision in self.config.layer_precision or ()),
-            backend=self.backend,
-            amax_group=None if ranks is None else ranks.group,
-            attention_fp8=quantizes_attention(self.fp8_recipe if self.fp8_recipe is not None else caller_recipe),
-        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         self.graphs.clear()  # moved or cast parameters are new tensors: the graphs read the old ones

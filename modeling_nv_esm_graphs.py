@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import inspect
 import os
 import time
@@ -95,7 +94,7 @@ class StaticShapeLayers(nn.Module):
         return self.body(hidden_states, run, self.precision, backward_events=self.backward_events)
 
 
-def host_shape(
+def larger_graph_shape(
     captured: Iterable[tuple[int, int, int]], num_tokens: int, num_sequences: int, max_length: int
 ) -> tuple[int, int, int] | None:
     """The smallest of the `captured` static shapes `(tokens, slots, max_length)` that holds a packed batch of
@@ -151,16 +150,16 @@ class TimingRequest:
 class StaticShapeGraphs(FreshWhenCopied):
     """CUDA graphs of the encoder, one per static shape and mode, captured into one memory pool. A training shape is
     captured at first use (so that a resumed run replays where the run it continues did). An inference batch whose
-    shape is not captured runs padded in the smallest captured graph that holds it (`host_shape`), which usually costs
-    less than an eager run (timed, below), until the padding it has added there comes to `padding_before_capture`
-    replays of that graph (about what a capture costs): then its own shape is captured. Padding is counted in
-    tokens, so a shape held by a graph of as many tokens (more slots or a longer `max_length`, which cost the
-    attention kernels next to nothing) stays there. With no graph to hold it, its shape is captured the
-    `capture_at_use`-th time it is met and runs eagerly before. A shape met once, such as the last, partly filled
-    batch of each `nv-esm embed` shard, so never pays a capture.
+    shape is not captured runs padded in the smallest captured graph that holds it (`larger_graph_shape`), which
+    usually costs less than an eager run (timed, below), until the padding it has added there comes to
+    `padding_before_capture` replays of that graph (about what a capture costs): then its own shape is captured.
+    Padding is counted in tokens, so a shape held by a graph of as many tokens (more slots or a longer `max_length`,
+    which cost the attention kernels next to nothing) stays there. With no graph to hold it, its shape is captured
+    the `capture_at_use`-th time it is met and runs eagerly before. A shape met once, such as the last, partly
+    filled batch of each `nv-esm embed` shard, so never pays a capture.
 
     A replay's memory (its saved activations included) is shared with the other graphs, so between the forward
-    replay of a training graph and its backward no other forward may run (`uses_cuda_graphs` refuses it). The
+    replay of a training graph and its backward no other forward may run (`plan_forward` refuses it). The
     output is copied out
     of the graph's static buffer, which the next replay overwrites. Parameters must keep their storage (in-place
     optimizer steps and `load_state_dict` do); when any parameter's storage or `requires_grad` changes, the graphs
@@ -199,7 +198,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         self._timings: dict[tuple, dict[str, tuple[Any, int]]] = {}  # inference key -> kind -> (span, tokens)
         self._runs_eagerly: dict[tuple, bool] = {}  # timed inference keys -> whether they ran faster eagerly
         self._timed_in: dict[tuple, tuple[int, int, int]] = {}  # inference key -> the graph its replay is timed in
-        self._unhosted: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
+        self._own_graph_only: set[tuple] = set()  # keys faster eagerly than padded in a host: their own graph is timed
         self._eager_from: dict[tuple, int] = {}  # mode -> fewest tokens of a shape found faster eagerly in its graph
         self._request: TimingRequest | None = None  # what the call `shape_for` planned last should time
         self.capture_seconds: list[float] = []  # each capture's seconds (`clear` keeps them): what graphs cost
@@ -209,7 +208,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         (PyTorch's allocator asserts, the capture fails and leaves the CUDA generator in capture mode, so every
         later random op on the GPU raises)."""
         shapes = (self._graphs, self._uses, self._padding, self._timings, self._runs_eagerly, self._timed_in)
-        for per_shape in (*shapes, self._unhosted, self._eager_from):
+        for per_shape in (*shapes, self._own_graph_only, self._eager_from):
             per_shape.clear()
         self._pool = self._weights = self._backward_events = self._request = None
         self._awaiting_backward = self.last_training_call_replayed = self._out_of_memory = False
@@ -241,8 +240,8 @@ class StaticShapeGraphs(FreshWhenCopied):
             for shape, graph in self._graphs.items()
             if graph is not None and shape[3:] == mode and not self._runs_eagerly.get(shape)
         ]
-        host = host_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
-        if host is not None and key not in self._unhosted:
+        host = larger_graph_shape(captured, packed.num_tokens, num_sequences, packed.max_length)
+        if host is not None and key not in self._own_graph_only:
             padding = self._padding.get(key, 0) + host[0] - own[0]
             if padding <= self.padding_before_capture * host[0]:
                 choice = self._timed_choice(key, host, packed.num_tokens)
@@ -281,7 +280,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         eagerly = per_token["eager"] < (1 - self.eager_margin) * per_token["replay"]
         del self._timings[key], self._timed_in[key]
         if eagerly and shape != key[:3]:
-            self._unhosted.add(key)
+            self._own_graph_only.add(key)
         else:
             self._runs_eagerly[key] = eagerly
             if eagerly:
@@ -350,7 +349,7 @@ class StaticShapeGraphs(FreshWhenCopied):
         """Whether a replay would do what an eager call does: no module of `encoder` has forward or backward hooks
         (a replay would not call them). Graphs read the parameters' storage and fix at capture which parameters
         get gradients: when either changed since the last call, they are dropped. One pass over the modules: it
-        runs on every graphed call (a millisecond of host time for the 729 modules of a 650M TE model)."""
+        runs on every graphed call."""
         modules = list(encoder.modules())
         if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules):
             return False
@@ -371,13 +370,14 @@ class StaticShapeGraphs(FreshWhenCopied):
         return _layer_weights(encoder)
 
     def replayed_layer_gradients(self, layers: list[list[nn.Parameter]]) -> list[tuple[Any, torch.Tensor]] | None:
-        """For a data-parallel caller that reduces gradients itself (`gradients_reduced_after_backward`), to start
-        on each layer's as soon as its backward is done: when the last training call replayed a graph, per layer of
-        `layers` (`layer_weights`, in `encoder.layers` order) the CUDA event that replay's backward records once the
-        layer's weight gradients are complete, and those gradients (`main_grad`, which is each GEMM weight's `.grad`)
-        as one flat view; the views of consecutive layers are adjacent in one buffer. None when the last training
-        call ran eagerly or the gradients are not laid out so (other dtypes, a `.grad` that is not the `main_grad`).
-        The layers' other parameters (LayerNorms, biases) get their gradients after the graph, as ordinary `.grad`s."""
+        """For a data-parallel caller that reduces gradients itself (`NVEsmEncoder.reduce_gradients_after_backward`),
+        to start on each layer's as soon as its backward is done: when the last training call replayed a graph, per
+        layer of `layers` (`layer_weights`, in `encoder.layers` order) the CUDA event that replay's backward records
+        once the layer's weight gradients are complete, and those gradients (`main_grad`, which is each GEMM
+        weight's `.grad`) as one flat view; the views of consecutive layers are adjacent in one buffer. None when the
+        last training call ran eagerly or the gradients are not laid out so (other dtypes, a `.grad` that is not the
+        `main_grad`). The layers' other parameters (LayerNorms, biases) get their gradients after the graph, as
+        ordinary `.grad`s."""
         if not self.last_training_call_replayed or self._weights is None or self._backward_events is None:
             return None
         weights = [weight for layer in layers for weight in layer]
@@ -462,15 +462,14 @@ class StaticShapeGraphs(FreshWhenCopied):
                     enabled=precision.recipe is not None,
                     recipe=precision.recipe,
                     pool=self._pool,
-                    # Inference needs one eager forward before capture (lazy set-up: cuDNN plans, workspaces); it
-                    # halves a capture's time (0.4 -> 0.17 s at 650M, `bench/embed_profile.py --experiments
-                    # captures`). Training keeps TE's three forward+backward passes.
+                    # One eager forward sets up what inference captures (cuDNN plans, workspaces); training keeps
+                    # TE's three forward+backward passes.
                     num_warmup_iters=3 if training else 1,
                     **warm_up_hooks(te.make_graphed_callables, warm_up),
                 )
         except Exception as error:  # e.g. a capture that meets another live autograd graph: run this shape eagerly
             warm_up.close()
-            importlib.import_module("transformer_engine.pytorch.graph").set_capture_end()
+            import_transformer_engine("pytorch.graph").set_capture_end()
             if "__call__" in vars(StaticShapeLayers):  # TE's FP8 wrapper, left in place when capture fails
                 del StaticShapeLayers.__call__
             for parameter, grad in zip(parameters, grads):
@@ -520,17 +519,16 @@ class WarmUpInPool:
     captures are routed: their warm-up keeps a step's activations for its backward, while an inference warm-up is
     one forward without saved activations (a layer's temporaries beside the pool).
 
-    A captured graph's temporaries and saved activations are blocks of the shared pool that only its replays use,
-    so while no replay runs (and none is awaiting its backward) they are free memory. The caching allocator reuses
-    a pool's blocks only for allocations on the stream they were made on, so the warm-up runs on the stream the
-    graphs are captured on (`torch.cuda.graph.default_capture_stream`) and that stream's allocations, the warm-up's
-    backward included (autograd runs a node on its forward's stream), come from the pool. A 3B training step's
-    activations then exist once, not twice, while a new shape is captured (H100 80 GB, 16 proteins: 68 GB reserved
-    at most, `bench/graph_memory.py`; out of memory before). Safe only if the warm-up leaves nothing alive there (a
-    replay would overwrite it): `end` records the bytes of blocks it allocated that are still alive
-    (`left_in_pool`), and the caller then drops the graphs. The first capture into a pool warms up beside it, and
-    that memory is returned (`empty_cache`) before capture. Routing needs PyTorch's private allocator bindings
-    (torch >= 2.8); without them every warm-up runs beside the pool."""
+    A captured graph's temporaries and saved activations are blocks of the shared pool that only its replays use, so
+    while no replay runs (and none is awaiting its backward) they are free memory. The caching allocator reuses a pool's
+    blocks only for allocations on the stream they were made on, so the warm-up runs on the stream the graphs are
+    captured on (`torch.cuda.graph.default_capture_stream`) and that stream's allocations, the warm-up's backward
+    included (autograd runs a node on its forward's stream), come from the pool. A training step's activations then
+    exist once, not twice, while a new shape is captured. Safe only if the warm-up leaves nothing alive there (a replay
+    would overwrite it): `end` records the bytes of blocks it allocated that are still alive (`left_in_pool`), and the
+    caller then drops the graphs. The first capture into a pool warms up beside it, and that memory is returned
+    (`empty_cache`) before capture. Routing needs PyTorch's private allocator bindings (torch >= 2.8); without them
+    every warm-up runs beside the pool."""
 
     def __init__(self, pool: Any, routed: bool) -> None:
         capture_stream = torch.cuda.graph.default_capture_stream
@@ -600,10 +598,10 @@ def live_blocks_in_pool(pool: Any) -> dict[int, int]:
 def _expandable_segments() -> Any:
     """Within: the CUDA caching allocator maps new memory as expandable segments (unless the process already does).
 
-    The graphs' shared pool keeps every segment it gets; with fixed-size segments each new, larger shape needed
-    new ones beside the blocks of the smaller shapes (650M at 64 proteins: 42 GB in the pool for 33 GB of tensors,
-    then out of memory at the third shape). Expandable segments grow in place, so freed blocks merge and the
-    shapes share them. The warm-up's eager memory is mapped the same way and unmapped by `empty_cache`."""
+    The graphs' shared pool keeps every segment it gets; with fixed-size segments each new, larger shape needs new ones
+    beside the blocks of the smaller shapes, until the GPU runs out of memory. Expandable segments grow in place, so
+    freed blocks merge and the shapes share them. The warm-up's eager memory is mapped the same way and unmapped by
+    `empty_cache`."""
     process_setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     set_allocator = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
         torch.cuda.memory, "_set_allocator_settings", None

@@ -9,10 +9,10 @@ layout it cannot read; in the backward it concatenates the three gradients again
 output where it lies keeps queries, keys and values interleaved (`[tokens, heads, 3, head_dim]`), the packed
 layout TE's `DotProductAttention` reads without a copy and whose gradient it writes as one tensor.
 
-`add_bias_residual`: a layer's residual sum `residual + (x + bias)` (the output projection's or fc2's output, its
-bias, the block's input) in one pass. Transformer Engine's `TransformerLayer` fuses it with `torch.compile`, which
-compiles it in every new process (seconds of a short job: 13 s of a 10k-protein `nv-esm embed` on an H100) and again
-for new shapes; a Triton kernel compiles once per machine (Triton's cache).
+`add_bias_residual`: a layer's residual sum `residual + (x + bias)` (the output projection's or fc2's output, its bias,
+the block's input) in one pass. Transformer Engine's `TransformerLayer` fuses it with `torch.compile`, which compiles it
+in every new process (seconds of a short job) and again for new shapes; a Triton kernel compiles once per machine
+(Triton's cache).
 
 Triton (it ships with CUDA builds of PyTorch) is optional: without it `TRITON_AVAILABLE` is False, TE's own
 attention block rotates (`modeling_nv_esm_layout.QKVRotation.of`) and TE's own sum runs. Nothing here runs on the

@@ -80,11 +80,12 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def import_transformer_engine() -> Any:
-    """Return `transformer_engine.pytorch`, or raise an ImportError that says how to install it."""
+def import_transformer_engine(module: str = "pytorch") -> Any:
+    """Return `transformer_engine.<module>` (`transformer_engine.pytorch` by default), or raise an ImportError that
+    says how to install it: the one way the model code imports Transformer Engine."""
     if not transformer_engine_available():
         raise ImportError(f"backend='te' needs Transformer Engine, which does not import here. {TE_INSTALL_HINT}")
-    return importlib.import_module("transformer_engine.pytorch")
+    return importlib.import_module(f"transformer_engine.{module}")
 
 
 @functools.cache
@@ -92,9 +93,9 @@ def _fp8_state_manager() -> Any:
     """Transformer Engine's `FP8GlobalStateManager` (found once: the model asks it at every forward), or None."""
     if not transformer_engine_available():
         return None
-    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE >= 2.8 / older
+    for name in ("pytorch.quantization", "pytorch.fp8"):  # TE >= 2.8 / older
         try:
-            return importlib.import_module(name).FP8GlobalStateManager
+            return import_transformer_engine(name).FP8GlobalStateManager
         except (ImportError, AttributeError):
             continue
     return None
@@ -171,7 +172,7 @@ def holds_fp8_weights(layer: nn.Module) -> bool:
 
 def make_fp8_recipe(name: str) -> Any:
     """The Transformer Engine recipe object for `config.fp8_recipe`."""
-    recipe = importlib.import_module("transformer_engine.common.recipe")
+    recipe = import_transformer_engine("common.recipe")
     return {
         "delayed": recipe.DelayedScaling,
         "current": recipe.Float8CurrentScaling,
@@ -318,7 +319,7 @@ def te_layer_class() -> type[nn.Module]:
     te = import_transformer_engine()
     hash_triton_installation_early()  # its kernels' first launch would wait for it
     try:
-        onnx_export_mode = importlib.import_module("transformer_engine.pytorch.export").is_in_onnx_export_mode
+        onnx_export_mode = import_transformer_engine("pytorch.export").is_in_onnx_export_mode
     except (ImportError, AttributeError):
         onnx_export_mode = torch.onnx.is_in_onnx_export
 
@@ -337,24 +338,24 @@ def te_layer_class() -> type[nn.Module]:
 
         def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
             result = super().forward(inp, *args, **kwargs)
-            folder = self.__dict__.get("lora_targets")
+            targets = self.__dict__.get("lora_targets")
             if isinstance(result, tuple):  # (output, bias) with return_bias
-                return (with_update(folder, inp, result[0]), *result[1:])
-            return with_update(folder, inp, result)
+                return (with_update(targets, inp, result[0]), *result[1:])
+            return with_update(targets, inp, result)
 
     class NVEsmTELayerNormMLP(te.LayerNormMLP):
         """TE's fused LayerNorm + MLP; with fc1/fc2 adapters, the same computation unfused (TE's tanh GELU)."""
 
         def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-            folders = self.__dict__.get("lora_targets", ())
-            if not any(has_active_adapters_in(folder) for folder in folders):
+            target_groups = self.__dict__.get("lora_targets", ())
+            if not any(has_active_adapters_in(targets) for targets in target_groups):
                 return super().forward(inp, *args, **kwargs)
             gelu_tanh = functools.partial(F.gelu, approximate="tanh")
             unfused = functools.partial(mlp_with_updates, self, activation=gelu_tanh, add_fc2_bias=not self.return_bias)
             output = recomputed(unfused, inp, getattr(self, "checkpoint", False))  # `recompute_mlp`, as TE's path
             return (output, self.fc2_bias) if self.return_bias else output
 
-    split_along_dim = importlib.import_module("transformer_engine.pytorch.utils").SplitAlongDim
+    split_along_dim = import_transformer_engine("pytorch.utils").SplitAlongDim
 
     class NVEsmTEMultiheadAttention(te.MultiheadAttention):
         """TE's self-attention block, with a forward that rotates the fused QKV projection where it lies."""
@@ -582,7 +583,7 @@ class TEBackend(TorchBackend):
         TE's first LayerNorm), and those variables, which TE's PyTorch extension reads at each LayerNorm of an FP8
         layer under current scaling."""
         import_transformer_engine()
-        library = getattr(importlib.import_module("transformer_engine.common"), "_TE_LIB_CTYPES", None)
+        library = getattr(import_transformer_engine("common"), "_TE_LIB_CTYPES", None)
         switches = [getattr(library, f"nvte_enable_cudnn_norm_{stage}", None) for stage in ("fwd", "bwd")]
         if None in switches:
             raise ImportError(
@@ -652,7 +653,7 @@ class TEBackend(TorchBackend):
             )
 
 
-Backend = TorchBackend  # the type of both backend objects
+Backend = TorchBackend | TEBackend  # either backend object (`resolve_backend`)
 BACKEND_OBJECTS = {"te": TEBackend("te"), "torch": TorchBackend("torch")}
 
 

@@ -1,5 +1,5 @@
 """How one batch runs through the encoder layers: the run layout (`RunLayout`), built once per forward by the
-encoder's plan (`NVEsmEncoder.plan`) and read by every layer. Padded layers (BSHD) run `PaddedRun`, packed layers
+forward's plan (`ForwardPlan.lay_out`) and read by every layer. Padded layers (BSHD) run `PaddedRun`, packed layers
 (THD) `PackedRun`; the tensor- and context-parallel layouts (`modeling_nv_esm_parallel`) are `PackedRun`s too.
 
 A layout offers what the layers and the encoder need besides the hidden states: the rotary angles, Transformer

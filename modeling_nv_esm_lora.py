@@ -139,7 +139,7 @@ class NVEsmLoraTarget(nn.Linear):
 
 
 class NVEsmLoraTargets(nn.Module):
-    """A folder of `NVEsmLoraTarget`s (as transformers' `EsmAttention`, `EsmIntermediate`, ... are of Linears)."""
+    """A group of `NVEsmLoraTarget`s (as transformers' `EsmAttention`, `EsmIntermediate`, ... are of Linears)."""
 
 
 def add_lora_targets(layer: nn.Module, qkv: nn.Module, proj: nn.Module, mlp: nn.Module, config: NVEsmConfig) -> None:
@@ -147,64 +147,64 @@ def add_lora_targets(layer: nn.Module, qkv: nn.Module, proj: nn.Module, mlp: nn.
     + fc1 + GELU + fc2; TE's or the twins) which targets' updates to add (`lora_targets`, plain attributes)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
 
-    def folder(**targets: nn.Module) -> NVEsmLoraTargets:
+    def target_group(**targets: nn.Module) -> NVEsmLoraTargets:
         module = NVEsmLoraTargets()
         for name, target in targets.items():
             module.add_module(name.rstrip("_"), target)
         return module
 
-    attention_self = folder(
+    attention_self = target_group(
         **{
             name: NVEsmLoraTarget(qkv, "", hidden, hidden, part, heads)
             for part, name in enumerate(("query", "key", "value"))
         }
     )
     attention_self.num_heads = heads  # how `with_qkv_updates` interleaves the updates
-    attention_output = folder(dense=NVEsmLoraTarget(proj, "", hidden, hidden, None, heads))
-    intermediate = folder(dense=NVEsmLoraTarget(mlp, "fc1_", hidden, config.intermediate_size, None, heads))
-    output = folder(dense=NVEsmLoraTarget(mlp, "fc2_", config.intermediate_size, hidden, None, heads))
-    layer.attention = folder(self_=attention_self, output=attention_output)
+    attention_output = target_group(dense=NVEsmLoraTarget(proj, "", hidden, hidden, None, heads))
+    intermediate = target_group(dense=NVEsmLoraTarget(mlp, "fc1_", hidden, config.intermediate_size, None, heads))
+    output = target_group(dense=NVEsmLoraTarget(mlp, "fc2_", config.intermediate_size, hidden, None, heads))
+    layer.attention = target_group(self_=attention_self, output=attention_output)
     layer.intermediate, layer.output = intermediate, output
     qkv.__dict__["lora_targets"] = attention_self
     proj.__dict__["lora_targets"] = attention_output
     mlp.__dict__["lora_targets"] = (intermediate, output)
 
 
-def _updates(folder: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
-    """The updates of `folder`'s targets for input `x` (0 where an adapter is off), or None when none has one."""
-    if not has_active_adapters_in(folder):
+def _updates(targets: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The updates of the targets in `targets` for input `x` (0 where an adapter is off), or None when none has one."""
+    if not has_active_adapters_in(targets):
         return None
-    return [target(x) for target in folder._modules.values()]
+    return [target(x) for target in targets._modules.values()]
 
 
 def with_qkv_updates(fused: nn.Module, normed: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
     """`qkv [..., 3 * hidden]` (rows interleaved per head) plus the query/key/value adapters' updates of the
     LayerNormed input `normed`."""
-    folder = fused.__dict__.get("lora_targets")
-    updates = None if folder is None else _updates(folder, normed)
+    targets = fused.__dict__.get("lora_targets")
+    updates = None if targets is None else _updates(targets, normed)
     if updates is None:
         return qkv
-    heads = folder.num_heads
+    heads = targets.num_heads
     shape = (*qkv.shape[:-1], qkv.shape[-1] // 3)
     parts = [update.to(qkv.dtype).expand(shape).unflatten(-1, (heads, -1)) for update in updates]
     return qkv + torch.stack(parts, dim=-2).flatten(-3)
 
 
-def with_update(folder: nn.Module | None, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """`output` plus the update of `folder`'s one target (`dense`) for its input `x`."""
-    updates = None if folder is None else _updates(folder, x)
+def with_update(targets: nn.Module | None, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """`output` plus the update of the one target (`dense`) in `targets` for its input `x`."""
+    updates = None if targets is None else _updates(targets, x)
     return output if updates is None else output + updates[0].to(output.dtype)
 
 
-def has_active_adapters_in(folder: nn.Module | None) -> bool:
-    """Whether PEFT has wrapped any target of `folder` (a `NVEsmLoraTargets`)."""
-    return folder is not None and any(type(target) is not NVEsmLoraTarget for target in folder._modules.values())
+def has_active_adapters_in(targets: nn.Module | None) -> bool:
+    """Whether PEFT has wrapped any target of `targets` (a `NVEsmLoraTargets`)."""
+    return targets is not None and any(type(target) is not NVEsmLoraTarget for target in targets._modules.values())
 
 
 def has_active_adapters(layer: nn.Module) -> bool:
     """Whether PEFT has wrapped any of `layer`'s `LORA_TARGETS`."""
     folders = (layer.attention.self, layer.attention.output, layer.intermediate, layer.output)
-    return any(has_active_adapters_in(folder) for folder in folders)
+    return any(has_active_adapters_in(targets) for targets in folders)
 
 
 def mlp_with_updates(

@@ -45,10 +45,27 @@ TENSOR_PARALLEL_SPLITS = {
 
 def tensor_parallel_split_dim(name: str) -> int | None:
     """The dimension along which tensor parallelism splits the parameter `name` (a model's, an encoder's or a layer
-    list's: `....layers.<i>.<name in the layer>`; `TENSOR_PARALLEL_SPLITS`), or None for one every rank holds
-    whole."""
+    list's: `....layers.<i>.<name in the layer>`, or a layer's own; `TENSOR_PARALLEL_SPLITS`), or None for one every
+    rank holds whole."""
     _, in_layers, rest = f".{name}".partition(".layers.")
-    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1]) if in_layers else None
+    return TENSOR_PARALLEL_SPLITS.get(rest.split(".", 1)[-1] if in_layers else name)
+
+
+def tensor_parallel_part(name: str, whole_shape: tuple[int, ...], size: int, rank: int) -> tuple[int, slice] | None:
+    """The part of parameter `name` (of `whole_shape`) that rank `rank` of `size` tensor-parallel ranks holds: the
+    split dimension and the slice of it (`tensor_parallel_split_dim`), or None where every rank holds it whole. The
+    one place a whole weight is cut for a rank: `NVEsmEncoder.enable_tensor_parallel` and the trainer's loading."""
+    dim = tensor_parallel_split_dim(name) if size > 1 else None
+    if dim is None:
+        return None
+    part = whole_shape[dim] // size
+    return dim, slice(rank * part, (rank + 1) * part)
+
+
+def tensor_parallel_whole_shape(name: str, part_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """The whole shape of parameter `name` whose part on each of `size` tensor-parallel ranks is `part_shape`."""
+    dim = tensor_parallel_split_dim(name) if size > 1 else None
+    return tuple(length * size if index == dim else length for index, length in enumerate(part_shape))
 
 
 @dataclass(frozen=True)
@@ -199,10 +216,9 @@ class ContextParallel(RankGroup):
     def te_exchange(self, heads: int) -> str:
         """How Transformer Engine's attention (`cp_comm_type`), with `heads` heads per rank, shares the tokens: "a2a"
         (an all-to-all gives each rank whole proteins for `heads / size` heads) where the heads divide among the
-        ranks, else "all_gather" (every rank gathers all keys and values). Not TE's ring ("p2p"): on 2 and 4 H200s
-        (TE 2.20.2, bench/cp_modes.py, bench/results/cp_comm_h200x4_2026-11-27/) it gave logits up to 3 off for
-        proteins of 1 to 3 tokens, where both of these were right for every length; at 32k tokens (650M, forward
-        and backward) a2a took 0.98 / 0.51 s on 2 / 4 ranks, all_gather 0.96 / 0.54, the ring 0.95 / 0.61."""
+        ranks, else "all_gather" (every rank gathers all keys and values). Not TE's ring ("p2p"): with TE 2.20 it
+        gave wrong logits for proteins of 1 to 3 tokens, where both of these are right for every length (and no
+        faster; bench/results/cp_comm_h200x4_2026-11-27/)."""
         return "a2a" if heads % self.size == 0 else "all_gather"
 
 

@@ -94,8 +94,8 @@ def patch_variant(model, variant: str) -> dict:
     import sys
 
     module = sys.modules[type(model).__module__]
-    module.__dict__.setdefault("_host_shape", module.host_shape)
-    module.host_shape = (lambda *args: None) if variant == "previous" else module._host_shape
+    module.__dict__.setdefault("_host_shape", module.larger_graph_shape)
+    module.larger_graph_shape = (lambda *args: None) if variant == "previous" else module._host_shape
     graphs = model.encoder.graphs
     capture, shape_for = graphs._capture, graphs.shape_for
     counts = {"captures": 0, "capture_seconds": 0.0, "eager_before_capture": 0, "in_larger_graph": 0}

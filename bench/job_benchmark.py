@@ -281,7 +281,8 @@ def steady_worker(paths: dict[str, Path], jobs: list[str]) -> dict:
     import transformer_engine.pytorch  # noqa: F401  (before anything loads cuDNN)
 
     from modeling_nv_esm_batch import length_sorted_batches, pack_proteins
-    from nv_esm.embed_model import device_autocast, load_config, load_model
+    from modeling_nv_esm_plan import inference_autocast
+    from nv_esm.embed_model import load_config, load_model
     from nv_esm.score import load_tokenizer
 
     device = torch.device("cuda")
@@ -311,7 +312,7 @@ def steady_worker(paths: dict[str, Path], jobs: list[str]) -> dict:
         for _ in range(2):
             torch.cuda.synchronize()
             started = time.perf_counter()
-            with torch.no_grad(), device_autocast(device):
+            with torch.no_grad(), inference_autocast(device):
                 for batch in batches:
                     model(**batch)
             torch.cuda.synchronize()

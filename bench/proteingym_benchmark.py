@@ -354,12 +354,12 @@ def timed(device: torch.device, function, *args, **kwargs):
 @contextlib.contextmanager
 def no_autocast():
     """`nv_esm.scoring` without its bf16 autocast on CUDA: the fp32 weights run in fp32."""
-    saved = scoring.device_autocast
-    scoring.device_autocast = lambda device: contextlib.nullcontext()
+    saved = scoring.inference_autocast
+    scoring.inference_autocast = lambda device: contextlib.nullcontext()
     try:
         yield
     finally:
-        scoring.device_autocast = saved
+        scoring.inference_autocast = saved
 
 
 def baseline_subset(rows: list[dict[str, str]], k: int, seed: int) -> list[dict[str, str]]:

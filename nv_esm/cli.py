@@ -10,7 +10,7 @@
 
 `python -m nv_esm` is the same command. Every command reports a failure as one line on stderr, as argparse reports
 a usage error: `nv-esm COMMAND: error: ...` (`print_error`), and its `--help` lists each option's default
-(`HelpFormatter`).
+(`nv_esm.options.HelpFormatter`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from nv_esm.options import BACKEND_HELP, HelpFormatter, add_renamed
 from nv_esm.vocabulary import (
     BACKENDS,
     COMMAND_FP8_RECIPE,
@@ -33,7 +34,6 @@ from nv_esm.vocabulary import (
     INVALID_POLICIES,
     OUTPUTS,
     PROTEINGYM_METHODS,
-    RENAMED,
     SAVE_DTYPE_NAMES,
     SCORE_METHODS,
     STRIP_STOP_HELP,
@@ -49,8 +49,6 @@ COMMANDS = {
     "proteingym": ("nv_esm.proteingym", "score ProteinGym's substitution assays (their ESM-2 methods and windows)"),
     "train": ("nv_esm.train.loop", "pre-train or fine-tune NVEsm with FSDP2 (torchrun -m nv_esm.train for many GPUs)"),
 }
-# The help of the commands' --backend (the model's `backend`).
-BACKEND_HELP = "layers: Transformer Engine (te), PyTorch (torch), or TE on a GPU where installed (auto)"
 # Commands after which the process ends at once (`console`): every file they write is closed when they return.
 QUICK_EXIT = ("embed", "score", "proteingym")
 # Commands of a command, listed in the usage under it: (command, subcommand) -> what it does.
@@ -81,73 +79,10 @@ def print_error(prog: str, message: object) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and after every option's help its default: "(required)" for a required option,
-    "(default: on)" / "(default: off)" for a flag, "(default: none)" for an empty list, else argparse's "(default:
-    VALUE)"; a None default is left to the help, which says what happens without the option (and says "default")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = (action.help or "").replace(" (default: %(default)s)", "")  # BooleanOptionalAction's own
-        if action.help is argparse.SUPPRESS or action.default is argparse.SUPPRESS:
-            return action.help
-        if not action.option_strings:  # a positional argument: always given
-            return action.help
-        if action.required:
-            return f"{text} (required)"
-        if action.nargs == 0 and isinstance(action.default, bool):
-            return f"{text} (default: {'on' if action.default else 'off'})"
-        if action.default is None or "%(default)" in text:
-            return text
-        if action.default == []:
-            return f"{text} (default: none)"
-        return f"{text} (default: %(default)s)"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The commands' parsers, built from `nv_esm.vocabulary` and free of torch, so that `--help` answers at once; one
 # name per option across the commands, old names kept (`add_renamed`).
 # ---------------------------------------------------------------------------------------------------------------
-
-FP8_NEEDS = "FP8 layers need Transformer Engine on a CUDA GPU (backend te)"
-
-
-class RenamedOption(argparse.Action):
-    """An old option name (`RENAMED`): says "note: OLD is now NEW" on stderr, then does what NEW does. Hidden from
-    `--help`."""
-
-    def __init__(self, option_strings: list[str], dest: str, target: argparse.Action, **_: object) -> None:
-        super().__init__(
-            option_strings,
-            target.dest,
-            nargs=target.nargs,
-            type=target.type,
-            choices=target.choices,
-            default=argparse.SUPPRESS,
-            help=argparse.SUPPRESS,
-            metavar=target.metavar,
-        )
-        self.target = target
-        self.quiet = False  # a second parse of the same command line (`nv_esm.train.config.given_options`) says nothing
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:  # fmt: skip
-        new = self.target.option_strings[0]
-        if not self.quiet:
-            print(f"note: {option_string} is now {new}", file=sys.stderr)
-        self.target(parser, namespace, values, new)
-
-
-def add_renamed(container: argparse._ActionsContainer, new: argparse.Action) -> None:
-    """Add the old names of `new` (an option `RENAMED` renamed) to `container`, as `RenamedOption`s."""
-    for old, name in RENAMED.items():
-        if name in new.option_strings:
-            container.add_argument(old, action=RenamedOption, target=new)
-
-
-def fp8_refusal(fp8: str, backend: str, device: object) -> str:
-    """The one-line error of `--fp8 FP8` where the layers run on `backend` ("torch") on `device`: what the user
-    passed, what FP8 needs, and the way out."""
-    return f"--fp8 {fp8}: {FP8_NEEDS}; this run has backend {backend} on {device} (drop --fp8, or run on such a GPU)."
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, graphs_note: str) -> None:

@@ -16,6 +16,7 @@ import torch
 import modeling_nv_esm
 from configuration_nv_esm import fp8_layer_precision
 from modeling_nv_esm_batch import length_sorted_batches, pack_proteins, pool_proteins, residue_token_mask
+from modeling_nv_esm_plan import inference_autocast
 from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type, check_tensor_names
 from nv_esm.checkpoint_io import checked_weight_files, read_json
 from nv_esm.embed_plan import (
@@ -288,7 +289,7 @@ class ShardEmbedder:
         return to_host(tensor)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return device_autocast(self.device)
+        return inference_autocast(self.device)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -305,11 +306,6 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
-
-
-def device_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """The commands' precision: bf16 autocast on CUDA, none (the weights' fp32) on the CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 @dataclass

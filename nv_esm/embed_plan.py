@@ -23,7 +23,7 @@ import modeling_nv_esm
 from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import chunk_digests
-from nv_esm.cli import fp8_refusal
+from nv_esm.options import fp8_refusal
 from nv_esm.records import bad_records_error, residue_ids
 from nv_esm.vocabulary import COMMAND_FP8_RECIPE as COMMAND_FP8_RECIPE
 from nv_esm.vocabulary import FP8_SCALINGS as FP8_SCALINGS
@@ -206,7 +206,7 @@ def checkpoint_fingerprint(checkpoint: str, config: Any) -> str:
 
 def command_backend(args: argparse.Namespace, device: torch.device) -> Any:
     """The layers' backend of `--backend` on `device` (`modeling_nv_esm.resolve_backend`); ValueError, naming the
-    option given, where `--fp8` (`cli.fp8_refusal`, as `nv-esm train` says it) or an explicit `--cuda-graphs` asks
+    option given, where `--fp8` (`options.fp8_refusal`, as `nv-esm train` says it) or an explicit `--cuda-graphs` asks
     for what it cannot run."""
     backend = modeling_nv_esm.resolve_backend(args.backend, device)
     if args.fp8 != "off" and not backend.runs_fp8:
@@ -221,7 +221,7 @@ def command_backend(args: argparse.Namespace, device: torch.device) -> Any:
 
 def command_precision(device: torch.device) -> str:
     """The commands' precision on `device`, as the manifests record it: bf16 on CUDA (`embed_model.load_model`'s
-    weights, `device_autocast`), fp32 on the CPU."""
+    weights, `inference_autocast`), fp32 on the CPU."""
     return "bf16" if device.type == "cuda" else "fp32"
 
 

@@ -41,6 +41,7 @@ MODEL_CODE_FILES = (
     "modeling_nv_esm_layers.py",
     "modeling_nv_esm_parallel.py",
     "modeling_nv_esm_graphs.py",
+    "modeling_nv_esm_plan.py",
     "modeling_nv_esm_encoder.py",
     "modeling_nv_esm.py",
 )

@@ -52,8 +52,9 @@ from typing import Any
 import torch
 
 from modeling_nv_esm_batch import RESIDUE_LETTERS, length_sorted_batches, pack_proteins, protein_residues
+from modeling_nv_esm_plan import inference_autocast
 from nv_esm import job_clock
-from nv_esm.embed_model import device_autocast, to_device, to_host
+from nv_esm.embed_model import to_device, to_host
 from nv_esm.vocabulary import SCORE_METHODS
 
 METHODS = SCORE_METHODS  # `nv_esm.vocabulary`
@@ -498,7 +499,7 @@ class Scorer:
             offset += len(piece)
             pieces.append(piece)
         packed = pack_proteins(pieces)
-        with device_autocast(self.device):
+        with inference_autocast(self.device):
             states = self.model.esm(
                 to_device(packed["input_ids"], self.device),
                 cu_seq_lens_q=to_device(packed["cu_seq_lens_q"], self.device),

@@ -7,9 +7,7 @@ project's: the converter's `--verify`, its `verify` command and the demo use the
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,8 +185,9 @@ def verify(
 def _import_transformer_engine_early() -> None:
     """Transformer Engine must be imported before torch loads cuDNN in the process (see tests/test_gpu.py), which
     running the first model may do; importing it first lets the NVEsm model use it. Absent TE is fine."""
-    with contextlib.suppress(Exception):
-        importlib.import_module("transformer_engine.pytorch")
+    from modeling_nv_esm_layers import transformer_engine_available
+
+    transformer_engine_available()
 
 
 def _run(load: Callable[[], tuple[Any, str]], inputs: list[torch.Tensor], device: str) -> tuple[list, str, bool]:

@@ -16,7 +16,8 @@ FP8_RECIPES = ("delayed", "current", "block")  # configuration_nv_esm.FP8_RECIPE
 FP8_SCALINGS = ("block", "current")
 COMMAND_FP8_RECIPE = "block"
 TOKENS_PER_BATCH = 16384  # every command's --tokens-per-batch default
-# Old option names: each still works, with a one-line notice on stderr (`nv_esm.cli.add_renamed`); help shows the new.
+# Old option names: each still works, with a one-line notice on stderr (`nv_esm.options.add_renamed`); help shows
+# the new.
 RENAMED = {"--token-budget": "--tokens-per-batch", "--fp8-recipe": "--fp8-scaling", "--force": "--overwrite"}
 
 # FASTA records (`nv_esm.records`): what a bad record does, and the stop-mark option's help.

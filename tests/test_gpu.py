@@ -1,7 +1,7 @@
 """GPU tests: Transformer Engine backend vs the PyTorch twin vs transformers, bf16 and FP8.
 
 Run on a Hopper GPU with Transformer Engine: `python -m pytest -m gpu -s`. Skipped without CUDA or TE. Every test
-runs twice, TE models with CUDA graphs (the default: they replay where `uses_cuda_graphs` allows, i.e. in eval mode
+runs twice, TE models with CUDA graphs (the default: they replay where `plan_forward` allows, i.e. in eval mode
 under no_grad and in train mode with gradients) and without (`cuda_graphs=False`, all eager).
 
 Tolerances (bf16): both transformers and NVEsm round every activation to bf16 (8 bits of mantissa, relative
@@ -40,6 +40,7 @@ from conftest import (
 from convert_helpers import save_hf
 from modeling_nv_esm import NVEsmForMaskedLM
 from modeling_nv_esm_layers import import_transformer_engine
+from modeling_nv_esm_plan import plan_forward
 from nv_esm import embed
 from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.state_dict_mapping import nv_to_hf_state_dict
@@ -599,7 +600,7 @@ def test_stock_peft_lora_on_te_matches_transformers_and_merges(hf_fp32, attn_inp
             unadapted = hf_peft(input_ids, attention_mask=attention_mask).logits[keep]
         adapted = nv_peft(input_ids, attention_mask=attention_mask).logits[keep]
         merged = nv_peft.merge_and_unload()
-        uses_graphs = merged.esm.encoder.uses_cuda_graphs(output_hidden_states=False)
+        uses_graphs = plan_forward(merged.esm.encoder).graphed
         after_merge = merged(input_ids, attention_mask=attention_mask).logits[keep]
     errors = {
         "adapter_effect": max_err(expected, unadapted),

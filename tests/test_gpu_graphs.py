@@ -25,6 +25,7 @@ from conftest import (
     random_proteins,
     relative_error,
 )
+from modeling_nv_esm_plan import plan_forward
 
 pytestmark = GPU_MARKS
 
@@ -345,21 +346,26 @@ def test_a_capture_out_of_memory_frees_the_graphs_and_runs_eagerly(hf_fp32, monk
 
 def test_graphs_stay_off_where_a_replay_would_be_wrong(hf_fp32, monkeypatch):
     """Training under a process group of several ranks (DDP waits for each weight's gradient) unless the caller
-    averages `.grad` itself after the backward (`gradients_reduced_after_backward`), inside another capture, and in
-    an `nn.DataParallel` replica: eager."""
+    averages `.grad` itself after the backward (`reduce_gradients_after_backward`), inside `runs_eagerly` (a
+    validation pass), inside another capture, and in an `nn.DataParallel` replica: eager."""
     graphed = make_nv_model(hf_fp32, backend="te", cuda_graphs=True).to(CUDA).train()
     encoder = graphed.esm.encoder
-    assert encoder.uses_cuda_graphs(output_hidden_states=False)
-    monkeypatch.setattr("modeling_nv_esm_encoder.several_ranks", lambda: True)
-    assert not encoder.uses_cuda_graphs(output_hidden_states=False)
-    encoder.config.gradients_reduced_after_backward = True
-    assert encoder.uses_cuda_graphs(output_hidden_states=False)
-    encoder.config.gradients_reduced_after_backward = False
+    assert plan_forward(encoder).graphed
+    monkeypatch.setattr("modeling_nv_esm_plan.several_ranks", lambda: True)
+    assert not plan_forward(encoder).graphed
+    graphed.reduce_gradients_after_backward()
+    assert plan_forward(encoder).graphed
+    graphed.reduce_gradients_after_backward(False)
+    with graphed.runs_eagerly():
+        graphed.reduce_gradients_after_backward()
+        assert not plan_forward(encoder).graphed  # validation between training steps
+    assert plan_forward(encoder).graphed
+    graphed.reduce_gradients_after_backward(False)
     graphed.eval()
     with torch.no_grad():
-        assert encoder.uses_cuda_graphs(output_hidden_states=False)  # inference graphs do not involve the ranks
+        assert plan_forward(encoder).graphed  # inference graphs do not involve the ranks
         encoder._is_replica = True
-        assert not encoder.uses_cuda_graphs(output_hidden_states=False)
+        assert not plan_forward(encoder).graphed
 
 
 def train_side_by_side(eager, graphed, lengths_per_step: list[list[int]], seed: int) -> None:
@@ -538,7 +544,7 @@ def test_a_routed_warm_up_that_fails_drops_the_graphs(hf_fp32, monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="whole models on 2 ranks: NCCL, one GPU per rank")
 def test_two_ranks_holding_whole_models_replay_training_graphs_with_eager_losses(tmp_path):
     """`nv-esm train --data-parallel replicate` on 2 GPUs (NCCL): the ranks capture and replay training graphs
-    (`gradients_reduced_after_backward`) and their losses follow the eager run's on the same data (bf16: each step
+    (`reduce_gradients_after_backward`) and their losses follow the eager run's on the same data (bf16: each step
     within `LOSS_RTOL`, the first steps alike in both, so a gradient left out of the all-reduce shows)."""
     import json
     import os
@@ -602,7 +608,7 @@ def check_overlapped_average(rank: int, port: int, results: dict) -> None:
         import transformer_engine.pytorch  # noqa: F401  (before cuDNN loads)
 
         model = make_nv_model(make_hf_model("esm2_8M", seed=200), backend="te", cuda_graphs=True)
-        model.config.gradients_reduced_after_backward = True
+        model.reduce_gradients_after_backward()
         model = model.to(CUDA).train()
         batch = packed_on_gpu(batches(seed=300 + rank, count=1)[0])  # each rank its own proteins
         averaged = []

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from nv_esm import cli
+from nv_esm import cli, options, vocabulary
 
 COMMAND_HELP = {
     "embed": "nv_esm.cli.parse_embed_args",
@@ -52,12 +52,12 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
 @pytest.mark.parametrize("command", [*cli.COMMANDS, "train export"])
 def test_help_shows_no_old_name(capsys, command):
     text = help_text(command, capsys)
-    assert not [old for old in cli.RENAMED if old in text]
+    assert not [old for old in vocabulary.RENAMED if old in text]
 
 
 def test_every_option_states_its_default_or_that_it_is_required():
     """`nv-esm train --help` (and every other command's) says each option's default, or that it is required."""
-    formatter = cli.HelpFormatter("x")
+    formatter = options.HelpFormatter("x")
     missing = {}
     for command, parser in parsers().items():
         for action in parser._actions:
@@ -216,8 +216,8 @@ def test_fp8_without_transformer_engine_errors_alike_in_embed_and_train(tmp_path
     with pytest.raises(ValueError) as train_error:
         config.validate()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert str(train_error.value) == cli.fp8_refusal("all", "torch", device)
-    assert str(embed_error.value) == cli.fp8_refusal("all", "torch", "cpu")
+    assert str(train_error.value) == options.fp8_refusal("all", "torch", device)
+    assert str(embed_error.value) == options.fp8_refusal("all", "torch", "cpu")
     assert "--cuda-graphs" not in str(embed_error.value) and "--fp8 all" in str(embed_error.value)
     assert "\n" not in str(embed_error.value)
 

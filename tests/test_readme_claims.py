@@ -27,7 +27,7 @@ from conftest import ROOT, TINY_CHECKPOINT
 
 README = ROOT / "README.md"
 BENCH = ROOT / "bench" / "README.md"
-README_LIMIT = 40_000  # bytes: a manual and a model card, not a log (the logs are bench/README.md's)
+README_LIMIT = 42_000  # bytes: a manual and a model card, not a log (the logs are bench/README.md's)
 # Options the README uses that belong to other programs (torchrun, pip, accelerate).
 FOREIGN_OPTIONS = {"--nproc-per-node", "--index-url", "--config_file"}
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -499,6 +499,27 @@ def test_the_layout_names_existing_paths():
     for cells in table_rows(section("Layout"))[2:]:
         for path in re.findall(r"`([\w./*-]+)`", cells[0]):
             assert glob.glob(str(ROOT / path)), path
+
+
+def test_each_decision_names_a_place_that_exists():
+    """The map of where each decision lives names existing code: `module.name` or `module.Class.attribute`, and the
+    methods listed after a class."""
+    import importlib
+
+    rows = table_rows(section("Where each decision lives"))[2:]
+    assert rows
+    for _, place in rows:
+        names = re.findall(r"`([\w.]+)`", place)
+        owner = None
+        for name in names:
+            module_name, _, attribute = name.partition(".")
+            if attribute and importlib.util.find_spec(module_name) is not None:
+                target = importlib.import_module(module_name)
+                for part in attribute.split("."):
+                    target = getattr(target, part)
+                owner = target
+            else:  # a class's method, listed after the class
+                assert owner is not None and hasattr(owner, name), (place, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

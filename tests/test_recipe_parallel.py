@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -246,7 +245,7 @@ def test_auto_replicates_what_fits_a_device_and_shards_the_rest(monkeypatch: pyt
 
 def test_ranks_holding_whole_models_replay_training_graphs() -> None:
     """Ranks holding whole models average `.grad` themselves after the step's backwards (`complete_gradients`), so
-    the trainer builds their model with `gradients_reduced_after_backward` (training forwards replay CUDA graphs on
+    the trainer tells their model so (`reduce_gradients_after_backward`: training forwards replay CUDA graphs on
     several ranks); FSDP2 shards are built without it."""
     from configuration_nv_esm import NVEsmConfig
     from nv_esm.train import materialize
@@ -262,7 +261,7 @@ def test_ranks_holding_whole_models_replay_training_graphs() -> None:
         )
         world = Dist(0, 1, torch.device("cpu"), None, replicated=replicated)
         model = materialize.build_model(config, nv_config, world)
-        assert model.config.gradients_reduced_after_backward is replicated
+        assert model.base_model.encoder.gradients_reduced_after_backward is replicated
 
 
 def test_a_replica_count_that_does_not_divide_the_ranks_is_refused(
@@ -322,8 +321,8 @@ def test_offloaded_layers_sets_how_many_layers_offload(
     engine = types.SimpleNamespace(get_cpu_offload_context=lambda **kwargs: (asked.append(kwargs), (None, None))[1])
     offloading = types.SimpleNamespace(DefaultOffloadSynchronizer=object, NVTE_CPU_OFFLOAD_V1=False)
     monkeypatch.setattr(encoder_module, "transformer_engine_available", lambda: True)
-    monkeypatch.setattr(encoder_module, "import_transformer_engine", lambda: engine)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cpu_offload", offloading)
+    modules = {"pytorch": engine, "pytorch.cpu_offload": offloading}
+    monkeypatch.setattr(encoder_module, "import_transformer_engine", lambda module="pytorch": modules[module])
     for offloaded_layers in (None, 1, 2):
         model = make_nv_model(hf, offload_activations=True, offloaded_layers=offloaded_layers)
         model.esm.encoder._offload.build(len(model.esm.encoder.layers), model.config.offloaded_layers)
@@ -402,26 +401,21 @@ def test_replayed_and_eager_backwards_issue_the_same_all_reduces(monkeypatch: py
     layers = [[torch.nn.Parameter(torch.randn(n)) for n in layer] for layer in sizes]
     flat = torch.zeros(sum(map(sum, sizes)))
 
-    class Graphs:
+    class Model(torch.nn.Module):  # the model's runtime interface for gradient reduction (`layer_gradients`)
         replayed = False
 
-        def layer_weights(self, encoder: torch.nn.Module) -> list:
-            return layers
-
-        def replayed_layer_gradients(self, weights: list) -> list | None:
+        def layer_gradients(self) -> tuple[list, list | None]:
             if not self.replayed:
-                return None
+                return layers, None
             views, start = [], 0
             for layer in layers:
                 views.append(flat[start : start + sum(w.numel() for w in layer)])
                 start += views[-1].numel()
-            return [(None, view) for view in views]
+            return layers, [(None, view) for view in views]
 
-    encoder = torch.nn.Module()
-    encoder.weights = torch.nn.ParameterList([w for layer in layers for w in layer])
-    encoder.graphs = Graphs()
-    model = torch.nn.Module()
-    model.encoder, model.bias = encoder, torch.nn.Parameter(torch.randn(7))
+    model = Model()
+    model.weights = torch.nn.ParameterList([w for layer in layers for w in layer])
+    model.bias = torch.nn.Parameter(torch.randn(7))
     calls: list = []
 
     def all_reduce(tensor: torch.Tensor, **kwargs: object) -> types.SimpleNamespace:  # one rank: the sum is itself
@@ -440,7 +434,7 @@ def test_replayed_and_eager_backwards_issue_the_same_all_reduces(monkeypatch: py
     )
     schedules = {}
     for replayed in (False, True):
-        encoder.graphs.replayed = replayed
+        model.replayed = replayed
         for parameter in model.parameters():
             parameter.grad = torch.ones_like(parameter)
         layers[0][1].grad = None  # unused on this rank: averaged as zeros

@@ -47,7 +47,6 @@ from nv_esm.train.config import ModelConfig, OptimizerConfig
 from nv_esm.train.export import export_weights
 from nv_esm.train.loop import learning_rate_factor
 from nv_esm.train.lora import add_lora
-from nv_esm.train.materialize import fresh_tensor
 
 DEMO_FASTA = ROOT / "recipes" / "demo_data" / "demo.fasta"
 SECONDARY_STRUCTURE = ROOT / "recipes" / "demo_data" / "secondary_structure.csv"
@@ -292,22 +291,33 @@ def test_learning_rate_schedule(step: int) -> None:
 
 
 def test_fresh_init_follows_the_model_rules(tiny_config: Path) -> None:
-    """fresh_tensor (used on meta-built shards) matches NVEsmPreTrainedModel._init_weights in kind and scale."""
+    """The trainer's fresh tensors (drawn whole on meta-built shards) and a new model's `_init_weights` follow the
+    one rule (`initial_value`): the same ones and zeros (LayerNorm gains, biases, the padding and padded-vocabulary
+    rows), the same scale elsewhere."""
     from configuration_nv_esm import NVEsmConfig
+    from nv_esm.train import materialize
+    from nv_esm.train.parallel import Dist
 
     fields = {k: v for k, v in json.loads(tiny_config.read_text()).items() if k not in ("auto_map", "architectures")}
     fields.pop("model_type", None)
     config = NVEsmConfig(**{**fields, "backend": "torch"})
     torch.manual_seed(0)
     reference = NVEsmForMaskedLM(config)
-    for index, (name, parameter) in enumerate(reference.named_parameters()):
-        fresh = fresh_tensor(name, tuple(parameter.shape), config, index, torch.device("cpu"))
+    with torch.device("meta"):
+        trained = NVEsmForMaskedLM(config)
+    trained.to_empty(device="cpu")
+    materialize.materialise(trained, config, None, seed=3, world=Dist(0, 1, torch.device("cpu"), None))
+    fresh = {name: value.detach() for name, value in trained.named_parameters()}
+    for name, parameter in reference.named_parameters():
+        parameter = parameter.detach()
         if torch.all(parameter == parameter.flatten()[0]):
-            torch.testing.assert_close(fresh, parameter.detach(), msg=name)  # ones / zeros
+            torch.testing.assert_close(fresh[name], parameter, msg=name)  # ones / zeros
         else:  # scale checked where there are enough values for a stable std (not the 8-value contact head)
             if parameter.numel() >= 1000:
-                assert fresh.std() == pytest.approx(parameter.std().item(), rel=0.3), name
-            assert torch.equal(fresh == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
+                assert fresh[name].std() == pytest.approx(parameter.std().item(), rel=0.3), name
+            assert torch.equal(fresh[name] == 0, parameter == 0), name  # zero rows: padding and padded vocabulary
+    assert torch.all(reference.lm_head.decoder.layer_norm_weight == 1)
+    assert torch.all(reference.esm.embeddings.word_embeddings.weight[config.vocab_size :] == 0)
 
 
 def test_transformers_checkpoint_is_refused_with_the_conversion_command(tmp_path: Path) -> None:

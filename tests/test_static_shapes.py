@@ -21,11 +21,12 @@ from modeling_nv_esm_graphs import (
     WarmUpInPool,
     _expandable_segments,
     _graph_mode,
-    host_shape,
+    larger_graph_shape,
     static_shape,
     warm_up_hooks,
 )
 from modeling_nv_esm_layout import PackedRun, pad_packed, pad_packed_to_multiple
+from modeling_nv_esm_plan import ForwardPrecision
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -87,7 +88,7 @@ CAPTURED = [(512, 16, 64), (2048, 8, 256), (2048, 16, 256), (4096, 64, 1026)]
 
 
 def pad_into_a_larger_graph(states: torch.Tensor, packed: PackedSequences) -> tuple[torch.Tensor, PackedSequences]:
-    host = host_shape(CAPTURED, packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
+    host = larger_graph_shape(CAPTURED, packed.num_tokens, packed.cu_seq_lens.numel() - 1, packed.max_length)
     assert host == (2048, 16, 256)
     return pad_packed(states, packed, *host)
 
@@ -121,7 +122,7 @@ def test_padding_the_packed_batch_changes_no_output(seed, pad):
     assert torch.equal(padded.cu_seq_lens[: len(proteins) + 1], packed.cu_seq_lens)
     rotary = nv.esm.rotary_embeddings
     with torch.no_grad():
-        precision = nv.esm.encoder.precision()
+        precision = ForwardPrecision.of(nv.esm.encoder)
         expected = nv.esm.encoder.body(
             embeddings, PackedRun(packed, rotary(packed.max_length), packed.num_tokens), precision
         )
@@ -155,7 +156,7 @@ def test_layers_with_fp8_attention_get_a_layout_that_leaves_the_rotation_to_tran
     seen = []
     monkeypatch.setattr(encoder, "run_layer", lambda layer, states, run: seen.append(run.qkv_rotation) or states)
     recipe = object() if model_recipe else None
-    plain = encoder.precision()
+    plain = ForwardPrecision.of(encoder)
     assert not plain.attention_fp8 and not any(plain.fp8_attention(i) for i in range(3))
     precision = dataclasses.replace(
         plain, recipe=recipe, caller_fp8=not model_recipe, layer_fp8=layer_fp8, attention_fp8=True
@@ -191,7 +192,7 @@ def test_an_uncaptured_inference_shape_runs_in_a_captured_graph_until_its_paddin
     assert graphs.shape_for(encoder, *large) == large_shape
     graphs._graphs[(*large_shape, *_graph_mode(encoder, large[0]))] = "graph"
     assert graphs.shape_for(encoder, *large) == large_shape
-    assert host_shape([large_shape], 200, 5, 79) == large_shape
+    assert larger_graph_shape([large_shape], 200, 5, 79) == large_shape
     # (3072, 32, 512) holds (256, 16, 128) with 2816 padding tokens a batch: 4 such batches fit in 4 x 3072.
     assert (large_shape, small_shape) == ((3072, 32, 512), (256, 16, 128))
     assert [graphs.shape_for(encoder, *small) for _ in range(5)] == [large_shape] * 4 + [small_shape]
@@ -288,7 +289,7 @@ def test_a_captured_inference_shape_is_timed_both_ways_and_runs_the_faster_way(e
     ids=["eager_faster", "eager_slightly_faster", "graph_kept", "graph_kept_in_a_margin"],
 )
 def test_a_batch_padded_into_a_larger_graph_is_timed_both_ways_and_runs_the_faster_way(eager_ms, margin):
-    """A shape with no graph of its own, replayed padded in a larger captured one (`host_shape`), is timed too:
+    """A shape with no graph of its own, replayed padded in a larger captured one (`larger_graph_shape`), is timed too:
     that hosted replay, then one eager run, per token of its own batch. Graph kept: it stays hosted, its padding
     counted from the replays only (not the eager run), until that padding costs a capture of its own shape. Eager
     faster: it is no longer hosted but runs eagerly until its own shape is captured (`capture_at_use`), and that

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
 # The parser imports neither torch nor transformers (`--help` answers at once): the choices come from
 # nv_esm.vocabulary, the model code's checks are imported where they run (`TrainConfig.validate`,
 # `refuse_option_combinations`).
-from nv_esm.cli import BACKEND_HELP, HelpFormatter, add_renamed, fp8_refusal
+from nv_esm.options import BACKEND_HELP, HelpFormatter, add_renamed, fp8_refusal
 from nv_esm.path_guard import refuse_overlap
 from nv_esm.tasks import TASK_HEADS
 from nv_esm.vocabulary import (
@@ -497,7 +497,7 @@ class TrainConfig:
             raise ValueError(f"--task {self.model.task} validates on one labelled CSV, got {len(validation.files)}.")
 
     def refuse_fp8_without_te(self) -> None:
-        """ValueError (`cli.fp8_refusal`, as nv-esm embed says it) where `--fp8` asks for FP8 layers and the
+        """ValueError (`options.fp8_refusal`, as nv-esm embed says it) where `--fp8` asks for FP8 layers and the
         layers would run without Transformer Engine on a CUDA GPU (the model would warn and run them in bf16)."""
         if self.model.fp8 == "off":
             return

@@ -24,9 +24,10 @@ from modeling_nv_esm import (
     NVEsmForSequenceClassification,
     NVEsmForTokenClassification,
     NVEsmRotaryEmbedding,
+    initial_value,
     resolve_backend,
 )
-from modeling_nv_esm_parallel import tensor_parallel_split_dim
+from modeling_nv_esm_parallel import tensor_parallel_part, tensor_parallel_whole_shape
 from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
 from nv_esm.train.config import ModelConfig, TrainConfig
@@ -151,13 +152,15 @@ def data_parallel_layout(config: TrainConfig, nv_config: NVEsmConfig, world: Dis
 def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.Module:
     """The model of `nv_config` for `config.model.task` (with LoRA adapters if asked), parallelized
     (`parallelize`: FSDP2 and the rest) and materialised on `world.device`, one shard per rank. `--recompute-mlp`
-    is the model's load-time option `recompute_mlp`, which its layers read when they are built. Ranks holding whole
-    models average `.grad` after the step's backwards (`complete_gradients`), so their training forwards may replay
-    CUDA graphs (`gradients_reduced_after_backward`)."""
+    and `--offload-activations` are the model's load-time options, which its layers read when they are built.
+    Ranks holding whole models average `.grad` after the step's backwards (`complete_gradients`) and tell the model
+    so (`reduce_gradients_after_backward`): their training forwards may replay CUDA graphs."""
     nv_config.recompute_mlp = config.parallel.recompute_mlp
-    nv_config.gradients_reduced_after_backward = world.replicated
+    if config.parallel.offload_activations:
+        offload_activations(nv_config, config.parallel.offloaded_layers, world.device)
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model.task](nv_config)
+    model.reduce_gradients_after_backward(world.replicated)
     if config.model.lora_rank:
         model = add_lora(model, config.model)
     parallelize(model, config.parallel, world, nv_config.backend)
@@ -171,14 +174,25 @@ def build_model(config: TrainConfig, nv_config: NVEsmConfig, world: Dist) -> nn.
     return model
 
 
+def offload_activations(nv_config: NVEsmConfig, offloaded_layers: int, device: torch.device) -> None:
+    """`--offload-activations` (`--offloaded-layers`, 0: every layer but the last) as the model's load-time options
+    `offload_activations` and `offloaded_layers`. ValueError naming the option where it cannot run."""
+    layers = nv_config.num_hidden_layers
+    if offloaded_layers >= layers:
+        raise ValueError(
+            f"--offloaded-layers {offloaded_layers}: this model has {layers} layers, and the last one is never "
+            f"offloaded (at most {layers - 1})."
+        )
+    if device.type != "cuda":
+        raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
+    nv_config.offload_activations = True
+    nv_config.offloaded_layers = offloaded_layers or None
+
+
 def whole_shape(name: str, tensor: torch.Tensor, world: Dist) -> tuple[int, ...]:
     """The shape of parameter `name` in a checkpoint: `tensor`'s whole shape (an FSDP2 shard's `shape` is the whole
-    one), its `--tp` split dimension (`tensor_parallel_split_dim`) multiplied by the `--tp` ranks."""
-    shape = list(tensor.shape)
-    split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
-    if split_dim is not None:
-        shape[split_dim] *= world.tp_size
-    return tuple(shape)
+    one), of the whole parameter with `--tp` (`tensor_parallel_whole_shape`)."""
+    return tensor_parallel_whole_shape(name, tuple(tensor.shape), world.tp_size)
 
 
 def check_checkpoint_shapes(model: nn.Module, source: CheckpointReader, world: Dist) -> None:
@@ -248,7 +262,7 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
 
     A fresh tensor is drawn whole (on the device, one at a time) from a generator seeded by `seed` and the
     parameter's index, then cut to this rank's rows, so the weights do not depend on the world size. With `--tp`,
-    a split parameter's rank part (`tensor_parallel_split_dim`) is this rank's rows or columns of the whole one."""
+    a split parameter's rank part (`tensor_parallel_part`) is this rank's rows or columns of the whole one."""
     loaded, fresh = 0, []
     with torch.no_grad():
         for index, (name, tensor) in enumerate(model.named_parameters()):
@@ -260,17 +274,18 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
                 start = shard * math.ceil(tensor.shape[0] / shards)
             stop = min(start + local.shape[0], tensor.shape[0])
             whole, columns = whole_shape(name, tensor, world), None
-            split_dim = tensor_parallel_split_dim(name) if world.tp_size > 1 else None
-            if split_dim is not None:  # this rank's part of the whole parameter
-                part = tensor.shape[split_dim]
-                if split_dim == 0:
-                    start, stop = start + world.tp_rank * part, stop + world.tp_rank * part
+            part = tensor_parallel_part(name, whole, world.tp_size, world.tp_rank)
+            if part is not None:  # this rank's part of the whole parameter: its rows, or its columns
+                if part[0] == 0:
+                    start, stop = start + part[1].start, stop + part[1].start
                 else:
-                    columns = slice(world.tp_rank * part, (world.tp_rank + 1) * part)
+                    columns = part[1]
             rows = source.rows(canonical_name(name), start, stop, columns) if source is not None else None
             if rows is None:
                 fresh.append(name)
-                drawn = fresh_tensor(name, whole, config, seed * 100_003 + index, world.device)
+                generator = torch.Generator(device=world.device).manual_seed(seed * 100_003 + index)
+                owner = model.get_submodule(name.rpartition(".")[0])
+                drawn = initial_value(name, owner, whole, config, generator, world.device)
                 rows = drawn[start:stop] if columns is None else drawn[start:stop, columns]
             else:
                 loaded += 1
@@ -311,23 +326,3 @@ def check_fresh_weights(fresh: list[str], folder: Path) -> None:
             f"{folder} has no weights for {len(encoder)} tensors of the base model ({listed}), which would start from "
             "random values: the checkpoint is incomplete; convert it again."
         )
-
-
-def fresh_tensor(
-    name: str, shape: tuple[int, ...], config: NVEsmConfig, seed: int, device: torch.device
-) -> torch.Tensor:
-    """A new tensor of `shape` for parameter `name`, by `NVEsmPreTrainedModel._init_weights`' rules (and LoRA's):
-    zeros for biases and LoRA B, ones for LayerNorm gains, else normal(0, initializer_range) drawn from a generator
-    seeded by `seed` (LoRA A: std 1/sqrt(fan_in)), with zero padding and padded-vocabulary embedding rows."""
-    short = name.rsplit(".", 1)[-1]
-    if short.endswith("bias") or "lora_B" in name:
-        return torch.zeros(shape, device=device)
-    if short == "layer_norm_weight" or name.endswith("emb_layer_norm_after.weight"):
-        return torch.ones(shape, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    std = 1 / math.sqrt(shape[1]) if "lora_A" in name else config.initializer_range
-    tensor = torch.randn(shape, generator=generator, device=device) * std
-    if name.endswith("word_embeddings.weight") or name.endswith("lm_head.decoder.weight"):
-        tensor[config.vocab_size :] = 0
-        tensor[config.pad_token_id] = 0
-    return tensor

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modeling_nv_esm_parallel import tensor_parallel_split_dim
+from modeling_nv_esm_parallel import tensor_parallel_split_dim, tensor_parallel_whole_shape
 from nv_esm.train.config import ParallelConfig, refuse_option_combinations
 
 
@@ -179,8 +179,8 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend: str) -> None:
-    """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing
-    and offloading, `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the
+    """Prepare the meta-device `model` (an NVEsm model, possibly PEFT-wrapped) in place: activation checkpointing,
+    `torch.compile` of each layer, then, on several ranks, FSDP2 sharding in `compute_dtype` (the
     weights are materialised after).
     `backend` is the model config's layer backend (`te` or `torch`). With `--tp`, the layers are split over the
     "tp" ranks first (`NVEsmPreTrainedModel.enable_tensor_parallel`) and FSDP2 shards each rank's part; with
@@ -188,17 +188,6 @@ def parallelize(model: nn.Module, settings: ParallelConfig, world: Dist, backend
     options that do not combine with the layers' backend (`refuse_option_combinations`: --compile with TE)."""
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if settings.offload_activations:
-        layers = model.config.num_hidden_layers
-        if settings.offloaded_layers >= layers:
-            raise ValueError(
-                f"--offloaded-layers {settings.offloaded_layers}: this model has {layers} layers, and the last one "
-                f"is never offloaded (at most {layers - 1})."
-            )
-        if world.device.type != "cuda":
-            raise ValueError("--offload-activations moves activations from GPU to host memory: it needs GPUs.")
-        model.config.offload_activations = True
-        model.config.offloaded_layers = settings.offloaded_layers or None
     if world.tp_size > 1:
         model.enable_tensor_parallel(world.mesh.get_group("tp"))
     if world.cp_size > 1:
@@ -286,8 +275,7 @@ def complete_gradients(model: nn.Module, world: Dist) -> None:
         average_gradients(model, world.world_size)
     if world.ranks_per_batch == 1:
         return
-    for encoder in (module for module in model.modules() if hasattr(module, "partial_gradients")):
-        encoder.reduce_partial_gradients(averaged=world.cp_size > 1)
+    model.reduce_partial_gradients(averaged=world.cp_size > 1)
 
 
 # About the bytes of gradients in one all-reduce: `average_gradients`' layer buckets, `all_reduce_gradients`' buckets.
@@ -306,22 +294,20 @@ def average_gradients(model: nn.Module, world_size: int) -> None:
     Nothing here waits for the GPU."""
     covered: set[int] = set()
     side = None
-    for encoder in (module for module in model.modules() if hasattr(module, "graphs")):
-        layers = encoder.graphs.layer_weights(encoder)
-        replayed = encoder.graphs.replayed_layer_gradients(layers)
-        for bucket in _layer_buckets(layers):
-            weights = [weight for index in bucket for weight in layers[index]]
-            covered.update(map(id, weights))
-            if replayed is None:
-                for weight in weights:  # the same elements on every rank (a replay's main_grad holds zeros there)
-                    if weight.grad is None:
-                        weight.grad = torch.zeros_like(weight)
-                _all_reduce_together([weight.grad for weight in weights], world_size)
-                continue
-            # The side stream does not wait for the current one, which holds the whole backward: each event is
-            # recorded inside it, after everything queued before the replay (zeroing the buffers, the last step).
-            side = side or torch.cuda.Stream()
-            _all_reduce_when_recorded([replayed[index] for index in bucket], side, world_size)
+    layers, replayed = model.layer_gradients()
+    for bucket in _layer_buckets(layers):
+        weights = [weight for index in bucket for weight in layers[index]]
+        covered.update(map(id, weights))
+        if replayed is None:
+            for weight in weights:  # the same elements on every rank (a replay's main_grad holds zeros there)
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+            _all_reduce_together([weight.grad for weight in weights], world_size)
+            continue
+        # The side stream does not wait for the current one, which holds the whole backward: each event is
+        # recorded inside it, after everything queued before the replay (zeroing the buffers, the last step).
+        side = side or torch.cuda.Stream()
+        _all_reduce_when_recorded([replayed[index] for index in bucket], side, world_size)
     rest = [p for p in model.parameters() if p.grad is not None and id(p) not in covered]
     all_reduce_gradients(rest, world_size)
     if side is not None:
@@ -438,11 +424,10 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
         return state
     from torch.distributed.tensor import DTensor, Shard
 
-    def whole(value: Any, dim: int) -> Any:
+    def whole(value: Any, name: str, dim: int) -> Any:
         if not isinstance(value, DTensor) or value.dim() == 0:  # e.g. the optimizer's step count
             return value
-        shape = list(value.shape)
-        shape[dim] *= world.tp_size
+        shape = tensor_parallel_whole_shape(name, tuple(value.shape), world.tp_size)
         stride = torch.empty(shape, device="meta").stride()
         placements = (Shard(dim), *value.placements)
         return DTensor.from_local(
@@ -456,7 +441,7 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
             }
             return items if any(items[key] is not value[key] for key in value) else value
         dim = None if name is None else tensor_parallel_split_dim(name)
-        return value if dim is None else whole(value, dim)
+        return value if dim is None else whole(value, name, dim)
 
     if "state" in state and "param_groups" in state:  # optimizer: {"state": {name: {"exp_avg": ...}}, ...}
         return {**state, "state": view(state["state"], None)}

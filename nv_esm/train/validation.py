@@ -128,18 +128,13 @@ def _validation_mode(model: nn.Module, fp8: bool) -> Iterator[None]:
     """Within: eval mode, CUDA graphs off; after: the previous mode and graphs, and (`fp8`) the FP8 scaling state
     from before (delayed scaling updates it at every FP8 forward, eval ones included)."""
     was_training = model.training
-    configs = [module.config for module in model.modules() if hasattr(module, "graphs")]  # the NVEsm encoders
-    graphs = [config.cuda_graphs for config in configs]
     scaling = fp8_scaling_state(model) if fp8 else {}
     model.eval()
-    for config in configs:
-        config.cuda_graphs = False
     try:
-        yield
+        with model.runs_eagerly():
+            yield
     finally:
         model.train(was_training)
-        for config, enabled in zip(configs, graphs):
-            config.cuda_graphs = enabled
         if scaling:
             set_fp8_scaling_state(model, scaling)
 

@@ -459,8 +459,8 @@ def test_fp8_scaling_history_survives_the_recipe_checkpoint_round_trip(hf_fp32, 
 
 def test_recipe_validation_leaves_the_training_state_as_it_found_it(hf_fp32):
     """The recipe's validation mode (`nv_esm.train.validation`): eval forwards move delayed scaling's amax history
-    (checked inside), which is restored after; train mode, `cuda_graphs` and the captured graphs are as before
-    (validation runs eagerly: no inference graph joins the training graphs' pool)."""
+    (checked inside), which is restored after; train mode, the graphed runs and the captured graphs are as before
+    (validation runs eagerly, `runs_eagerly`: no inference graph joins the training graphs' pool)."""
     from nv_esm.train.validation import _validation_mode
 
     layers = hf_fp32.config.num_hidden_layers
@@ -480,12 +480,13 @@ def test_recipe_validation_leaves_the_training_state_as_it_found_it(hf_fp32):
 
     before, captured = scaling(), set(model.esm.encoder.graphs._graphs)
     with _validation_mode(model, fp8=True):
-        assert not model.training and not model.config.cuda_graphs
         with torch.no_grad():
+            assert not model.training and not plan_forward(model.esm.encoder).graphed  # `runs_eagerly`
             model(**batches[2])
         assert any(not torch.equal(a, b) for a, b in zip(scaling(), before))
     assert all(torch.equal(a, b) for a, b in zip(scaling(), before)) and len(before) >= 2 * layers
     assert model.training and model.config.cuda_graphs == CUDA_GRAPHS
+    assert plan_forward(model.esm.encoder).graphed == CUDA_GRAPHS  # graphs on again, as the model was loaded
     assert set(model.esm.encoder.graphs._graphs) == captured
 
 

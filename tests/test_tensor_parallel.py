@@ -276,7 +276,8 @@ def test_fsdp2_mixed_precision_leaves_the_rotary_angles_in_float32() -> None:
 def test_te_context_parallel_shares_tokens_all_to_all_where_the_heads_divide_else_gathers_them() -> None:
     """Transformer Engine's context-parallel attention exchange (`ContextParallel.te_exchange`): an all-to-all over
     heads where each rank's heads divide among the group's ranks, else an all-gather of keys and values; never TE's
-    ring, which got proteins of 1 to 3 tokens wrong (bench/cp_modes.py; the GPU test runs both exchanges)."""
+    ring, which got proteins of 1 to 3 tokens wrong (bench/results/cp_comm_h200x4_2026-11-27/; the GPU test runs both
+    exchanges)."""
     from modeling_nv_esm_parallel import ContextParallel
 
     def exchange(size: int, heads: int) -> str:

@@ -1,18 +1,20 @@
 """Configuration of NVEsm: ESM-2 on NVIDIA Transformer Engine, with an exact PyTorch twin.
 
-The fields are those of `transformers.EsmConfig` that ESM-2 uses, plus what Transformer Engine needs
-(`padded_vocab_size`, `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`). Every value is
-checked in `__init__`: an inconsistent config raises `ValueError` naming the field and what is allowed.
+Two things, kept apart: the architecture (`NVEsmConfig`'s fields: what config.json says to rebuild the weights,
+those of `transformers.EsmConfig` that ESM-2 uses plus `padded_vocab_size`) and the run options (`RunOptions`: how
+this machine runs the model: backend, layout, FP8, CUDA graphs, checks, memory options; `from_pretrained` keywords,
+never written to config.json, held as `config.run_options`). Every value is checked when it is given: an
+inconsistent one raises `ValueError` naming the field and what is allowed.
 `UNSUPPORTED_COMBINATIONS` is the one table of features that do not combine, which the model and nv-esm train
 refuse from (`refused_combination`). This file imports nothing from Transformer Engine.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -26,22 +28,6 @@ LAYER_PRECISIONS = ("fp8", None)
 FP8_RECIPES = ("delayed", "current", "block")
 FP8_LAYER_CHOICES = ("off", "all", "inner")  # `fp8_layer_precision`'s modes: the commands' --fp8
 HIDDEN_ACTS = ("gelu",)
-# Choices about the machine and the run, not the model: `from_pretrained` keywords, never written to config.json
-# (a model fine-tuned on a CPU with backend="torch" must not run the slow path on every GPU it is shared to).
-LOAD_TIME_OPTIONS = (
-    "backend",
-    "attn_input_format",
-    "layer_precision",
-    "fp8_recipe",
-    "fp8_weights",
-    "check_inputs",
-    "cuda_graphs",
-    "offload_activations",
-    "offloaded_layers",
-    "recompute_mlp",
-    "cudnn_layer_norm",
-    "max_protein_length",
-)
 # Former load-time options that are now the model's runtime interface, each with what replaces it.
 MOVED_OPTIONS = {"gradients_reduced_after_backward": "model.reduce_gradients_after_backward()"}
 
@@ -91,36 +77,13 @@ UNSUPPORTED_COMBINATIONS: dict[tuple[str, str], str] = {
 }
 
 
-class NVEsmConfig(PretrainedConfig):
-    r"""Configuration of an ESM-2 model run by `NVEsmModel` and its heads.
+@dataclass
+class RunOptions:
+    """How this machine runs an NVEsm model: load-time options (`from_pretrained` keywords), never written to
+    config.json (a model fine-tuned on a CPU with backend="torch" must not run the slow path on every GPU it is shared
+    to). The forward's plan (`modeling_nv_esm_plan`) reads them; `check` validates them against the architecture.
 
-    Defaults give the ESM-2 650M shape (`facebook/esm2_t33_650M_UR50D`).
-
-    Args:
-        vocab_size: Number of tokens of the ESM alphabet (33).
-        padded_vocab_size: Rows of the embedding and of the LM decoder; the extra rows are zeros and the
-            logits are cut back to `vocab_size`. Must be >= `vocab_size` and a multiple of 16 (FP8 GEMMs).
-        hidden_size: Width of the residual stream.
-        num_hidden_layers: Number of transformer layers.
-        num_attention_heads: Attention heads; `hidden_size` must divide into them, with an even head size.
-        intermediate_size: Width of the MLP.
-        hidden_act: MLP activation. Only `"gelu"` (ESM's). The PyTorch backend uses the exact erf GELU as
-            transformers does; Transformer Engine's fused `gelu` is the tanh approximation (see README).
-        hidden_dropout_prob: Dropout after the attention projection and after the MLP.
-        attention_probs_dropout_prob: Dropout on the attention probabilities.
-        max_position_embeddings: Longest protein ESM-2 was trained on, in tokens with `<cls>` and `<eos>` (1026:
-            crops of 1024 residues). Longer proteins run (rotary positions need no table), with a one-time warning.
-        max_protein_length: Longest protein accepted, in tokens with `<cls>` and `<eos>` (default 8192); longer ones
-            raise `ValueError`. Raise it (e.g. `from_pretrained(..., max_protein_length=20_000)`) for longer
-            proteins: attention memory grows with the square of the length on the PyTorch backend.
-        initializer_range: Standard deviation of the normal initialisation of fresh weights.
-        layer_norm_eps: Epsilon of every LayerNorm.
-        position_embedding_type: Only `"rotary"` (ESM-2). `"absolute"` is ESM-1 and is refused.
-        rope_theta: Base period of the rotary embedding.
-        emb_layer_norm_before: Only `False` (ESM-2). `True` is ESM-1b and is refused.
-        token_dropout: ESM's mask-dropout: `<mask>` embeddings are zeroed and the rest rescaled by
-            `(1 - 0.15 * 0.8) / (1 - observed mask ratio of the protein)`.
-        mask_token_id, pad_token_id, bos_token_id, eos_token_id: Special tokens of the ESM alphabet.
+    Attributes:
         backend: `"auto"` uses Transformer Engine when it imports and CUDA is available when the model is
             built, else PyTorch; `"te"` requires both; `"torch"` always uses the PyTorch twin. Both
             backends have the same parameter names, so one checkpoint loads into either.
@@ -171,14 +134,109 @@ class NVEsmConfig(PretrainedConfig):
             `nvte_enable_cudnn_norm_*` flags and those variables), set when the model is built: from then on every
             TE LayerNorm of any model runs cuDNN's (CUDA graphs captured before keep what they captured), and
             False does not switch them back. Off by default (the PyTorch backend ignores it, with a warning).
+        max_protein_length: Longest protein accepted, in tokens with `<cls>` and `<eos>` (default 8192); longer ones
+            raise `ValueError`. Raise it (e.g. `from_pretrained(..., max_protein_length=20_000)`) for longer
+            proteins: attention memory grows with the square of the length on the PyTorch backend.
+    """
+
+    backend: str = "auto"
+    attn_input_format: str = "thd"
+    layer_precision: list[str | None] | None = None
+    fp8_recipe: str = "delayed"
+    fp8_weights: bool = False
+    check_inputs: bool = True
+    cuda_graphs: bool = True
+    offload_activations: bool = False
+    offloaded_layers: int | None = None
+    recompute_mlp: bool = False
+    cudnn_layer_norm: bool = False
+    max_protein_length: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.layer_precision is not None:
+            self.layer_precision = list(self.layer_precision)
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether any layer is configured to run in FP8."""
+        return self.layer_precision is not None and "fp8" in self.layer_precision
+
+    def check(self, num_hidden_layers: int) -> None:
+        """Raise `ValueError` on the first option that is not allowed, or does not fit a model of `num_hidden_layers`
+        layers."""
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("attn_input_format", self.attn_input_format, ATTN_INPUT_FORMATS)
+        _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        value = self.max_protein_length
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_protein_length must be a positive integer, got {value!r}")
+        for name in ("fp8_weights", "check_inputs", "cuda_graphs", "offload_activations", "recompute_mlp",
+                     "cudnn_layer_norm"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offloaded_layers is not None:
+            layers = self.offloaded_layers
+            if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < num_hidden_layers:
+                raise ValueError(
+                    f"offloaded_layers must be None or a layer count in [1, {num_hidden_layers - 1}] (all but "
+                    f"the last at most), got {layers!r}"
+                )
+            if not self.offload_activations:
+                raise ValueError("offloaded_layers counts the layers that offload_activations offloads: set both.")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != num_hidden_layers:
+                raise ValueError(
+                    f"layer_precision must have one entry per layer ({num_hidden_layers}), "
+                    f"got {len(self.layer_precision)}"
+                )
+            for entry in self.layer_precision:
+                _check_choice("layer_precision entries", entry, LAYER_PRECISIONS)
+        if self.fp8_weights and not self.uses_fp8:
+            raise ValueError(
+                "fp8_weights holds the FP8 layers' weights in FP8, and layer_precision marks no layer 'fp8': "
+                "pass e.g. layer_precision=['fp8'] * num_hidden_layers"
+            )
+
+
+# The run options' names: what `save_pretrained` leaves out of config.json.
+LOAD_TIME_OPTIONS = tuple(field.name for field in fields(RunOptions))
+
+
+class NVEsmConfig(PretrainedConfig):
+    r"""Configuration of an ESM-2 model run by `NVEsmModel` and its heads.
+
+    Defaults give the ESM-2 650M shape (`facebook/esm2_t33_650M_UR50D`).
+
+    Args:
+        vocab_size: Number of tokens of the ESM alphabet (33).
+        padded_vocab_size: Rows of the embedding and of the LM decoder; the extra rows are zeros and the
+            logits are cut back to `vocab_size`. Must be >= `vocab_size` and a multiple of 16 (FP8 GEMMs).
+        hidden_size: Width of the residual stream.
+        num_hidden_layers: Number of transformer layers.
+        num_attention_heads: Attention heads; `hidden_size` must divide into them, with an even head size.
+        intermediate_size: Width of the MLP.
+        hidden_act: MLP activation. Only `"gelu"` (ESM's). The PyTorch backend uses the exact erf GELU as
+            transformers does; Transformer Engine's fused `gelu` is the tanh approximation (see README).
+        hidden_dropout_prob: Dropout after the attention projection and after the MLP.
+        attention_probs_dropout_prob: Dropout on the attention probabilities.
+        max_position_embeddings: Longest protein ESM-2 was trained on, in tokens with `<cls>` and `<eos>` (1026:
+            crops of 1024 residues). Longer proteins run (rotary positions need no table), with a one-time warning.
+        initializer_range: Standard deviation of the normal initialisation of fresh weights.
+        layer_norm_eps: Epsilon of every LayerNorm.
+        position_embedding_type: Only `"rotary"` (ESM-2). `"absolute"` is ESM-1 and is refused.
+        rope_theta: Base period of the rotary embedding.
+        emb_layer_norm_before: Only `False` (ESM-2). `True` is ESM-1b and is refused.
+        token_dropout: ESM's mask-dropout: `<mask>` embeddings are zeroed and the rest rescaled by
+            `(1 - 0.15 * 0.8) / (1 - observed mask ratio of the protein)`.
+        mask_token_id, pad_token_id, bos_token_id, eos_token_id: Special tokens of the ESM alphabet.
         tie_word_embeddings: The LM decoder shares the embedding matrix (ESM-2 does).
 
-    Load-time options (`LOAD_TIME_OPTIONS`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`,
-    `fp8_weights`, `check_inputs`, `cuda_graphs`, `offload_activations`,
-    `offloaded_layers`, `recompute_mlp`, `cudnn_layer_norm`, `max_protein_length`) describe the machine and the run,
-    not the model: `save_pretrained` leaves them out of config.json, and a config.json that has them (written by an
-    older version) is read without them, with a warning for values other than the defaults. Pass them to
-    `from_pretrained`.
+    Run options (`RunOptions`: `backend`, `attn_input_format`, `layer_precision`, `fp8_recipe`, `fp8_weights`,
+    `check_inputs`, `cuda_graphs`, `offload_activations`, `offloaded_layers`, `recompute_mlp`, `cudnn_layer_norm`,
+    `max_protein_length`) are keywords of `__init__` and `from_pretrained` too, held in `run_options` and read as
+    attributes (`config.backend` is `config.run_options.backend`). `save_pretrained` leaves them out of config.json,
+    and a config.json that has them (written by an older version) is read without them, with a warning for values
+    other than the defaults.
     """
 
     model_type = "nv_esm"
@@ -195,7 +253,6 @@ class NVEsmConfig(PretrainedConfig):
         hidden_dropout_prob: float = 0.0,
         attention_probs_dropout_prob: float = 0.0,
         max_position_embeddings: int = 1026,
-        max_protein_length: int = 8192,
         initializer_range: float = 0.02,
         layer_norm_eps: float = 1e-5,
         position_embedding_type: str = "rotary",
@@ -206,17 +263,6 @@ class NVEsmConfig(PretrainedConfig):
         pad_token_id: int = 1,
         bos_token_id: int | None = 0,
         eos_token_id: int = 2,
-        backend: str = "auto",
-        attn_input_format: str = "thd",
-        layer_precision: list[str | None] | None = None,
-        fp8_recipe: str = "delayed",
-        fp8_weights: bool = False,
-        check_inputs: bool = True,
-        cuda_graphs: bool = True,
-        offload_activations: bool = False,
-        offloaded_layers: int | None = None,
-        recompute_mlp: bool = False,
-        cudnn_layer_norm: bool = False,
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -230,7 +276,6 @@ class NVEsmConfig(PretrainedConfig):
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
         self.max_position_embeddings = max_position_embeddings
-        self.max_protein_length = max_protein_length
         self.initializer_range = initializer_range
         self.layer_norm_eps = layer_norm_eps
         self.position_embedding_type = position_embedding_type
@@ -241,20 +286,10 @@ class NVEsmConfig(PretrainedConfig):
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        self.backend = backend
-        self.attn_input_format = attn_input_format
-        self.layer_precision = None if layer_precision is None else list(layer_precision)
-        self.fp8_recipe = fp8_recipe
-        self.fp8_weights = fp8_weights
-        self.check_inputs = check_inputs
-        self.cuda_graphs = cuda_graphs
-        self.offload_activations = offload_activations
-        self.offloaded_layers = offloaded_layers
-        self.recompute_mlp = recompute_mlp
-        self.cudnn_layer_norm = cudnn_layer_norm
         self.tie_word_embeddings = tie_word_embeddings
         for name in MOVED_OPTIONS.keys() & kwargs.keys():
             raise ValueError(f"{name} is not a config option any more: call {MOVED_OPTIONS[name]} on the model.")
+        self.run_options = RunOptions(**{name: kwargs.pop(name) for name in LOAD_TIME_OPTIONS if name in kwargs})
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
 
@@ -265,8 +300,15 @@ class NVEsmConfig(PretrainedConfig):
 
     @property
     def uses_fp8(self) -> bool:
-        """Whether any layer is configured to run in FP8."""
-        return self.layer_precision is not None and "fp8" in self.layer_precision
+        """Whether any layer is configured to run in FP8 (`RunOptions.uses_fp8`)."""
+        return self.run_options.uses_fp8
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' `to_dict`, with the run options as fields of their own (as `__init__` takes them)."""
+        output = super().to_dict()
+        output.pop("run_options", None)
+        output.update(asdict(self.run_options))
+        return output
 
     def to_saved_dict(self, use_diff: bool = True) -> dict[str, Any]:
         """The config as config.json holds it: `to_diff_dict()` (or `to_dict()`) without the load-time options."""
@@ -285,14 +327,14 @@ class NVEsmConfig(PretrainedConfig):
     def _dict_from_json_file(cls, json_file: str | os.PathLike) -> dict[str, Any]:
         """A config.json as a dict, load-time options dropped (warning about those that were not defaults)."""
         config_dict = super()._dict_from_json_file(json_file)
-        parameters = inspect.signature(NVEsmConfig.__init__).parameters
+        defaults = asdict(RunOptions())
         ignored = {}
         for name in MOVED_OPTIONS:  # load-time options once, never meant for config.json
             config_dict.pop(name, None)
         for name in LOAD_TIME_OPTIONS:
             if name in config_dict:
                 value = config_dict.pop(name)
-                if value != parameters[name].default:
+                if value != defaults[name]:
                     ignored[name] = value
         if ignored:
             settings = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
@@ -303,7 +345,7 @@ class NVEsmConfig(PretrainedConfig):
         return config_dict
 
     def _check(self) -> None:
-        """Raise `ValueError` on the first inconsistent field."""
+        """Raise `ValueError` on the first inconsistent field (the architecture's, then the run options')."""
         for name in (
             "vocab_size",
             "padded_vocab_size",
@@ -312,7 +354,6 @@ class NVEsmConfig(PretrainedConfig):
             "num_attention_heads",
             "intermediate_size",
             "max_position_embeddings",
-            "max_protein_length",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -341,9 +382,6 @@ class NVEsmConfig(PretrainedConfig):
         if self.emb_layer_norm_before:
             raise ValueError("emb_layer_norm_before must be False (ESM-2); True is ESM-1b and is not supported")
         _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("attn_input_format", self.attn_input_format, ATTN_INPUT_FORMATS)
-        _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -352,46 +390,32 @@ class NVEsmConfig(PretrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        for name in (
-            "token_dropout",
-            "fp8_weights",
-            "check_inputs",
-            "cuda_graphs",
-            "offload_activations",
-            "recompute_mlp",
-            "cudnn_layer_norm",
-            "tie_word_embeddings",
-        ):
+        for name in ("token_dropout", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.offloaded_layers is not None:
-            layers = self.offloaded_layers
-            if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < self.num_hidden_layers:
-                raise ValueError(
-                    f"offloaded_layers must be None or a layer count in [1, {self.num_hidden_layers - 1}] (all but "
-                    f"the last at most), got {layers!r}"
-                )
-            if not self.offload_activations:
-                raise ValueError("offloaded_layers counts the layers that offload_activations offloads: set both.")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if name == "bos_token_id" and value is None:  # transformers' ESM configs write None: <cls> is not used
                 continue  # as a generation start token
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} must be a token id in [0, {self.vocab_size}), got {value!r}")
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                raise ValueError(
-                    f"layer_precision must have one entry per layer ({self.num_hidden_layers}), "
-                    f"got {len(self.layer_precision)}"
-                )
-            for value in self.layer_precision:
-                _check_choice("layer_precision entries", value, LAYER_PRECISIONS)
-        if self.fp8_weights and not self.uses_fp8:
-            raise ValueError(
-                "fp8_weights holds the FP8 layers' weights in FP8, and layer_precision marks no layer 'fp8': "
-                "pass e.g. layer_precision=['fp8'] * num_hidden_layers"
-            )
+        self.run_options.check(self.num_hidden_layers)
+
+
+def _run_option(name: str) -> property:
+    """`config.<name>`: the run option `config.run_options.<name>` (read and set; `from_pretrained` sets it so)."""
+
+    def get(config: NVEsmConfig) -> Any:
+        return getattr(config.run_options, name)
+
+    def set_(config: NVEsmConfig, value: Any) -> None:
+        setattr(config.run_options, name, value)
+
+    return property(get, set_, doc=f"The run option `run_options.{name}` (`RunOptions`).")
+
+
+for _name in LOAD_TIME_OPTIONS:
+    setattr(NVEsmConfig, _name, _run_option(_name))
 
 
 def fp8_layer_precision(mode: str, num_layers: int) -> list[str | None] | None:

@@ -76,7 +76,7 @@ class ForwardPrecision:
         return cls(
             recipe=encoder.fp8_recipe,
             caller_fp8=caller_recipe is not None,
-            layer_fp8=tuple(precision == "fp8" for precision in encoder.config.layer_precision or ()),
+            layer_fp8=tuple(precision == "fp8" for precision in encoder.config.run_options.layer_precision or ()),
             backend=encoder.backend,
             amax_group=None if ranks is None else ranks.group,
             attention_fp8=quantizes_attention(encoder.fp8_recipe if encoder.fp8_recipe is not None else caller_recipe),
@@ -135,7 +135,7 @@ class ForwardPlan:
         (`precision.token_multiple`) and tensor parallelism's ranks need; context parallelism pads each protein
         (`ContextParallelLayout`)."""
         multiple = self.precision.token_multiple
-        if batch.packed is None or encoder.config.attn_input_format == "bshd":
+        if batch.packed is None or encoder.config.run_options.attn_input_format == "bshd":
             return PaddedRun.of(hidden_states, batch, rotary, multiple > 1)
         if encoder.context_parallel is not None:
             encoder.backend.check_context_parallel_dtype(hidden_states)
@@ -181,8 +181,8 @@ def _graphed(encoder: nn.Module, per_layer_outputs: bool, precision: ForwardPrec
     Raises RuntimeError while a training replay still waits for its backward: the next call (graphed or not) would
     overwrite memory that backward reads. (A training forward must be followed by its backward; an eager call in
     between gave NaN gradients.)"""
-    config = encoder.config
-    if not (config.cuda_graphs and encoder.backend.runs_cuda_graphs and config.attn_input_format == "thd"):
+    options = encoder.config.run_options
+    if not (options.cuda_graphs and encoder.backend.runs_cuda_graphs and options.attn_input_format == "thd"):
         return False
     if encoder.parallel_ranks is not None:  # eager: the layers' collectives are not captured
         return False
@@ -195,7 +195,7 @@ def _graphed(encoder: nn.Module, per_layer_outputs: bool, precision: ForwardPrec
         )
     if encoder.graphs_paused or per_layer_outputs or encoder.training != torch.is_grad_enabled():
         return False
-    if encoder.training and (encoder.gradient_checkpointing or config.offload_activations):
+    if encoder.training and (encoder.gradient_checkpointing or options.offload_activations):
         return False
     if encoder.training and several_ranks() and not encoder.gradients_reduced_after_backward:
         return False

@@ -48,7 +48,7 @@ def places(pattern: str, files: list[Path]) -> set[str]:
 @pytest.mark.parametrize(
     ("what", "pattern"),
     [
-        ("the model's cuda_graphs option", r"config\.cuda_graphs\b"),
+        ("the model's cuda_graphs option", r"\b(config|options|run_options)\.cuda_graphs\b"),
         ("a capture in progress", r"is_current_stream_capturing"),
         ("sharded layers", r"(?<!def )\bis_sharded\("),
         ("the training ranks", r"(?<!def )\bseveral_ranks\(\)"),
@@ -106,6 +106,25 @@ def test_the_trainer_configuration_does_not_import_the_command_line():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert "nv_esm.cli" not in imported
+
+
+def test_the_architecture_and_the_run_options_are_apart(tmp_path):
+    """`NVEsmConfig`'s own fields are the architecture (what config.json holds); the run options are one
+    `RunOptions`, given as keywords, read as attributes, never written."""
+    import inspect
+    import json
+
+    from configuration_nv_esm import LOAD_TIME_OPTIONS, NVEsmConfig, RunOptions
+
+    architecture = set(inspect.signature(NVEsmConfig.__init__).parameters) - {"self", "kwargs"}
+    assert not architecture & set(LOAD_TIME_OPTIONS) and len(architecture) <= 22
+    config = NVEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                         backend="torch", cuda_graphs=False, layer_precision=(None, None))  # fmt: skip
+    assert config.run_options == RunOptions(backend="torch", cuda_graphs=False, layer_precision=[None, None])
+    assert config.backend == "torch" and not config.cuda_graphs
+    config.save_pretrained(tmp_path)
+    assert not set(json.loads((tmp_path / "config.json").read_text())) & set(LOAD_TIME_OPTIONS)
+    assert NVEsmConfig.from_pretrained(tmp_path, cuda_graphs=False).run_options == RunOptions(cuda_graphs=False)
 
 
 def test_a_moved_option_is_refused_with_what_replaces_it(tmp_path):

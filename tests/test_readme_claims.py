@@ -399,14 +399,14 @@ def test_padding_positions_hold_zeros_and_one_constant_logit_row(converted):
 
 
 def test_the_stated_defaults_and_tolerances_are_the_codes():
-    from configuration_nv_esm import NVEsmConfig
+    from configuration_nv_esm import RunOptions
     from modeling_nv_esm import NVEsmModel
     from nv_esm import scoring
     from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL
 
     says = flat(text())
-    config = inspect.signature(NVEsmConfig.__init__).parameters
-    assert config["max_protein_length"].default == 8192 and "included; default 8192;" in says
+    max_protein_length = RunOptions().max_protein_length
+    assert max_protein_length == 8192 and "included; default 8192;" in says
     embed = inspect.signature(NVEsmModel.embed).parameters
     assert (embed["layer"].default, embed["pooling"].default, embed["max_tokens_per_batch"].default) == (
         -1,
@@ -419,7 +419,7 @@ def test_the_stated_defaults_and_tolerances_are_the_codes():
         assert inspect.signature(function).parameters["max_tokens_per_batch"].default == 16384
     assert "`max_tokens_per_batch` (16,384)" in says
     tiny = json.loads((TINY_CHECKPOINT / "config.json").read_text())  # ESM-2's position table, as in facebook/esm2_*
-    window = min(tiny["max_position_embeddings"], config["max_protein_length"].default) - 2
+    window = min(tiny["max_position_embeddings"], max_protein_length) - 2
     assert f"{window:,} for ESM-2" in says
     rows = table_rows(section("Numerics"))
     tolerances = {cells[0]: numbers(cells[1]) for cells in rows if cells[0] in ("float32", "bfloat16", "float16")}

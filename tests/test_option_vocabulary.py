@@ -86,14 +86,21 @@ def test_train_help_marks_the_required_options_and_the_real_defaults(capsys):
 def test_help_imports_no_torch(command):
     """`--help` answers without torch (4 s of imports): the parser modules import it only to run."""
     module, function = COMMAND_HELP[command].rsplit(".", 1)
+    done = help_without_torch(f"from {module} import {function}; {function}(['--help'], 'nv-esm {command}')")
+    assert "usage:" in done.stdout
+
+
+def help_without_torch(statement: str) -> subprocess.CompletedProcess:
+    """Run `statement` (a one-line --help, ending in SystemExit 0) in a fresh interpreter in the repository root;
+    fails unless it exits 0 without importing torch or transformers."""
     code = (
-        f"import sys\nfrom {module} import {function}\n"
-        f"try:\n    {function}(['--help'], 'nv-esm {command}')\nexcept SystemExit:\n    pass\n"
+        f"import runpy, sys\ntry:\n    {statement}\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert "usage:" in done.stdout
+    return done
 
 
 @pytest.mark.parametrize(
@@ -233,11 +240,5 @@ def test_fp8_without_transformer_engine_errors_alike_in_embed_and_train(tmp_path
 def test_every_entry_point_answers_help_without_torch(start, argv):
     """`python -m nv_esm.train --help`, `recipes/train.py --help` and `python -m nv_esm train --help` start the
     command as `nv-esm` does (`cli.run_command`): the help comes from the parser alone, torch not imported."""
-    code = (
-        f"import runpy, sys\nsys.argv = ['x', *{argv!r}]\n"
-        f"try:\n    {start}\nexcept SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    done = help_without_torch(f"sys.argv = ['x', *{argv!r}]; {start}")
     assert done.stdout.startswith("usage: nv-esm train ")

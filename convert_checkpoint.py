@@ -1,13 +1,17 @@
-"""Convert ESM-2 checkpoints between transformers (`EsmForMaskedLM`), fair-esm (`.pt`) and NVEsm (Transformer Engine).
+"""Convert ESM-2 checkpoints between transformers (`EsmForMaskedLM`), fair-esm (`.pt`), NVIDIA's BioNeMo layout
+(bionemo-recipes, `nvidia/esm2_*`) and NVEsm (Transformer Engine).
 
 One table, `RULES` and a head's rules (`HEADS`: masked LM, token or sequence classification, told by the tensors;
 `nv_esm.state_dict_mapping`, with the pure state-dict and config mappings that the tests, benchmarks and trainer
-use), maps every tensor; both directions read it. This command streams it: it reads and
+use), maps every tensor; every direction reads it. This command streams it: it reads and
 writes one rule's tensors at a time, so converting a checkpoint needs memory for its largest layer, not for the
 whole model.
 
 SRC is a local folder (single or sharded safetensors), a Hugging Face Hub id, or, for hf-to-te, an original
 fair-esm checkpoint (`esm2_t33_650M_UR50D.pt`; its `-contact-regression.pt` is read when it lies beside it).
+bionemo-to-te reads NVIDIA's BioNeMo ESM-2 checkpoints (told from NVEsm's by their config fields and `model.` tensor
+names; `nv_esm.bionemo_mapping`), te-to-bionemo writes theirs (config.json for their code, which is not included;
+their layout has no contact head).
 OUT is written in a temporary folder next to it and moved into place only when everything succeeded.
 SRC may also be a local PEFT adapter folder (`adapter_config.json`, as `save_pretrained` writes): hf-to-te renames the
 tensors of an adapter saved from transformers' ESM-2 (LoRA, `modules_to_save` heads) to NVEsm's, te-to-hf back
@@ -51,6 +55,10 @@ EPILOG = f"""examples:
   # back to a folder plain transformers loads (EsmForMaskedLM), replacing an older one
   nv-esm convert te-to-hf ./esm2_650M_te ./esm2_650M_hf --verify --overwrite
 
+  # NVIDIA's BioNeMo checkpoint (bionemo-recipes' layout) -> NVEsm, and back to theirs
+  nv-esm convert bionemo-to-te nvidia/esm2_t33_650M_UR50D ./esm2_650M_te --verify
+  nv-esm convert te-to-bionemo ./esm2_650M_te ./esm2_650M_bionemo
+
   # a PEFT adapter trained on transformers' EsmForMaskedLM -> the same adapter under NVEsm's tensor names
   nv-esm convert hf-to-te ./esm2_lora ./esm2_lora_te
 
@@ -80,6 +88,8 @@ exit status: 0 done; 1 conversion, verify or upload error (OUT untouched); 2 usa
 COMMANDS = {
     "hf-to-te": "transformers/fair-esm -> NVEsm",
     "te-to-hf": "back",
+    "bionemo-to-te": "NVIDIA's BioNeMo ESM-2 layout -> NVEsm",
+    "te-to-bionemo": "back",
     "verify": "check an existing OUT against SRC",
 }
 # Options that only conversions take (verify reads, writes nothing).
@@ -203,6 +213,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 128 + signum
     if result.report is not None:
         print(result.report.table())
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     print(result.summary())
     if args.push_to_hub:
         message = args.commit_message or f"Upload {args.out.name} ({args.command} of {args.source})"

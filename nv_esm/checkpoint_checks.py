@@ -22,6 +22,7 @@ import torch
 
 from configuration_nv_esm import NVEsmConfig
 from nv_esm.alphabet import CLS, EOS, ESM_VOCAB, MASK, PAD
+from nv_esm.bionemo_mapping import bionemo_refusal, config_refusal, has_bionemo_names
 from nv_esm.checkpoint_io import SafetensorsStore, weight_files
 from nv_esm.hub_folder import check_vocabulary
 from nv_esm.state_dict_mapping import canonical_nv_name, head_of, nv_shape, rules_for
@@ -34,7 +35,11 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_model_type(fields: Mapping[str, Any], checkpoint: str | Path) -> None:
     """Refuse a config.json (`fields`, of the folder or Hub id `checkpoint`) that is not NVEsm's: the commands load
-    NVEsm checkpoints only, and say how to convert another ESM-2 one. No `model_type` is taken as NVEsm's."""
+    NVEsm checkpoints only, and say how to convert another ESM-2 one. No `model_type` is taken as NVEsm's; NVIDIA's
+    BioNeMo config (model_type "nv_esm" too) is told by its own fields (`bionemo_mapping.config_refusal`)."""
+    refusal = config_refusal(checkpoint, fields)
+    if refusal is not None:
+        raise ValueError(refusal)
     model_type = fields.get("model_type", NVEsmConfig.model_type)
     if model_type != NVEsmConfig.model_type:
         raise ValueError(
@@ -75,8 +80,11 @@ def check_tensor_names(folder: Path, config: NVEsmConfig) -> SafetensorsStore:
     transformers would drop with a log line) or that have another shape (an embedding of other rows than
     `padded_vocab_size`, which transformers reports in a table and a traceback). Missing tensors are the loaders'
     to judge (`nv_esm.embed_model.check_loaded_weights`; the trainer starts them fresh and says so). A base model
-    saved on its own (`NVEsmModel.save_pretrained`: no `esm.` prefix, a pooler) is read as the prefixed one."""
+    saved on its own (`NVEsmModel.save_pretrained`: no `esm.` prefix, a pooler) is read as the prefixed one; NVIDIA's
+    BioNeMo layout (its base model under `model.`) is refused with its conversion."""
     store = SafetensorsStore(weight_files(folder))
+    if has_bionemo_names(store.info):
+        raise ValueError(bionemo_refusal(folder, "its tensors are under model."))
     stored = {key: key for key in store.info if canonical_nv_name(key) is not None}
     if stored and not any(key.startswith("esm.") for key in stored):
         stored = {f"esm.{key}": key for key in stored}

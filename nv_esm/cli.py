@@ -43,7 +43,7 @@ from nv_esm.vocabulary import (
 )
 
 COMMANDS = {
-    "convert": ("convert_checkpoint", "convert ESM-2 checkpoints between transformers, fair-esm and NVEsm; verify"),
+    "convert": ("convert_checkpoint", "convert ESM-2 checkpoints: transformers, fair-esm, BioNeMo <-> NVEsm; verify"),
     "embed": ("nv_esm.embed", "embed a FASTA file: per-protein/per-residue states and contacts, in shards + index"),
     "score": ("nv_esm.score", "score variants of a wild type (masked marginals, PLL ratios) or a FASTA file's PLLs"),
     "proteingym": ("nv_esm.proteingym", "score ProteinGym's substitution assays (their ESM-2 methods and windows)"),

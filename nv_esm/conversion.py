@@ -1,5 +1,5 @@
-"""Converting a checkpoint (`convert`, `convert_hf_to_nv`, `convert_nv_to_hf`), both directions, and checking an
-existing conversion (`verify_folder`).
+"""Converting a checkpoint (`convert`, `convert_hf_to_nv`, `convert_nv_to_hf`), every direction (transformers or
+fair-esm <-> NVEsm, NVIDIA's BioNeMo layout <-> NVEsm), and checking an existing conversion (`verify_folder`).
 
 The source is a local folder (single or sharded safetensors), a Hub id or, into NVEsm, an original fair-esm `.pt`
 (`nv_esm.conversion_plan.open_source`). Its plan is streamed into a staging folder beside OUT with the companion
@@ -15,7 +15,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.bionemo_mapping import (
+    bionemo_config_dict,
+    bionemo_padded_vocab_size,
+    dropped_run_options,
+    nv_config_from_bionemo,
+)
 from nv_esm.checkpoint_checks import check_finite, check_special_token_ids
 from nv_esm.checkpoint_io import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -35,8 +41,13 @@ from nv_esm.checkpoint_io import (
     weight_files,
 )
 from nv_esm.conversion_plan import (
+    BIONEMO_TO_TE,
+    DIRECTIONS,
     HF_TO_TE,
+    INVERSE,
+    TE_TO_BIONEMO,
     TE_TO_HF,
+    BionemoDirection,
     Direction,
     Source,
     Step,
@@ -59,16 +70,18 @@ from nv_esm.hub_folder import (
     write_license,
     write_tokenizer,
 )
-from nv_esm.model_card import ConvertedCheckpoint, model_card
+from nv_esm.model_card import ConvertedCheckpoint, bionemo_card, model_card
 from nv_esm.path_guard import overlap, refuse_overlap
 from nv_esm.state_dict_mapping import (
     HEADS,
     RULES,
     CheckpointMismatch,
+    apply_rule_nv_to_hf,
     hf_config_from_nv,
     hf_to_nv_adapter_state_dict,
     nv_config_from_hf,
     nv_to_hf_adapter_state_dict,
+    rules_for,
 )
 from nv_esm.verification import (
     ModelLoader,
@@ -126,6 +139,7 @@ class ConversionResult:
     shards: int
     seconds: float
     report: VerifyReport | None
+    notes: tuple[str, ...] = ()  # what the conversion left out (a contact head, run options), one line each
 
     def summary(self) -> str:
         return (
@@ -147,11 +161,14 @@ def convert(
     options = options or ConvertOptions()
     out = Path(out)
     if is_adapter_folder(source):
+        if isinstance(direction, BionemoDirection):
+            raise ValueError(f"{source} is a PEFT adapter folder: adapters convert with hf-to-te and te-to-hf only.")
         return convert_adapter(direction, Path(source).expanduser(), out, options, config_overrides or {})
     check_out(out, options.force)
     opened = open_source(source, options.revision)
     check_not_source(out, opened)
     check_special_token_ids(opened.config, opened.path / "config.json" if opened.folder else opened.path)
+    direction = direction.for_source(opened.config)
     config = source_config(opened, direction, config_overrides or {})
     steps = plan_steps(opened, config, direction, DTYPES[options.dtype] if options.dtype else None)
     if options.verify:  # refuse what verifying would refuse before converting
@@ -165,42 +182,104 @@ def convert(
         if options.verify:
             reference = reference_model(opened)
             report = verify(
-                reference, staging, direction.to_nv, staging, options.verify_atol, device=options.verify_device
+                reference,
+                staging,
+                direction.to_nv,
+                staging,
+                options.verify_atol,
+                device=options.verify_device,
+                load_converted=converted_loader(direction),
             )
         if report is not None and not report.passed:
             raise VerificationFailed(report)
+        checkpoint = converted_checkpoint(opened, steps)
         if direction.to_nv:
             repo = options.hub_repo_id or str(out)
-            card = model_card(converted_checkpoint(opened, steps), config, report, repo, opened.head)
+            card = model_card(checkpoint, config, report, repo, opened.head)
             (staging / "README.md").write_text(card)
+        elif isinstance(direction, BionemoDirection):
+            padded = direction.padded_vocab_size or config.padded_vocab_size
+            (staging / "README.md").write_text(bionemo_card(checkpoint, config, padded, report, opened.head))
     seconds = time.perf_counter() - start
-    return ConversionResult(config, out, count_parameters(steps), count_bytes(steps), shards, seconds, report)
+    parameters, nbytes = count_parameters(steps), count_bytes(steps)
+    notes = conversion_notes(opened, direction)
+    return ConversionResult(config, out, parameters, nbytes, shards, seconds, report, notes)
+
+
+# What each kind of source is, and the direction that reads it.
+KIND_NAMES = {
+    "transformers": "a transformers ESM-2 checkpoint",
+    "fair-esm": "a fair-esm ESM-2 checkpoint",
+    "nvesm": "an NVEsm checkpoint",
+    "bionemo": "NVIDIA's BioNeMo ESM-2 layout (bionemo-recipes)",
+}
+CONVERTED_BY = {"transformers": "hf-to-te", "fair-esm": "hf-to-te", "bionemo": "bionemo-to-te"}
+
+
+def refuse_kind(source: Source, direction: Direction) -> None:
+    """Refuse a source that `direction` does not read, naming the direction that does."""
+    if source.kind in direction.reads:
+        return
+    if source.kind == "nvesm":
+        back = "te-to-bionemo" if isinstance(direction, BionemoDirection) else "te-to-hf"
+        raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with {back}.")
+    if direction.to_nv:
+        raise ValueError(
+            f"{source.spec} is {KIND_NAMES[source.kind]}, which {direction.name} does not read; convert it with "
+            f"{CONVERTED_BY[source.kind]}."
+        )
+    raise ValueError(
+        f"{source.spec} is not an NVEsm checkpoint ({KIND_NAMES[source.kind]}; model_type "
+        f"{source.config.get('model_type')!r}); {direction.name} reads folders written by hf-to-te or bionemo-to-te: "
+        f"convert it with {CONVERTED_BY[source.kind]} first."
+    )
+
+
+def conversion_notes(source: Source, direction: Direction) -> tuple[str, ...]:
+    """What converting `source` in `direction` left out, one line each: the contact head (NVIDIA's layout has
+    none) and their run options (`bionemo_mapping.RUN_OPTIONS`) set to other values than their defaults."""
+    if not isinstance(direction, BionemoDirection):
+        return ()
+    if not direction.to_nv:
+        stored = canonical_keys(source.store.info, source.canonical)
+        if any(name.startswith("esm.contact_head.") for name in stored):
+            return ("NVIDIA's BioNeMo layout has no contact head: the source's was left out.",)
+        return ()
+    notes = [
+        "NVIDIA's BioNeMo layout has no contact head, so OUT has none: nv-esm embed --include contacts refuses it "
+        "(from_pretrained starts it at random)."
+    ]
+    dropped = dropped_run_options(source.config)
+    if dropped:
+        notes.append(f"their run options were left out (NVEsm's are load-time options): {', '.join(dropped)}.")
+    return tuple(notes)
 
 
 def source_config(source: Source, direction: Direction, overrides: dict[str, Any]) -> NVEsmConfig:
-    """The NVEsm config of the conversion (a classifier's labels included); refuses a source of the other
-    direction."""
-    if direction.to_nv and source.kind == "nvesm":
-        raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with te-to-hf.")
-    if not direction.to_nv and source.kind != "nvesm":
-        raise ValueError(
-            f"{source.spec} is not an NVEsm checkpoint ({source.kind}; model_type "
-            f"{source.config.get('model_type')!r}); te-to-hf reads folders written by hf-to-te."
-        )
+    """The NVEsm config of the conversion (a classifier's labels included); refuses a source of another direction
+    (`refuse_kind`) and, into NVIDIA's layout, a model their code cannot run (`bionemo_config_dict`)."""
+    refuse_kind(source, direction)
     try:
+        if isinstance(direction, BionemoDirection) and direction.to_nv:
+            return nv_config_from_bionemo(source.config, source.head, **overrides)
         if direction.to_nv:
             return nv_config_from_hf(source.config, source.head, **overrides)
-        return NVEsmConfig.from_dict({**source.config, **overrides})
+        config = NVEsmConfig.from_dict({**source.config, **overrides})
+        if isinstance(direction, BionemoDirection):
+            bionemo_config_dict(config, source.head)
+        return config
     except ValueError as error:  # a field of the wrong type or value (`NVEsmConfig`'s checks)
         where = source.path / "config.json" if source.folder else source.path
         raise ValueError(f"{where}: {error}") from None
 
 
 def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:
-    """config.json (naming the class of the source's head), tokenizer and LICENSE; for NVEsm also the remote code
-    (the model card comes last)."""
+    """config.json (naming the class of the source's head), tokenizer (transformers' `EsmTokenizer` out of NVEsm)
+    and LICENSE; for NVEsm also the remote code (the model card comes last)."""
     if direction.to_nv:
         config_dict = nv_config_dict(config, HEADS[source.head].nv_class)
+    elif isinstance(direction, BionemoDirection):  # theirs, for their code (bionemo-recipes), which is not written
+        config_dict = bionemo_config_dict(config, source.head, direction.padded_vocab_size)
     else:
         config_dict = hf_config_from_nv(config, source.head)
     config_dict["dtype"] = weights_dtype_name(steps)
@@ -236,6 +315,8 @@ def reference_model(source: Source) -> ModelLoader:
     """Loads `source` in float32 as the reference of the logit check (see `nv_esm.verification.verify`)."""
     if source.kind == "fair-esm":
         return partial(_load_fair_esm, source)
+    if source.kind == "bionemo":
+        return partial(load_bionemo, source, torch.float32, label=source.spec)
     load = load_nv if source.kind == "nvesm" else load_transformers
     return partial(load, source.path, torch.float32, label=source.spec)
 
@@ -254,6 +335,43 @@ def _load_fair_esm(source: Source, device: str) -> tuple[Any, str]:
         raise CheckpointMismatch(set(missing) - {"lm_head.decoder.weight"}, unexpected)
     model.tie_weights()
     return model.to(device).eval(), f"transformers EsmForMaskedLM float32 ({source.spec})"
+
+
+def converted_loader(direction: Direction) -> Any:
+    """How `verify` loads the folder `direction` writes: None (its default: NVEsm's or transformers' class), or,
+    for NVIDIA's layout, `load_bionemo`."""
+    return load_bionemo if isinstance(direction, BionemoDirection) and not direction.to_nv else None
+
+
+def load_bionemo(source: Source | Path, dtype: torch.dtype, device: str, label: str = "OUT") -> tuple[Any, str]:
+    """A folder in NVIDIA's BioNeMo layout (or its opened `Source`) as transformers' `EsmForMaskedLM` in `dtype` on
+    `device`, read as data: its tensors mapped to NVEsm's (`BIONEMO_TO_TE`) and from there to transformers' through
+    the table (their code is not run, nor shipped). The contact head, which their layout lacks, stays random (the
+    logits do not use it)."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    source = source if isinstance(source, Source) else open_source(source)
+    direction = BIONEMO_TO_TE.for_source(source.config)
+    config = source_config(source, direction, {})
+    verifiable_head(source.head)
+    nv_state = {}
+    for step in plan_steps(source, config, direction, dtype):
+        nv_state.update(
+            (name, tensor) for (name, _), tensor in zip(step.outputs, run_step(step, source, config, direction))
+        )
+    hf_state = {}
+    for rule in rules_for(config, source.head):
+        if rule.nv in nv_state:
+            hf_state.update(zip(rule.hf, apply_rule_nv_to_hf(rule, nv_state[rule.nv], config)))
+    fields = {key: value for key, value in hf_config_from_nv(config).items() if key != "model_type"}
+    model = EsmForMaskedLM._from_config(EsmConfig(**fields), dtype=dtype)
+    missing, unexpected = model.load_state_dict(hf_state, strict=False)
+    absent = {"lm_head.decoder.weight", "esm.contact_head.regression.weight", "esm.contact_head.regression.bias"}
+    if unexpected or set(missing) - absent:
+        raise CheckpointMismatch(set(missing) - absent, unexpected)
+    model.tie_weights()
+    name = f"transformers EsmForMaskedLM {dtype_name(dtype)} ({label}: NVIDIA's BioNeMo layout, mapped)"
+    return model.to(device).eval(), name
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -385,15 +503,16 @@ def verify_folder(
     if not out.is_dir():
         raise ValueError(f"{out}: no such folder.")
     source, converted = open_source(source_spec, revision), open_source(out)
-    if source.kind != "nvesm" and converted.kind == "nvesm":
-        direction = HF_TO_TE
-    elif source.kind == "nvesm" and converted.kind == "transformers":
-        direction = TE_TO_HF
-    else:
+    found = [d for d in DIRECTIONS.values() if source.kind in d.reads and converted.kind == d.writes]
+    if not found:
         raise ValueError(
-            f"verify compares SRC with the folder converted from it (transformers or fair-esm SRC and NVEsm OUT, or "
-            f"NVEsm SRC and transformers OUT); {source.spec} is {source.kind} and {out} is {converted.kind}."
+            f"verify compares SRC with the folder converted from it (transformers or fair-esm SRC and NVEsm OUT, "
+            f"NVEsm SRC and transformers or NVIDIA BioNeMo OUT, or NVIDIA BioNeMo SRC and NVEsm OUT); {source.spec} is "
+            f"{source.kind} and {out} is {converted.kind}."
         )
+    direction = found[0].for_source(source.config)
+    if direction.name == TE_TO_BIONEMO.name:  # as many vocabulary rows as OUT has
+        direction = replace(TE_TO_BIONEMO, padded_vocab_size=bionemo_padded_vocab_size(converted.config))
     out_dtype = read_json(out / "config.json").get("dtype", "float32")
     verifiable_head(source.head)
     verifiable_dtype(out_dtype)
@@ -403,16 +522,19 @@ def verify_folder(
     with tempfile.TemporaryDirectory() as folder:
         expected = Path(folder)
         write_companions(expected, source, config, direction, steps)
-        files, file_mismatches = compare_files(out, expected, weight_files(out), direction.to_nv)
-        report = verify(reference_model(source), out, direction.to_nv, expected, atol, device=device)
+        with_card = direction.to_nv or isinstance(direction, BionemoDirection)
+        files, file_mismatches = compare_files(out, expected, weight_files(out), with_card)
+        load_converted = converted_loader(direction)
+        report = verify(
+            reference_model(source), out, direction.to_nv, expected, atol, device=device, load_converted=load_converted
+        )
     return FolderCheck(direction, out_dtype, files, file_mismatches, compared, mismatches, report)
 
 
 def expected_conversion(source: Source, out: Source, direction: Direction) -> tuple[NVEsmConfig, list[Step]]:
     """The config and steps of converting `source` as `out` was converted: to `out`'s dtype and, into NVEsm, its
     padded vocabulary size (whose padding rows `compare_tensors` checks)."""
-    other_way = TE_TO_HF if direction.to_nv else HF_TO_TE
-    out_config = source_config(out, other_way, {})
+    out_config = source_config(out, INVERSE[direction.name].for_source(out.config), {})
     overrides = {"padded_vocab_size": out_config.padded_vocab_size} if direction.to_nv else {}
     config = source_config(source, direction, overrides)
     stored = canonical_keys(out.store.info, out.canonical)

@@ -1,22 +1,31 @@
 """The conversion's inputs and plan: the checkpoint to convert (`Source`: a folder, a Hub id or a fair-esm `.pt`) and
 one `Step` per rule of `nv_esm.state_dict_mapping.RULES` (and the head's rules) that applies to it.
 
-A `Direction` says which side of each rule is read and which is written. `plan_steps` checks every stored name and
-shape against the table before anything is written; `run_step` reads one rule's tensors, maps and casts them, so
-`write_weights` streams a checkpoint with memory for its largest layer, not for the whole model.
+A `Direction` says which side of each rule is read and which is written; `BionemoDirection` reads or writes NVIDIA's
+BioNeMo layout in place of transformers' (`nv_esm.bionemo_mapping`: their names of our tensors, their vocabulary
+rows). `plan_steps` checks every stored name and shape against the table before anything is written; `run_step`
+reads one rule's tensors, maps and casts them, so `write_weights` streams a checkpoint with memory for its largest
+layer, not for the whole model.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
 
 import torch
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.bionemo_mapping import (
+    bionemo_name,
+    bionemo_padded_vocab_size,
+    canonical_bionemo_name,
+    check_fast_tokenizer,
+    is_bionemo,
+)
 from nv_esm.checkpoint_checks import check_finite
 from nv_esm.checkpoint_io import (
     SafetensorsStore,
@@ -37,10 +46,12 @@ from nv_esm.state_dict_mapping import (
     canonical_hf_name,
     canonical_nv_name,
     check_keys,
+    fuse_qkv,
     head_of,
     hf_config_from_fair_esm,
     hf_shape,
     nv_shape,
+    pad_vocab,
     rules_for,
 )
 
@@ -56,7 +67,7 @@ class Source:
     Attributes:
         spec: What was asked for: a folder, a Hub id or a `.pt` file.
         path: The local folder (downloaded for a Hub id) or `.pt` file.
-        kind: "transformers" (an ESM-2 model class), "nvesm" or "fair-esm".
+        kind: "transformers" (an ESM-2 model class), "nvesm", "bionemo" (NVIDIA's BioNeMo layout) or "fair-esm".
         config: Its config.json (a transformers `EsmConfig` dict for fair-esm checkpoints).
         store: Its tensors.
         hub_id: The Hub repository it comes from, when known.
@@ -75,9 +86,12 @@ class Source:
 
     @property
     def canonical(self) -> Callable[[str], str | None]:
-        return {"transformers": canonical_hf_name, "fair-esm": canonical_fair_esm_name}.get(
-            self.kind, canonical_nv_name
-        )
+        names = {
+            "transformers": canonical_hf_name,
+            "fair-esm": canonical_fair_esm_name,
+            "bionemo": canonical_bionemo_name,
+        }
+        return names.get(self.kind, canonical_nv_name)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +123,12 @@ def open_source(spec: str | Path, revision: str | None = None) -> Source:
             f"(expected 'esm' or '{NVEsmConfig.model_type}')."
         )
     hub_id = None if path.is_dir() else spec
-    return Source(spec, folder, kind, config, SafetensorsStore(weight_files(folder)), hub_id or hub_id_of(folder))
+    store = SafetensorsStore(weight_files(folder))
+    if kind == "nvesm" and is_bionemo(config, store.info):  # their model_type is ours: told by fields and names
+        kind = "bionemo"
+        if not (folder / "vocab.txt").exists() and (folder / "tokenizer.json").exists():
+            check_fast_tokenizer(folder / "tokenizer.json", config.get("vocab_size", 33))
+    return Source(spec, folder, kind, config, store, hub_id or hub_id_of(folder))
 
 
 def open_fair_esm(path: Path) -> Source:
@@ -125,10 +144,25 @@ def open_fair_esm(path: Path) -> Source:
 
 @dataclass(frozen=True)
 class Direction:
-    """Which side of each `Rule` is read and which is written."""
+    """Which side of each `Rule` is read and which is written; `reads`: the kinds of `Source` it converts, `writes`:
+    the kind it makes."""
 
     name: str
     to_nv: bool
+    reads: tuple[str, ...]
+    writes: str
+
+    def for_source(self, config: dict) -> Direction:
+        """This direction set for a source of config.json `config` (BioNeMo's: its padding and QKV order)."""
+        return self
+
+    def rules(self, config: NVEsmConfig, head: str) -> list[Rule]:
+        """The rules that apply to a model of `config` with `head`."""
+        return rules_for(config, head)
+
+    def read(self, rule: Rule, tensors: list[torch.Tensor], config: NVEsmConfig) -> list[torch.Tensor]:
+        """The part of the stored tensors that the conversion keeps (BioNeMo's vocabulary rows, not their padding)."""
+        return tensors
 
     def sources(self, rule: Rule) -> tuple[str, ...]:
         return rule.hf if self.to_nv else (rule.nv,)
@@ -148,9 +182,77 @@ class Direction:
         return apply_rule_nv_to_hf(rule, tensors[0], config)
 
 
-HF_TO_TE = Direction("hf-to-te", to_nv=True)
-TE_TO_HF = Direction("te-to-hf", to_nv=False)
-DIRECTIONS = {direction.name: direction for direction in (HF_TO_TE, TE_TO_HF)}
+@dataclass(frozen=True)
+class BionemoDirection(Direction):
+    """NVIDIA's BioNeMo layout in place of transformers': their name of each NVEsm tensor (`bionemo_name`), copied,
+    except their vocabulary rows (`padded_vocab_size` of them: the source's converting in, None = the NVEsm
+    config's converting out), cut to the vocabulary and padded afresh as each side pads (ours with zeros; theirs as
+    their convert.py: zeros, the decoder bias the dtype's lowest value), and the QKV rows of a source with
+    `qkv_interleaved` false, re-ordered. Their layout lacks the contact head and the rotary inv_freq: converting
+    in, inv_freq is computed (as transformers computes it) and no contact head is written; converting out, both
+    are left behind."""
+
+    qkv_interleaved: bool = True
+    padded_vocab_size: int | None = None
+
+    def for_source(self, config: dict) -> Direction:
+        if not self.to_nv:
+            return self
+        interleaved = config.get("qkv_weight_interleaved", True)
+        return replace(self, qkv_interleaved=interleaved, padded_vocab_size=bionemo_padded_vocab_size(config))
+
+    def rules(self, config: NVEsmConfig, head: str) -> list[Rule]:
+        theirs = [rule for rule in rules_for(config, head) if bionemo_name(rule.nv) is not None]
+        absent = [rule for rule in rules_for(config, head) if bionemo_name(rule.nv) is None]
+        if self.to_nv:  # the rotary frequencies made from the config; no contact head
+            return [*theirs, *(rule for rule in absent if rule.kind == "buffer")]
+        return [*theirs, *(replace(rule, optional=True) for rule in absent)]  # read by nothing, dropped
+
+    def sources(self, rule: Rule) -> tuple[str, ...]:
+        theirs = bionemo_name(rule.nv)
+        return (rule.nv,) if not self.to_nv else () if theirs is None else (theirs,)
+
+    def targets(self, rule: Rule) -> tuple[str, ...]:
+        theirs = bionemo_name(rule.nv)
+        return (rule.nv,) if self.to_nv else () if theirs is None else (theirs,)
+
+    def their_shape(self, rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
+        shape = nv_shape(rule, config)
+        return (self.padded_vocab_size or config.padded_vocab_size, *shape[1:]) if rule.kind == "vocab" else shape
+
+    def source_shape(self, rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
+        return self.their_shape(rule, config) if self.to_nv else nv_shape(rule, config)
+
+    def target_shape(self, rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
+        return nv_shape(rule, config) if self.to_nv else self.their_shape(rule, config)
+
+    def read(self, rule: Rule, tensors: list[torch.Tensor], config: NVEsmConfig) -> list[torch.Tensor]:
+        return [tensors[0][: config.vocab_size]] if rule.kind == "vocab" else tensors
+
+    def transform(self, rule: Rule, tensors: list[torch.Tensor], config: NVEsmConfig) -> list[torch.Tensor]:
+        if not tensors:  # inv_freq, which their layout lacks
+            from modeling_nv_esm import NVEsmRotaryEmbedding  # its one formula (= transformers')
+
+            return [NVEsmRotaryEmbedding.default_inv_freq(config)]
+        tensor = tensors[0]
+        if rule.kind == "qkv" and self.to_nv and not self.qkv_interleaved:  # rows [q | k | v]
+            return [fuse_qkv(*tensor.chunk(3), config.num_attention_heads)]
+        if rule.kind != "vocab":
+            return [tensor]
+        if self.to_nv:
+            return [pad_vocab(tensor, config.padded_vocab_size)]
+        rows = self.padded_vocab_size or config.padded_vocab_size
+        fill = torch.finfo(tensor.dtype).min if tensor.dim() == 1 else 0.0  # their _pad_bias / _pad_weights
+        padding = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), fill)
+        return [torch.cat([tensor, padding]).contiguous()]
+
+
+HF_TO_TE = Direction("hf-to-te", to_nv=True, reads=("transformers", "fair-esm"), writes="nvesm")
+TE_TO_HF = Direction("te-to-hf", to_nv=False, reads=("nvesm",), writes="transformers")
+BIONEMO_TO_TE = BionemoDirection("bionemo-to-te", to_nv=True, reads=("bionemo",), writes="nvesm")
+TE_TO_BIONEMO = BionemoDirection("te-to-bionemo", to_nv=False, reads=("nvesm",), writes="bionemo")
+DIRECTIONS = {direction.name: direction for direction in (HF_TO_TE, TE_TO_HF, BIONEMO_TO_TE, TE_TO_BIONEMO)}
+INVERSE = {"hf-to-te": TE_TO_HF, "te-to-hf": HF_TO_TE, "bionemo-to-te": TE_TO_BIONEMO, "te-to-bionemo": BIONEMO_TO_TE}
 
 
 @dataclass(frozen=True)
@@ -171,9 +273,13 @@ def plan_steps(
 ) -> list[Step]:
     """The steps that convert `source`; raises CheckpointMismatch (names) or ConfigMismatch (shapes) first."""
     stored = canonical_keys(source.store.info, source.canonical)
-    rules = rules_for(config, source.head)
+    rules = direction.rules(config, source.head)
     check_keys(stored, [direction.sources(rule) for rule in rules], rules)
-    present = [rule for rule in rules if all(name in stored for name in direction.sources(rule))]
+    present = [
+        rule
+        for rule in rules
+        if all(name in stored for name in direction.sources(rule)) and direction.targets(rule)  # else: dropped
+    ]
     _check_shapes(source, stored, present, config, direction)
     return [_step(rule, stored, source, config, direction, dtype) for rule in present]
 
@@ -211,7 +317,7 @@ def _step(
     dtype: torch.dtype | None,
 ) -> Step:
     inputs = tuple(stored[name] for name in direction.sources(rule))
-    stored_dtype = source.store.info[inputs[0]].dtype
+    stored_dtype = source.store.info[inputs[0]].dtype if inputs else torch.float32  # else: made (inv_freq)
     if rule.kind != "buffer" and not stored_dtype.is_floating_point:
         raise ValueError(
             f"{inputs[0]} is {dtype_name(stored_dtype)}: ESM-2 weights are floating point (a quantised checkpoint "
@@ -223,10 +329,13 @@ def _step(
 
 
 def run_step(step: Step, source: Source, config: NVEsmConfig, direction: Direction) -> list[torch.Tensor]:
-    """Read the step's tensors (refused if NaN or Inf: `check_finite`), apply its rule, cast to the planned dtype."""
-    tensors = [source.store.load(key) for key in step.inputs]
+    """Read the step's tensors (the part the direction keeps, refused if NaN or Inf: `check_finite`), cast them to
+    the planned dtype (every rule's transform commutes with the cast: it moves, cuts or pads values), apply the
+    rule."""
+    tensors = direction.read(step.rule, [source.store.load(key) for key in step.inputs], config)
     check_finite(zip(step.inputs, tensors), source.spec)
-    results = direction.transform(step.rule, tensors, config)
+    dtype = step.outputs[0][1].dtype
+    results = direction.transform(step.rule, [tensor.to(dtype) for tensor in tensors], config)
     return [tensor.to(info.dtype) for tensor, (_, info) in zip(results, step.outputs)]
 
 

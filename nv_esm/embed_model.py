@@ -148,6 +148,12 @@ def check_loaded_weights(
     )
     if not missing:
         return
+    contact_head = {name for name in parameters if "contact_head" in name.split(".")}
+    if set(missing) == contact_head:  # none of it, as in folders converted from NVIDIA's BioNeMo layout
+        raise ValueError(
+            f"{checkpoint} has no contact head ({', '.join(missing)}), which contacts need; folders converted from "
+            "NVIDIA's BioNeMo layout (nv-esm convert bionemo-to-te) have none: leave out contacts."
+        )
     listed = f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
     problem = (
         f"{checkpoint} has no weights for {len(missing)} tensors the {type(model).__name__} needs ({listed}), which "

@@ -1,7 +1,8 @@
 """README.md of NVEsm model folders: YAML front matter (Hub metadata) and a markdown description.
 
 `model_card` describes a converted ESM-2 checkpoint (what it was converted from, usage, hardware, the `--verify`
-table, license, citation); `training_card` a model exported by the training recipe. Both share `front_matter`.
+table, license, citation); `bionemo_card` a folder converted into NVIDIA's BioNeMo layout; `training_card` a model
+exported by the training recipe. They share `front_matter`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ConvertedCheckpoint:
     Attributes:
         name: The source's Hub id, or the name of its folder or `.pt` file.
         hub_id: The Hub repository of the source, when known (the card's `base_model`).
-        source_kind: "transformers" or "fair-esm".
+        source_kind: "transformers", "fair-esm", "bionemo" (NVIDIA's BioNeMo layout) or "nvesm".
         source_nbytes: Bytes of the source's tensors.
         source_dtype: dtype name of the source's weights (its embedding's), e.g. "float32".
         dtype: dtype name of the written weights.
@@ -115,23 +116,53 @@ def _card_intro(checkpoint: ConvertedCheckpoint, config: NVEsmConfig, head: str)
     values = f"The weights are the source's values in {checkpoint.dtype}"
     if checkpoint.source_dtype != checkpoint.dtype:
         values = f"The weights are the source's {checkpoint.source_dtype} values rounded to {checkpoint.dtype}"
+    layout = f"""the layout differs only in that query, key and value
+are fused into one matrix per layer (rows interleaved per head), and the embedding and decoder rows are padded
+with zeros from {config.vocab_size} to {config.padded_vocab_size}."""
+    commands = ("hf-to-te", "te-to-hf", f"that plain transformers (`{HEADS[head].hf_class}`) loads")
+    kind = {"bionemo": "NVIDIA BioNeMo"}.get(checkpoint.source_kind, checkpoint.source_kind)
+    if checkpoint.source_kind == "bionemo":
+        layout = f"""the layout differs from NVIDIA's BioNeMo one (bionemo-recipes) in the
+prefix of the base model (`esm.`, theirs `model.`) and the vocabulary rows (padded with zeros to
+{config.padded_vocab_size}). Their layout has no contact head, so this folder has none: `predict_contacts` and
+`nv-esm embed --include contacts` need one (`from_pretrained` starts it at random)."""
+        commands = ("bionemo-to-te", "te-to-bionemo", "in their layout")
     return f"""# {checkpoint.name} on NVIDIA Transformer Engine (NVEsm)
 
 ESM-2 is Meta AI's protein language model (Lin et al., Science 2023), trained with masked language modelling
-on protein sequences from UniRef. This repository holds the weights of {origin} ({checkpoint.source_kind} checkpoint,
+on protein sequences from UniRef. This repository holds the weights of {origin} ({kind} checkpoint,
 {format_bytes(checkpoint.source_nbytes)}) for `{HEADS[head].nv_class}`, whose encoder layers are Transformer Engine
 `TransformerLayer`s; a pure-PyTorch implementation with the same parameters runs where Transformer Engine is
-not installed. {values}; the layout differs only in that query, key and value
-are fused into one matrix per layer (rows interleaved per head), and the embedding and decoder rows are padded
-with zeros from {config.vocab_size} to {config.padded_vocab_size}.
+not installed. {values}; {layout}
 
 | layers | hidden size | heads | intermediate size | parameters (with vocabulary padding) | weights |
 |---:|---:|---:|---:|---:|---:|
 | {config.num_hidden_layers} | {config.hidden_size} | {config.num_attention_heads} | {config.intermediate_size} \
 | {checkpoint.parameters:,} | {format_bytes(checkpoint.nbytes)} |
 
-Converted with `nv-esm convert hf-to-te`; `nv-esm convert te-to-hf` gives back a folder
-that plain transformers (`{HEADS[head].hf_class}`) loads."""
+Converted with `nv-esm convert {commands[0]}`; `nv-esm convert {commands[1]}` gives back a folder
+{commands[2]}."""
+
+
+def bionemo_card(
+    checkpoint: ConvertedCheckpoint, config: NVEsmConfig, padded: int, report: VerifyReport | None, head: str
+) -> str:
+    """README.md of a folder converted into NVIDIA's BioNeMo layout (`te-to-bionemo`) with `head`: what it holds and
+    which code loads it (theirs, which it does not hold); `padded`: its vocabulary rows; `report`: `--verify`'s."""
+    intro = f"""# {checkpoint.name} in NVIDIA's BioNeMo ESM-2 layout
+
+ESM-2 (Lin et al., Science 2023) weights in the layout of NVIDIA's bionemo-recipes (`models/esm2`:
+`modeling_esm_te.py`, as `nvidia/esm2_t*_UR50D`), converted from `{checkpoint.name}` with
+`nv-esm convert te-to-bionemo`; `nv-esm convert bionemo-to-te` converts it back. The weights are the source's,
+in {checkpoint.dtype}; the embedding and decoder rows are padded from {config.vocab_size} to {padded} as their
+convert.py pads them. Their layout has no contact head and no rotary `inv_freq`, so this folder has neither.
+
+This folder holds no model code. config.json is their config (model_type `nv_esm`, their fields at their defaults)
+and its `auto_map` names `esm_nv.py`, the file their export writes beside the weights: copy bionemo-recipes'
+`models/esm2/modeling_esm_te.py` here as `esm_nv.py` and load with `trust_remote_code=True`, or load with their
+classes. The tokenizer is transformers' `EsmTokenizer` (ESM-2's vocabulary)."""
+    sections = [intro, _card_verification(report), "## License\n\nMIT, as ESM-2 (the weights: Meta Platforms, Inc.)."]
+    return _card(front_matter(HEAD_USAGE[head][0], CONVERTED_TAGS, checkpoint.hub_id), sections)
 
 
 def _card_usage(repo: str, config: NVEsmConfig, head: str) -> str:

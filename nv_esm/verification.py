@@ -146,14 +146,17 @@ def verify(
     atol: float | None = None,
     proteins: Path = PROTEINS_FASTA,
     device: str = "auto",
+    load_converted: Callable[[Path, torch.dtype, str], tuple[Any, str]] | None = None,
 ) -> VerifyReport:
     """Run the reference model (float32) and the converted folder `out` (its own dtype) on real proteins and
     compare their logits.
 
     `reference` loads the source model in float32 (e.g. `partial(load_transformers, folder, torch.float32)`).
     `out` is an NVEsm folder (`out_is_nv`), loaded into the installed package's model class, or a transformers one,
-    loaded with plain transformers: never with the folder's own code. The proteins are tokenized by the tokenizer in
-    folder `tokenizer` (the one the converter writes from the source, not `out`'s, which may have been changed).
+    loaded with plain transformers: never with the folder's own code; `load_converted(out, dtype, device)` loads
+    another layout (NVIDIA's BioNeMo folders, mapped onto transformers' model). The proteins are tokenized by the
+    tokenizer in folder `tokenizer` (the one the converter writes from the source, not `out`'s, which may have been
+    changed).
     `device` (see `VERIFY_DEVICES`) "auto" runs on the GPU when there is one (Transformer Engine if it is
     installed), else on the CPU; on the CPU the NVEsm model uses the PyTorch backend. The models are loaded one
     after the other. `atol` None: `default_atol` of `out`'s dtype.
@@ -170,7 +173,7 @@ def verify(
     records = read_fasta(proteins)
     tokenize = EsmTokenizer.from_pretrained(tokenizer)
     inputs = [tokenize(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
-    load_converted = load_nv if out_is_nv else load_transformers
+    load_converted = load_converted or (load_nv if out_is_nv else load_transformers)
     reference_logits, reference_name, reference_te = _run(lambda: reference(device), inputs, device)
     converted_logits, converted_name, converted_te = _run(lambda: load_converted(out, dtype, device), inputs, device)
     uses_te = reference_te or converted_te

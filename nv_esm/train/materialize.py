@@ -30,6 +30,7 @@ from modeling_nv_esm import (
 from modeling_nv_esm_parallel import tensor_parallel_part, tensor_parallel_whole_shape
 from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
+from nv_esm.state_dict_mapping import RULES
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
 from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
@@ -298,9 +299,17 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
         check_fresh_weights(fresh, source.folder)
     if world.is_main:
         print(weights_line(loaded, [canonical_name(name) for name in fresh], source is not None), flush=True)
+        if source is not None and CONTACT_HEAD_TENSORS <= set(map(canonical_name, fresh)):
+            print(
+                f"note: {source.folder} has no contact head (NVIDIA's BioNeMo layout has none): it starts at random "
+                "and is not trained, so the exported model's contact maps mean nothing",
+                flush=True,
+            )
 
 
 FRESH_SHOWN = 6  # fresh tensors the weights line names
+CONTACT_HEAD = "esm.contact_head."  # the one base-model part a checkpoint may lack (bionemo-to-te writes none)
+CONTACT_HEAD_TENSORS = frozenset(rule.nv for rule in RULES if rule.nv.startswith(CONTACT_HEAD))
 
 
 def weights_line(loaded: int, fresh: list[str], from_checkpoint: bool) -> str:
@@ -318,8 +327,12 @@ def weights_line(loaded: int, fresh: list[str], from_checkpoint: bool) -> str:
 def check_fresh_weights(fresh: list[str], folder: Path) -> None:
     """Refuse a `--model` checkpoint that lacks weights of the base model (`fresh`: the parameters it did not hold):
     they would start from random values (the contact head, which training leaves as it is, would be exported so).
-    New heads (a classifier, an LM head) and LoRA adapters start fresh by design."""
-    encoder = [name for name in map(canonical_name, fresh) if name.startswith("esm.") and "lora_" not in name]
+    New heads (a classifier, an LM head) and LoRA adapters start fresh by design, and so does a contact head that the
+    checkpoint lacks as a whole (a folder converted from NVIDIA's BioNeMo layout: `materialise` says so)."""
+    names = list(map(canonical_name, fresh))
+    if CONTACT_HEAD_TENSORS <= set(names):
+        names = [name for name in names if name not in CONTACT_HEAD_TENSORS]
+    encoder = [name for name in names if name.startswith("esm.") and "lora_" not in name]
     if encoder:
         listed = f"{', '.join(encoder[:3])}{', ...' if len(encoder) > 3 else ''}"
         raise ValueError(

@@ -31,15 +31,15 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from safetensors import SafetensorError
-
-from nv_esm.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, DTYPES, parse_size
 from nv_esm.cli import print_error
-from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder, verify_folder
-from nv_esm.conversion_plan import DIRECTIONS
-from nv_esm.hub_folder import push_to_hub
-from nv_esm.options import HelpFormatter, add_renamed
-from nv_esm.verification import DEFAULT_VERIFY_ATOL, TE_FP32_VERIFY_ATOL, VERIFY_DEVICES, VerificationFailed
+from nv_esm.options import HelpFormatter, add_renamed, parse_size
+from nv_esm.vocabulary import (
+    CONVERT_DTYPE_NAMES,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_VERIFY_ATOL,
+    TE_FP32_VERIFY_ATOL,
+    VERIFY_DEVICES,
+)
 
 EPILOG = f"""examples:
   # a transformers ESM-2 from the Hub -> NVEsm, checked against transformers on real proteins
@@ -117,7 +117,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="output folder (absent or empty unless --overwrite); verify: the converted one",
     )
     parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of SRC (default: the main branch)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as SRC)")
+    parser.add_argument(
+        "--dtype", choices=sorted(CONVERT_DTYPE_NAMES), help="dtype of the written weights (default: as SRC)"
+    )
     parser.add_argument(
         "--max-shard-size", type=parse_size, metavar="SIZE",
         help=f"largest weights file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); more files get an index; "
@@ -170,7 +172,14 @@ def sigterm_as_interrupt() -> Iterator[None]:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Command-line entry point; returns the exit status. `prog`: the command's name in usage and errors."""
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help answers here, before torch and transformers are imported
+    from safetensors import SafetensorError
+
+    from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder
+    from nv_esm.conversion_plan import DIRECTIONS
+    from nv_esm.hub_folder import push_to_hub
+    from nv_esm.verification import VerificationFailed
+
     given = {flag for flag, value in vars(args).items() if value not in (None, False)}
     if args.command == "verify":
         for flag in sorted(given & set(CONVERT_ONLY)):
@@ -227,6 +236,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _main_verify(args: argparse.Namespace, prog: str) -> int:
+    from nv_esm.conversion import verify_folder
+
     check = verify_folder(args.source, args.out, args.revision, args.verify_atol, args.verify_device or "auto")
     print(check.text())
     if check.passed:

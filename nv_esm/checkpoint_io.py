@@ -18,7 +18,6 @@ import json
 import math
 import os
 import pickle
-import re
 import struct
 import tempfile
 from collections import deque
@@ -31,7 +30,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # CONVERT_DTYPE_NAMES
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -46,7 +45,6 @@ SAFETENSORS_DTYPES = {
 }
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 # What `replaced_atomically` adds to a file's name while it writes it (a regular expression, for the patterns of the
 # names a command may find in its folder): `.` + mkstemp's random characters + `.tmp`, or `.tmp` (older versions).
 TEMPORARY_SUFFIX = r"(\.[a-z0-9_]+)?\.tmp"
@@ -274,19 +272,6 @@ def read_fair_esm(path: Path) -> tuple[dict[str, Any], Any]:
 # --------------------------------------------------------------------------------------------------------------
 # Sizes
 # --------------------------------------------------------------------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """`"5GB"` -> 5_000_000_000 (KB/MB/GB/TB: powers of 1000, KiB/MiB/GiB/TiB: powers of 1024, or plain bytes)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
-    number, unit = float(match.group(1)), (match.group(2) or "b").lower()
-    base = 1024 if "i" in unit else 1000
-    size = number * base ** "bkmgt".index(unit[0])
-    if not 1 <= size <= 2**63:
-        raise ValueError(f"size must be from 1 byte to 8 EiB: {text!r}")
-    return int(size)
 
 
 def format_bytes(size: float) -> str:

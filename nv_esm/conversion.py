@@ -31,15 +31,7 @@ from nv_esm.bionemo_mapping import (
     nv_config_from_bionemo,
 )
 from nv_esm.checkpoint_checks import check_finite, check_special_token_ids
-from nv_esm.checkpoint_io import (
-    DEFAULT_MAX_SHARD_SIZE,
-    DTYPES,
-    format_bytes,
-    load_torch_file,
-    parse_size,
-    read_json,
-    weight_files,
-)
+from nv_esm.checkpoint_io import DTYPES, format_bytes, load_torch_file, read_json, weight_files
 from nv_esm.conversion_plan import (
     BIONEMO_TO_TE,
     DIRECTIONS,
@@ -71,6 +63,7 @@ from nv_esm.hub_folder import (
     write_tokenizer,
 )
 from nv_esm.model_card import ConvertedCheckpoint, bionemo_card, model_card
+from nv_esm.options import parse_size
 from nv_esm.path_guard import overlap, refuse_overlap
 from nv_esm.state_dict_mapping import (
     HEADS,
@@ -95,6 +88,7 @@ from nv_esm.verification import (
     verify,
     verify_device,
 )
+from nv_esm.vocabulary import DEFAULT_MAX_SHARD_SIZE
 
 # --------------------------------------------------------------------------------------------------------------
 # Conversion

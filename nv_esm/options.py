@@ -6,6 +6,7 @@ that keep working (`add_renamed`), and the wording shared across commands. Free 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from nv_esm.vocabulary import RENAMED
@@ -74,3 +75,16 @@ def fp8_refusal(fp8: str, backend: str, device: object) -> str:
     """The one-line error of `--fp8 FP8` where the layers run on `backend` ("torch") on `device`: what the user
     passed, what FP8 needs, and the way out."""
     return f"--fp8 {fp8}: {FP8_NEEDS}; this run has backend {backend} on {device} (drop --fp8, or run on such a GPU)."
+
+
+def parse_size(text: str) -> int:
+    """`"5GB"` -> 5_000_000_000 (KB/MB/GB/TB: powers of 1000, KiB/MiB/GiB/TiB: powers of 1024, or plain bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    base = 1024 if "i" in unit else 1000
+    size = number * base ** "bkmgt".index(unit[0])
+    if not 1 <= size <= 2**63:
+        raise ValueError(f"size must be from 1 byte to 8 EiB: {text!r}")
+    return int(size)

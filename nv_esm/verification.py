@@ -18,19 +18,11 @@ import torch
 
 from nv_esm.alphabet import read_fasta
 from nv_esm.checkpoint_io import DTYPES, WEIGHTS_INDEX_NAME, read_json
+from nv_esm.vocabulary import DEFAULT_VERIFY_ATOL as DEFAULT_VERIFY_ATOL
+from nv_esm.vocabulary import TE_FP32_VERIFY_ATOL as TE_FP32_VERIFY_ATOL
+from nv_esm.vocabulary import VERIFY_DEVICES as VERIFY_DEVICES
 
 PROTEINS_FASTA = Path(__file__).resolve().parent / "proteins.fasta"  # package data: installed with nv_esm
-# Largest |logit difference| allowed, by the dtype of the converted weights; the reference always runs in
-# float32. float32: both implementations do the same arithmetic in another order (fused QKV GEMM, other
-# kernels): 4e-6 on a random 650M-shaped model (33 layers, H100 and CPU alike). bfloat16 keeps 8 significant bits
-# and float16 11: rounding weights and activations moved that model's logits by up to 0.07 (bf16) and 0.009
-# (fp16). Trained ESM-2 has larger logits than random weights, so the defaults leave ~10x room; a mapping error
-# (swapped q/k, wrong head order, a missing bias) moves logits by far more.
-DEFAULT_VERIFY_ATOL = {"float32": 1e-4, "float16": 0.1, "bfloat16": 0.75}
-# Transformer Engine's fused GELU is the tanh approximation (|gelu_tanh - gelu_erf| <= 5e-4 per activation):
-# float32 logits on the TE backend moved by up to 2.7e-3 on the same model.
-TE_FP32_VERIFY_ATOL = 5e-2
-VERIFY_DEVICES = ("auto", "cpu", "cuda")
 # Loads a model on a device ("cpu" or "cuda"); returns it in eval mode and a description for the report.
 ModelLoader = Callable[[str], tuple[Any, str]]
 

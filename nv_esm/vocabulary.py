@@ -24,6 +24,22 @@ RENAMED = {"--token-budget": "--tokens-per-batch", "--fp8-recipe": "--fp8-scalin
 INVALID_POLICIES = ("error", "skip")
 STRIP_STOP_HELP = "remove a trailing '*' (a stop codon's mark, as in UniProt files) instead of refusing it"
 
+# `nv-esm convert`: the dtypes a conversion writes (`nv_esm.checkpoint_io.DTYPES`), its largest weights file
+# (`options.parse_size`), where the logit check runs and its tolerances (`nv_esm.verification`).
+CONVERT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Largest |logit difference| allowed, by the dtype of the converted weights; the reference always runs in
+# float32. float32: both implementations do the same arithmetic in another order (fused QKV GEMM, other
+# kernels): 4e-6 on a random 650M-shaped model (33 layers, H100 and CPU alike). bfloat16 keeps 8 significant bits
+# and float16 11: rounding weights and activations moved that model's logits by up to 0.07 (bf16) and 0.009
+# (fp16). Trained ESM-2 has larger logits than random weights, so the defaults leave ~10x room; a mapping error
+# (swapped q/k, wrong head order, a missing bias) moves logits by far more.
+DEFAULT_VERIFY_ATOL = {"float32": 1e-4, "float16": 0.1, "bfloat16": 0.75}
+# Transformer Engine's fused GELU is the tanh approximation (|gelu_tanh - gelu_erf| <= 5e-4 per activation):
+# float32 logits on the TE backend moved by up to 2.7e-3 on the same model.
+TE_FP32_VERIFY_ATOL = 5e-2
+VERIFY_DEVICES = ("auto", "cpu", "cuda")
+
 # `nv-esm embed` (`nv_esm.embed_plan`): what it writes, what it does with a protein over --max-length, its dtypes.
 OUTPUTS = ("mean", "cls", "per_residue", "contacts")
 TOO_LONG_POLICIES = ("error", "skip", "crop", "window")

@@ -33,7 +33,8 @@ from convert_helpers import (
 )
 from nv_esm import alphabet, state_dict_mapping, verification
 from nv_esm.alphabet import GFP
-from nv_esm.checkpoint_io import DTYPES, parse_size
+from nv_esm.checkpoint_io import DTYPES
+from nv_esm.options import parse_size
 from nv_esm.shapes import esm2_config
 from nv_esm.state_dict_mapping import hf_to_nv_state_dict, nv_config_from_hf
 
@@ -429,6 +430,7 @@ def test_parse_size_rejects_nonsense():
 
 MEMORY_PROBE = """
 import convert_checkpoint
+import nv_esm.conversion, nv_esm.hub_folder, nv_esm.verification  # what convert_checkpoint.main imports to run
 
 def status(field):
     return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) * 1024

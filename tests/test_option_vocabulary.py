@@ -13,6 +13,7 @@ from conftest import ROOT
 from nv_esm import cli, options, vocabulary
 
 COMMAND_HELP = {
+    "convert": "nv_esm.cli.parse_convert_args",
     "embed": "nv_esm.cli.parse_embed_args",
     "score": "nv_esm.cli.parse_score_args",
     "proteingym": "nv_esm.cli.parse_proteingym_args",
@@ -183,6 +184,11 @@ def test_the_vocabulary_matches_the_modules_that_act_on_it():
     assert set(vocabulary.FP8_SCALINGS) < set(vocabulary.FP8_RECIPES)
     assert records.INVALID_POLICIES is vocabulary.INVALID_POLICIES
     assert tuple(embed_plan.SAVE_DTYPES) == vocabulary.SAVE_DTYPE_NAMES
+    import convert_checkpoint
+    from nv_esm import checkpoint_io, conversion_plan
+
+    assert tuple(checkpoint_io.DTYPES) == vocabulary.CONVERT_DTYPE_NAMES  # convert's --dtype
+    assert set(conversion_plan.DIRECTIONS) == set(convert_checkpoint.COMMANDS) - {"verify"}  # convert's commands
     assert scoring.METHODS is vocabulary.SCORE_METHODS
     assert proteingym_scoring.METHODS is vocabulary.PROTEINGYM_METHODS
 

@@ -324,6 +324,12 @@ class NVEsmConfig(PretrainedConfig):
             writer.write(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
     @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers' `from_dict`, reading a dict that still holds a `MOVED_OPTIONS` field without it: older
+        versions wrote them into `to_dict()` (a training checkpoint's train_state.json holds its config so)."""
+        return super().from_dict({k: v for k, v in config_dict.items() if k not in MOVED_OPTIONS}, **kwargs)
+
+    @classmethod
     def _dict_from_json_file(cls, json_file: str | os.PathLike) -> dict[str, Any]:
         """A config.json as a dict, load-time options dropped (warning about those that were not defaults)."""
         config_dict = super()._dict_from_json_file(json_file)

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from nv_esm.cli import print_error
+from nv_esm.cli import interrupted_start_up, print_error
 from nv_esm.options import HelpFormatter, add_renamed, parse_size
 from nv_esm.vocabulary import (
     CONVERT_DTYPE_NAMES,
@@ -173,12 +173,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Command-line entry point; returns the exit status. `prog`: the command's name in usage and errors."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)  # --help answers here, before torch and transformers are imported
-    from safetensors import SafetensorError
+    with interrupted_start_up(parser.prog):  # Ctrl-C during these seconds of imports: one line, status 130
+        from safetensors import SafetensorError
 
-    from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder
-    from nv_esm.conversion_plan import DIRECTIONS
-    from nv_esm.hub_folder import push_to_hub
-    from nv_esm.verification import VerificationFailed
+        from nv_esm.conversion import ConvertOptions, convert, is_adapter_folder
+        from nv_esm.conversion_plan import DIRECTIONS
+        from nv_esm.hub_folder import push_to_hub
+        from nv_esm.verification import VerificationFailed
 
     given = {flag for flag, value in vars(args).items() if value not in (None, False)}
     if args.command == "verify":

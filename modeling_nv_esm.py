@@ -395,6 +395,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         state (`pooler_output`); ESM-2's checkpoints hold no pooler, so it starts untrained. The task models
         build their `esm` without it."""
         super().__init__(config)
+        config.run_options.check(config.num_hidden_layers)  # as set by from_pretrained's keywords, after the config
         self.embeddings = NVEsmEmbeddings(config)
         self.rotary_embeddings = NVEsmRotaryEmbedding(config)
         self.encoder = NVEsmEncoder(config, resolve_backend(config.backend))

@@ -142,3 +142,21 @@ def test_a_moved_option_is_refused_with_what_replaces_it(tmp_path):
     path.write_text(json.dumps(fields))
     loaded = NVEsmConfig.from_json_file(path)
     assert not hasattr(loaded, "gradients_reduced_after_backward")
+
+
+def test_run_options_given_to_from_pretrained_are_checked_and_older_configs_still_read(tmp_path):
+    """`from_pretrained` sets its keywords on the built config (property setters, unchecked there): the model
+    checks them when it is built, as `__init__` checks its own. A config dict of an older version that still holds a
+    moved option (a training checkpoint's train_state.json) is read without it."""
+    from configuration_nv_esm import NVEsmConfig
+    from modeling_nv_esm import NVEsmForMaskedLM
+
+    config = NVEsmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                         backend="torch")  # fmt: skip
+    NVEsmForMaskedLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="fp8_weights holds the FP8 layers' weights in FP8"):
+        NVEsmForMaskedLM.from_pretrained(tmp_path, backend="torch", fp8_weights=True)
+    with pytest.raises(ValueError, match=r"layer_precision must have one entry per layer \(2\)"):
+        NVEsmForMaskedLM.from_pretrained(tmp_path, backend="torch", layer_precision=["fp8"])
+    old = {**config.to_dict(), "gradients_reduced_after_backward": True}
+    assert NVEsmConfig.from_dict(old).run_options == config.run_options

@@ -67,12 +67,12 @@ class MetricsLog:
     optional TensorBoard; peak GPU memory of every rank."""
 
     def __init__(self, out: Path, settings: LoggingConfig, total_steps: int, world: Dist, first_step: int) -> None:
-        from tqdm.auto import tqdm
+        from nv_esm.job_clock import WholeBar
 
         self.world, self.out, self.missing_plot = world, out, False
         self.peak = peak_tflops(torch.cuda.get_device_name()) if world.device.type == "cuda" else None
         self.file = open_log(out / "metrics.jsonl") if world.is_main else None
-        self.bar = tqdm(
+        self.bar = WholeBar(
             total=total_steps,
             initial=first_step,
             disable=not world.is_main or not settings.progress,
@@ -127,10 +127,8 @@ class MetricsLog:
             self.file.flush()
             last = records[-1]
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{interval['tokens_per_s']:.0f}", refresh=False)
-        if self.bar.n + len(results) < self.bar.total:
-            self.bar.update(len(results))  # drawn with the interval's loss
-        else:  # the last step: drawn once at 100% (by `close`), not again after the final validation
-            self.bar.n += len(results)
+        self.bar.update(len(results))  # drawn with the interval's loss; at the last step, by `close` alone
+        if self.bar.n >= self.bar.total:  # 100% once, not again after the final validation
             self.bar.close()
         for record in records:
             if not record.get("skipped") and not math.isfinite(record["loss"] + record["grad_norm"]):

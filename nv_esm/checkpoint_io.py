@@ -30,7 +30,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # CONVERT_DTYPE_NAMES
+from nv_esm.vocabulary import CONVERT_DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in CONVERT_DTYPE_NAMES}  # the dtypes a conversion writes
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -424,12 +424,12 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
         return state
     from torch.distributed.tensor import DTensor, Shard
 
-    def whole(value: Any, name: str, dim: int) -> Any:
+    def whole(value: Any, name: str) -> Any:
         if not isinstance(value, DTensor) or value.dim() == 0:  # e.g. the optimizer's step count
             return value
         shape = tensor_parallel_whole_shape(name, tuple(value.shape), world.tp_size)
         stride = torch.empty(shape, device="meta").stride()
-        placements = (Shard(dim), *value.placements)
+        placements = (Shard(tensor_parallel_split_dim(name)), *value.placements)
         return DTensor.from_local(
             value.to_local(), world.checkpoint_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
         )
@@ -441,7 +441,7 @@ def checkpoint_view(state: dict, world: Dist) -> dict:
             }
             return items if any(items[key] is not value[key] for key in value) else value
         dim = None if name is None else tensor_parallel_split_dim(name)
-        return value if dim is None else whole(value, name, dim)
+        return value if dim is None else whole(value, name)
 
     if "state" in state and "param_groups" in state:  # optimizer: {"state": {name: {"exp_avg": ...}}, ...}
         return {**state, "state": view(state["state"], None)}

@@ -409,9 +409,9 @@ def output_path(args: argparse.Namespace, dms_id: str) -> Path:
     return assay_path(args.output, dms_id)
 
 
-def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> None:
+def write_assay(path: Path, file: AssayFile, scores: dict[str, list[str]]) -> None:
     """The assay's CSV (its rows, in order) with one column per score column of `scores` (column name -> a value per
-    row, written as `score_text` writes it), written atomically: each plain line as it was, the scores after it
+    row, as `score_text` wrote it), written atomically: each plain line as it was, the scores after it
     (`AssayTable.lines`), else each row written anew."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
@@ -419,9 +419,9 @@ def write_assay(path: Path, file: AssayFile, scores: dict[str, list[float]]) -> 
     writer.writerow([*table.columns, *scores])
     values = list(zip(*scores.values()))
     if table.lines is not None:
-        text.write("".join(f"{line},{','.join(map(score_text, row))}\n" for line, row in zip(table.lines, values)))
+        text.write("".join(f"{line},{','.join(row)}\n" for line, row in zip(table.lines, values)))
     else:
-        writer.writerows([*fields, *map(score_text, row)] for fields, row in zip(table.fields or (), values))
+        writer.writerows([*fields, *row] for fields, row in zip(table.fields or (), values))
     write_atomically(path, text.getvalue())
 
 
@@ -528,15 +528,17 @@ class AssayWriter:
             if self.failed.is_set():
                 return
             try:
-                # the scores as the file holds them (`score_text`): the summary is the same from a rerun's files
-                values = {
-                    column: [float(score_text(value)) for value in tensor.tolist()]
+                # the scores as the file holds them (`score_text`), formatted once: the summary is computed from
+                # those texts' values, the same from a rerun's files
+                texts = {
+                    column: list(map(score_text, tensor.tolist()))
                     for column, tensor in zip(self.columns, scores.values())
                 }
+                values = {column: list(map(float, column_texts)) for column, column_texts in texts.items()}
                 path = output_path(self.args, file.assay.dms_id)
                 path.unlink(missing_ok=True)  # scored again (--overwrite): never the old scores beside the new record
                 record_inputs(self.args.output, file.assay.dms_id, file.inputs)
-                write_assay(path, file, values)
+                write_assay(path, file, texts)
                 entry = self.entries[file.assay.dms_id]
                 self.summarized[entry.dms_id] = assay_summary(entry, {**values, **file.measured}, self.columns)
             except BaseException:

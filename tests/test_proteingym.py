@@ -34,7 +34,7 @@ from transformers import EsmForMaskedLM
 import convert_checkpoint
 from conftest import make_hf_model, make_nv_model
 from convert_helpers import save_hf
-from nv_esm import proteingym, proteingym_scoring
+from nv_esm import proteingym, proteingym_scoring, scoring
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_AMINO_ACIDS
 from nv_esm.proteingym_scoring import Assay, score_assays
 
@@ -834,7 +834,8 @@ def test_assay_files_are_read_and_written_as_the_csv_module_does(tmp_path, layou
         "wt": torch.randn(len(table)),
     }
     file = proteingym.AssayFile(None, table, {}, {})
-    proteingym.write_assay(tmp_path / "out.csv", file, dict(zip(("x", "y"), (t.tolist() for t in scores.values()))))
+    texts = (list(map(scoring.score_text, t.tolist())) for t in scores.values())
+    proteingym.write_assay(tmp_path / "out.csv", file, dict(zip(("x", "y"), texts)))
     with open(tmp_path / "expected.csv", "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow([*expected_columns, "x", "y"])

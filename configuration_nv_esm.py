@@ -32,6 +32,63 @@ HIDDEN_ACTS = ("gelu",)
 MOVED_OPTIONS = {"gradients_reduced_after_backward": "model.reduce_gradients_after_backward()"}
 
 
+# NVIDIA's BioNeMo ESM-2 config (bionemo-recipes' models/esm2 `NVEsmConfig`): the fields it adds to transformers'
+# `EsmConfig` that NVEsm has no field of its own for, each with their default, the values that mean what NVEsm does
+# (None: any value, none changes what the model computes) and what the field is here. `NVEsmConfig` takes them as
+# keywords and attributes: `use_quantized_model_init` is the run option `fp8_weights`; a value outside the accepted
+# ones is refused in one line naming the field (`check_bionemo_field`); nothing of theirs is stored or saved. Their
+# `attn_input_format`, `layer_precision` and `padded_vocab_size` are NVEsm's own fields, with the same meaning.
+@dataclass(frozen=True)
+class BionemoField:
+    default: Any
+    accepted: tuple | None
+    meaning: str
+    run_option: str | None = None  # NVEsm's run option of the same meaning
+
+
+BIONEMO_CONFIG_FIELDS: dict[str, BionemoField] = {
+    "use_quantized_model_init": BionemoField(
+        False, (True, False), "NVEsm's fp8_weights: the FP8 layers' weights built in FP8", run_option="fp8_weights"
+    ),
+    "qkv_weight_interleaved": BionemoField(
+        True,
+        (True,),
+        "NVEsm's fused query/key/value rows are interleaved per head; a checkpoint with [q | k | v] rows converts "
+        "with nv-esm convert bionemo-to-te",
+    ),
+    "fuse_qkv_params": BionemoField(
+        True,
+        (True,),
+        "NVEsm fuses query, key and value into one parameter (false stores them as separate Transformer Engine "
+        "parameters, which their convert.py never writes)",
+    ),
+    "encoder_activation": BionemoField("gelu", ("gelu",), "ESM-2's layers use gelu; another is another model"),
+    "attn_mask_type": BionemoField(
+        "padding", ("padding", "no_mask"), "ESM-2 attends both ways; NVEsm masks padding only (no_mask: none to mask)"
+    ),
+    "add_pooling_layer": BionemoField(
+        False,
+        (False,),
+        "NVEsm's pooler is NVEsmModel's argument, as in transformers' EsmModel: NVEsmModel(config, "
+        "add_pooling_layer=True); the heads have none",
+    ),
+    "micro_batch_size": BionemoField(None, None, "a size their model warms TE's fused kernels up with; not needed"),
+    "max_seq_length": BionemoField(None, None, "a size their model warms TE's fused kernels up with; not needed"),
+}
+
+
+# Their fields that an NVEsm config.json never holds: any one of them tells their config.json from ours.
+BIONEMO_MARKER_FIELDS = tuple(name for name in BIONEMO_CONFIG_FIELDS if name != "add_pooling_layer")
+
+
+def check_bionemo_field(name: str, value: Any) -> None:
+    """ValueError, one line naming the field, when `value` of NVIDIA's config field `name` (`BIONEMO_CONFIG_FIELDS`)
+    means something NVEsm does not do."""
+    accepted = BIONEMO_CONFIG_FIELDS[name].accepted
+    if accepted is not None and not any(type(value) is type(option) and value == option for option in accepted):
+        raise ValueError(f"{name} {value!r} is refused: {BIONEMO_CONFIG_FIELDS[name].meaning}.")
+
+
 # An ESM-2 has at most 48 layers (15B); the bound stops a mistyped config from allocating without end.
 MAX_LAYERS = 1024
 
@@ -289,6 +346,11 @@ class NVEsmConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         for name in MOVED_OPTIONS.keys() & kwargs.keys():
             raise ValueError(f"{name} is not a config option any more: call {MOVED_OPTIONS[name]} on the model.")
+        for name in BIONEMO_CONFIG_FIELDS.keys() & kwargs.keys():  # NVIDIA's: checked; a run option, or dropped
+            value, option = kwargs.pop(name), BIONEMO_CONFIG_FIELDS[name].run_option
+            check_bionemo_field(name, value)
+            if option is not None and kwargs.setdefault(option, value) != value:
+                raise ValueError(f"{name}={value!r} and {option}={kwargs[option]!r} set one option two ways.")
         self.run_options = RunOptions(**{name: kwargs.pop(name) for name in LOAD_TIME_OPTIONS if name in kwargs})
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
@@ -331,8 +393,15 @@ class NVEsmConfig(PretrainedConfig):
 
     @classmethod
     def _dict_from_json_file(cls, json_file: str | os.PathLike) -> dict[str, Any]:
-        """A config.json as a dict, load-time options dropped (warning about those that were not defaults)."""
+        """A config.json as a dict, load-time options dropped (warning about those that were not defaults). NVIDIA's
+        BioNeMo config.json (`BIONEMO_MARKER_FIELDS`) is refused, with its conversion."""
         config_dict = super()._dict_from_json_file(json_file)
+        markers = [name for name in BIONEMO_MARKER_FIELDS if name in config_dict]
+        if markers:  # their weights are named otherwise (`model.`): loading would leave every weight random
+            raise ValueError(
+                f"{json_file} is NVIDIA's BioNeMo ESM-2 layout (it has {', '.join(markers)}), not NVEsm's; convert "
+                "its folder first: nv-esm convert bionemo-to-te FOLDER OUT"
+            )
         defaults = asdict(RunOptions())
         ignored = {}
         for name in MOVED_OPTIONS:  # load-time options once, never meant for config.json
@@ -420,8 +489,28 @@ def _run_option(name: str) -> property:
     return property(get, set_, doc=f"The run option `run_options.{name}` (`RunOptions`).")
 
 
+def _bionemo_field(name: str) -> property:
+    """`config.<name>` for NVIDIA's config field `name` (`BIONEMO_CONFIG_FIELDS`): its run option, or the one value
+    that means what NVEsm does; setting it checks the value (`check_bionemo_field`) and sets the run option."""
+    field = BIONEMO_CONFIG_FIELDS[name]
+
+    def get(config: NVEsmConfig) -> Any:
+        return field.default if field.run_option is None else getattr(config.run_options, field.run_option)
+
+    def set_(config: NVEsmConfig, value: Any) -> None:
+        check_bionemo_field(name, value)
+        if field.run_option is not None:
+            setattr(config.run_options, field.run_option, value)
+
+    return property(get, set_, doc=f"NVIDIA's config field {name}: {field.meaning}.")
+
+
 for _name in LOAD_TIME_OPTIONS:
     setattr(NVEsmConfig, _name, _run_option(_name))
+# Not `add_pooling_layer`: `from_pretrained` hands a keyword to the model's `__init__` only where the config has no
+# attribute of its name, and `NVEsmModel(config, add_pooling_layer=...)` is transformers' `EsmModel`'s keyword.
+for _name in BIONEMO_CONFIG_FIELDS.keys() - {"add_pooling_layer"}:
+    setattr(NVEsmConfig, _name, _bionemo_field(_name))
 
 
 def fp8_layer_precision(mode: str, num_layers: int) -> list[str | None] | None:

@@ -53,7 +53,7 @@ try:
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_kernels import rotate_qk
-    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
+    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, fp8_value, gelu, resolve_backend
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -81,7 +81,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_kernels import rotate_qk
-    from modeling_nv_esm_layers import NVEsmLayerNormLinear, gelu, resolve_backend
+    from modeling_nv_esm_layers import NVEsmLayerNormLinear, fp8_value, gelu, resolve_backend
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -175,8 +175,9 @@ class NVEsmLMHead(nn.Module):
         self.decoder = NVEsmLayerNormLinear(config.hidden_size, config.padded_vocab_size, config.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[..., hidden]` -> logits `[..., vocab_size]` (the padded vocabulary rows are cut off)."""
-        return self.decoder(gelu(self.dense(hidden_states)))[..., : self.vocab_size]
+        """`[..., hidden]` -> logits `[..., vocab_size]`: the padded vocabulary rows cut off, into a tensor of its own
+        (a view of the padded product would lose FSDP2's backward hook to a caller's in-place op; torch warns so)."""
+        return self.decoder(gelu(self.dense(hidden_states)))[..., : self.vocab_size].contiguous()
 
 
 @dataclass
@@ -232,6 +233,21 @@ def initial_value(
     return value
 
 
+def assign_value(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    """`parameter.copy_(value)`, `value` of the parameter's whole shape, whatever holds the parameter: a tensor, a
+    Transformer Engine FP8 tensor (`value` quantized by its own quantizer: `fp8_value`), or a shard of FSDP2's (a
+    DTensor: this rank's part of `value`, cut as its placements cut the whole, without communication)."""
+    if hasattr(parameter, "device_mesh"):  # a DTensor
+        mesh, coordinate = parameter.device_mesh, parameter.device_mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(parameter.placements):
+            if placement.is_shard():
+                chunks = value.chunk(mesh.size(mesh_dim), dim=placement.dim)
+                index = coordinate[mesh_dim]
+                value = chunks[index] if index < len(chunks) else value.narrow(placement.dim, 0, 0)
+        parameter = parameter.to_local()
+    parameter.copy_(fp8_value(parameter, value))
+
+
 class NVEsmPreTrainedModel(PreTrainedModel):
     """Weight initialisation and loading rules shared by NVEsm models."""
 
@@ -259,9 +275,10 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
 
     @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module, initialised: set[int] | None = None) -> None:
         """transformers' per-module initialisation of a new model: `initial_value` for each parameter of `module`,
-        ESM's rotary frequencies for its rotary table."""
+        ESM's rotary frequencies for its rotary table. `initialised`: the ids of parameters given their value
+        already (a tied one is given the value of its first module's rule), to which `module`'s are added."""
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if tensors and all(getattr(tensor, "_is_hf_initialized", False) for tensor in tensors):
             return  # loaded by from_pretrained: transformers < 5.13 skips these itself only for Hub remote code
@@ -270,7 +287,34 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         if isinstance(module, NVEsmRotaryEmbedding):
             module.inv_freq.copy_(module.default_inv_freq(self.config))
         for name, parameter in module.named_parameters(recurse=False):
-            parameter.copy_(initial_value(name, module, tuple(parameter.shape), self.config, device=parameter.device))
+            if initialised is not None:
+                if id(parameter) in initialised:
+                    continue
+                initialised.add(id(parameter))
+            value = initial_value(name, module, tuple(parameter.shape), self.config, device=parameter.device)
+            assign_value(parameter, value)
+
+    @torch.no_grad()
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a model built on the meta device (`with torch.device("meta"): model = Class(config)`), also
+        after FSDP2's `fully_shard`: every tensor moves to `device` (default: the current CUDA device, else the CPU)
+        and takes its initial value (`initial_value`, from the default generator: seed every rank alike; the rotary
+        table ESM's frequencies); the decoder is tied to the embedding again (FSDP2 keeps them shared). The layers
+        built to hold their weights in FP8 (`fp8_weights`, NVIDIA's `use_quantized_model_init`, or a caller's
+        `te.quantized_model_init` around the build) get Transformer Engine FP8 tensors (DTensors of them under
+        FSDP2) holding those values, with fitting scales. NVIDIA's BioNeMo ESM-2 has a method of this name."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.to_empty(device=device)
+        decoder = self.get_output_embeddings()
+        if decoder is not None and decoder.weight is not self.get_input_embeddings().weight:
+            self.tie_weights()  # `to_empty` gave the decoder a tensor of its own (FSDP2's keeps the one they share)
+        for module in self.modules():  # built inside quantized_model_init: TE makes its weights FP8 tensors
+            if getattr(module, "primary_weights_in_fp8", False) and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        initialised: set[int] = set()
+        for module in self.modules():
+            self._init_weights(module, initialised)
 
     def enable_tensor_parallel(self, tp_group: Any) -> None:
         """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`

@@ -153,7 +153,7 @@ class NVEsmEncoder(nn.Module):
             backend.use_cudnn_layer_norm()
         self.fp8_recipe = backend.fp8_recipe(config)
         self.fp8_weight_recipes = self._fp8_weight_recipes()
-        self.layers = backend.make_layers(config)
+        self.layers = backend.make_layers(config, self.fp8_weight_recipes)
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
         self.tensor_parallel: RankGroup | None = None  # set by `enable_tensor_parallel`

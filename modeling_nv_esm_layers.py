@@ -540,8 +540,9 @@ class TorchBackend(str):
         layer = NVEsmTorchLayer(config, 1 if tensor_parallel is None else tensor_parallel.size)
         return layer if params_dtype is None else layer.to(params_dtype)
 
-    def make_layers(self, config: NVEsmConfig) -> nn.ModuleList:
-        """The encoder's `config.num_hidden_layers` layers."""
+    def make_layers(self, config: NVEsmConfig, weight_recipes: list[Any]) -> nn.ModuleList:
+        """The encoder's `config.num_hidden_layers` layers; `weight_recipes`: per layer, the FP8 recipe its weights
+        are to be held in, or None (`NVEsmEncoder.fp8_weight_recipes`; only Transformer Engine's layers hold any)."""
         return nn.ModuleList(self.make_layer(config, i + 1) for i in range(config.num_hidden_layers))
 
     def check_device(self, device: torch.device) -> None:
@@ -613,11 +614,17 @@ class TEBackend(TorchBackend):
     ) -> nn.Module:
         return make_te_layer(config, layer_number, tensor_parallel, params_dtype)
 
-    def make_layers(self, config: NVEsmConfig) -> nn.ModuleList:
+    def make_layers(self, config: NVEsmConfig, weight_recipes: list[Any]) -> nn.ModuleList:
         """High precision first, inside a caller's `te.quantized_model_init` too: `hold_fp8_weights` quantizes the
-        weights with fitting scales afterwards."""
-        with fp8_weights_init(None):
-            return super().make_layers(config)
+        weights with fitting scales afterwards. On the meta device (no weights yet) each layer is built inside
+        `quantized_model_init` with its `weight_recipes` entry instead: Transformer Engine makes its weights FP8
+        tensors where they are materialised (`init_empty_weights`), FSDP2's shards too."""
+        on_meta = torch.get_default_device().type == "meta"
+        layers = []
+        for index in range(config.num_hidden_layers):
+            with fp8_weights_init(weight_recipes[index] if on_meta else None):
+                layers.append(self.make_layer(config, index + 1))
+        return nn.ModuleList(layers)
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cuda":

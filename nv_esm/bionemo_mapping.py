@@ -29,34 +29,20 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from configuration_nv_esm import NVEsmConfig
+from configuration_nv_esm import BIONEMO_CONFIG_FIELDS, BIONEMO_MARKER_FIELDS, NVEsmConfig, check_bionemo_field
 from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.state_dict_mapping import HEADS, SHARED_CONFIG_FIELDS, nv_config_from_hf
 
-# The fields bionemo-recipes' `NVEsmConfig` adds to transformers' `EsmConfig`, with its defaults.
+# The fields bionemo-recipes' `NVEsmConfig` adds to transformers' `EsmConfig`, with its defaults: those NVEsm has
+# fields of its own for, and the rest (`BIONEMO_CONFIG_FIELDS`, which says what each means to NVEsm).
 BIONEMO_FIELDS: dict[str, Any] = {
-    "qkv_weight_interleaved": True,
-    "encoder_activation": "gelu",
     "attn_input_format": "bshd",
-    "fuse_qkv_params": True,
-    "micro_batch_size": None,
-    "max_seq_length": None,
     "padded_vocab_size": 64,
-    "attn_mask_type": "padding",
-    "add_pooling_layer": False,
     "layer_precision": None,
-    "use_quantized_model_init": False,
+    **{name: field.default for name, field in BIONEMO_CONFIG_FIELDS.items()},
 }
 # Fields of theirs that an NVEsm config.json never holds: any one of them tells their config.json from ours.
-MARKER_FIELDS = (
-    "qkv_weight_interleaved",
-    "encoder_activation",
-    "fuse_qkv_params",
-    "attn_mask_type",
-    "micro_batch_size",
-    "max_seq_length",
-    "use_quantized_model_init",
-)
+MARKER_FIELDS = BIONEMO_MARKER_FIELDS
 # Fields of theirs that choose how their model runs, not what its weights compute: dropped converting in (our
 # load-time options, e.g. `layer_precision` and `attn_input_format`, are `from_pretrained` keywords and the commands'
 # --fp8), written with their defaults converting out. `add_pooling_layer`: their masked LM never has a pooler;
@@ -167,20 +153,17 @@ def bionemo_padded_vocab_size(fields: Mapping[str, Any]) -> int:
 
 def check_bionemo_config(fields: Mapping[str, Any]) -> None:
     """Refuse (ValueError, one line naming the field) what their config.json may say that the converted folder
-    cannot honour: another activation than gelu, unfused query/key/value parameters (other tensor names), a causal
-    attention mask, another rotary base than their model's, a `padded_vocab_size` below the vocabulary."""
-    checks = (
-        ("encoder_activation", lambda v: v == "gelu", "ESM-2's layers use gelu; these weights compute another model"),
-        ("fuse_qkv_params", lambda v: v is True, "false stores query, key and value as separate Transformer Engine "
-         "parameters (layernorm_qkv.query_weight, ...), which their convert.py never writes"),
-        ("qkv_weight_interleaved", lambda v: type(v) is bool, "it is true or false"),
-        ("attn_mask_type", lambda v: v in ATTENTION_MASKS, "ESM-2 attends both ways; a causal mask is another model"),
-        ("rope_theta", lambda v: v == ROTARY_BASE, f"their model's rotary base is always {ROTARY_BASE:g}"),
-    )  # fmt: skip
-    for name, accepted, reason in checks:
-        value = fields.get(name, BIONEMO_FIELDS.get(name, ROTARY_BASE))
-        if not accepted(value):
-            raise ValueError(f"{name} {value!r} is refused: {reason}.")
+    cannot honour: what NVEsm refuses of their fields (`check_bionemo_field`: another activation than gelu, unfused
+    query/key/value parameters, a causal attention mask, ...) but the query/key/value order, which converting
+    re-orders; another rotary base than their model's; a `padded_vocab_size` below the vocabulary."""
+    for name in ("encoder_activation", "fuse_qkv_params", "attn_mask_type"):
+        check_bionemo_field(name, fields.get(name, BIONEMO_FIELDS[name]))
+    interleaved = fields.get("qkv_weight_interleaved", True)
+    if type(interleaved) is not bool:
+        raise ValueError(f"qkv_weight_interleaved {interleaved!r} is refused: it is true or false.")
+    rope_theta = fields.get("rope_theta", ROTARY_BASE)
+    if rope_theta != ROTARY_BASE:
+        raise ValueError(f"rope_theta {rope_theta!r} is refused: their model's rotary base is always {ROTARY_BASE:g}.")
     padded, vocab_size = bionemo_padded_vocab_size(fields), fields.get("vocab_size", len(ESM_VOCAB))
     if type(padded) is not int or type(vocab_size) is not int or padded < vocab_size:
         raise ValueError(f"padded_vocab_size {padded!r} is refused: it is a row count of at least vocab_size.")

@@ -36,8 +36,7 @@ try:
     from .modeling_nv_esm_parallel import (
         ContextParallel,
         RankGroup,
-        tensor_parallel_layer,
-        tensor_parallel_part,
+        tensor_parallel_layers,
         tensor_parallel_split_dim,
     )
     from .modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
@@ -60,8 +59,7 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_parallel import (
         ContextParallel,
         RankGroup,
-        tensor_parallel_layer,
-        tensor_parallel_part,
+        tensor_parallel_layers,
         tensor_parallel_split_dim,
     )
     from modeling_nv_esm_plan import ForwardPlan, ForwardPrecision
@@ -297,11 +295,11 @@ class NVEsmEncoder(nn.Module):
 
     def enable_tensor_parallel(self, tensor_parallel: RankGroup) -> None:
         """Split every layer across the ranks of `tensor_parallel` (Megatron-style tensor parallelism with
-        sequence parallelism, `TENSOR_PARALLEL_SPLITS`): the layers are rebuilt as this rank's part, holding the
-        matching slices of the current weights (none on the meta device). Packed (THD) layers only; the model's
-        inputs and outputs stay whole on every rank. Raises ValueError for what it does not support: padded
-        layers, dropout, head or MLP sizes the group size does not divide, LoRA adapters, activation offloading,
-        a second call."""
+        sequence parallelism, `TENSOR_PARALLEL_SPLITS`): the layers are replaced by this rank's parts of them
+        (`tensor_parallel_layers`), holding the matching slices of the current weights (none on the meta device).
+        Packed (THD) layers only; the model's inputs and outputs stay whole on every rank. Raises ValueError for
+        what it does not support: padded layers, dropout, head or MLP sizes the group size does not divide, LoRA
+        adapters, activation offloading, a second call."""
         config, size = self.config, tensor_parallel.size
         self._refuse_parallelism(
             "tensor_parallel",
@@ -315,22 +313,7 @@ class NVEsmEncoder(nn.Module):
                 ),
             },
         )
-        old = self.layers
-        device, dtype = next(old.parameters()).device, next(old.parameters()).dtype
-        with torch.device("meta"):
-            parts = (tensor_parallel_layer(self.backend, config, i + 1, tensor_parallel) for i in range(len(old)))
-            layers = nn.ModuleList(parts).to(dtype)
-        if device.type != "meta":
-            layers.to_empty(device=device)
-            with torch.no_grad():
-                for new_layer, old_layer in zip(layers, old):
-                    whole = dict(old_layer.named_parameters())
-                    for name, parameter in new_layer.named_parameters():
-                        part = tensor_parallel_part(name, tuple(whole[name].shape), size, tensor_parallel.rank)
-                        parameter.copy_(
-                            whole[name] if part is None else whole[name][(slice(None),) * part[0] + (part[1],)]
-                        )
-        layers.train(self.training)
+        layers = tensor_parallel_layers(self.layers, self.backend, config, tensor_parallel)
         self.layers, self.tensor_parallel = layers, tensor_parallel
         self.graphs.clear()
 

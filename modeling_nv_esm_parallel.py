@@ -1,6 +1,7 @@
 """Running one batch's layers across ranks, applied from outside the layers: tensor parallelism (token
-scatter/gather, `TENSOR_PARALLEL_SPLITS`, a layer's part `tensor_parallel_layer`, the run layout
-`TensorParallelRun`) and context parallelism (the run layout `ContextParallelLayout`).
+scatter/gather, the plan `TENSOR_PARALLEL_SPLITS` and `TENSOR_PARALLEL_TWINS`, the layers' parts
+`tensor_parallel_layers`, the run layout `TensorParallelRun`) and context parallelism (the run layout
+`ContextParallelLayout`).
 
 Part of the model's Hub remote code: imports the batch, layout, LoRA and layers siblings below it.
 """
@@ -54,7 +55,7 @@ def tensor_parallel_split_dim(name: str) -> int | None:
 def tensor_parallel_part(name: str, whole_shape: tuple[int, ...], size: int, rank: int) -> tuple[int, slice] | None:
     """The part of parameter `name` (of `whole_shape`) that rank `rank` of `size` tensor-parallel ranks holds: the
     split dimension and the slice of it (`tensor_parallel_split_dim`), or None where every rank holds it whole. The
-    one place a whole weight is cut for a rank: `NVEsmEncoder.enable_tensor_parallel` and the trainer's loading."""
+    one place a whole weight is cut for a rank: `tensor_parallel_layers` and the trainer's loading."""
     dim = tensor_parallel_split_dim(name) if size > 1 else None
     if dim is None:
         return None
@@ -197,6 +198,29 @@ def tensor_parallel_layer(backend: Backend, config: Any, layer_number: int, tens
             module.__class__ = parallel
             module.tensor_parallel = tensor_parallel
     return layer
+
+
+def tensor_parallel_layers(
+    layers: nn.ModuleList, backend: Backend, config: Any, tensor_parallel: RankGroup
+) -> nn.ModuleList:
+    """This rank's parts of the whole `layers` (`tensor_parallel_layer`), in their dtype, device and training mode,
+    holding this rank's slices of their weights (`tensor_parallel_part`; none when `layers` are on the meta device).
+    `NVEsmEncoder.enable_tensor_parallel` runs its layers so."""
+    first = next(layers.parameters())
+    with torch.device("meta"):
+        parts = (tensor_parallel_layer(backend, config, i + 1, tensor_parallel) for i in range(len(layers)))
+        split = nn.ModuleList(parts).to(first.dtype)
+    if first.device.type != "meta":
+        split.to_empty(device=first.device)
+        with torch.no_grad():
+            for part_layer, whole_layer in zip(split, layers):
+                whole = dict(whole_layer.named_parameters())
+                for name, parameter in part_layer.named_parameters():
+                    part = tensor_parallel_part(
+                        name, tuple(whole[name].shape), tensor_parallel.size, tensor_parallel.rank
+                    )
+                    parameter.copy_(whole[name] if part is None else whole[name][(slice(None),) * part[0] + (part[1],)])
+    return split.train(layers.training)
 
 
 @dataclass(frozen=True)

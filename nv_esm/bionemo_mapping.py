@@ -31,7 +31,8 @@ from typing import Any
 
 from configuration_nv_esm import BIONEMO_CONFIG_FIELDS, BIONEMO_MARKER_FIELDS, NVEsmConfig, check_bionemo_field
 from nv_esm.alphabet import ESM_VOCAB
-from nv_esm.state_dict_mapping import HEADS, SHARED_CONFIG_FIELDS, nv_config_from_hf
+from nv_esm.hub_folder import esm_tokens_out_of_place
+from nv_esm.state_dict_mapping import CONTACT_HEAD, HEADS, SHARED_CONFIG_FIELDS, nv_config_from_hf
 
 # The fields bionemo-recipes' `NVEsmConfig` adds to transformers' `EsmConfig`, with its defaults: those NVEsm has
 # fields of its own for, and the rest (`BIONEMO_CONFIG_FIELDS`, which says what each means to NVEsm).
@@ -127,7 +128,7 @@ def config_refusal(checkpoint: str | Path, fields: Mapping[str, Any]) -> str | N
 
 def bionemo_name(nv_name: str) -> str | None:
     """Their name of an NVEsm tensor; None for the tensors their layout lacks (contact head, rotary inv_freq)."""
-    if nv_name.startswith("esm.contact_head.") or nv_name.endswith(".inv_freq"):
+    if nv_name.startswith(CONTACT_HEAD) or nv_name.endswith(".inv_freq"):
         return None
     return BASE_PREFIX + nv_name.removeprefix("esm.") if nv_name.startswith("esm.") else nv_name
 
@@ -149,6 +150,12 @@ def bionemo_padded_vocab_size(fields: Mapping[str, Any]) -> int:
     """Rows of their embedding and decoder: `padded_vocab_size` (64 when absent, the vocabulary size when null)."""
     padded = fields.get("padded_vocab_size", BIONEMO_FIELDS["padded_vocab_size"])
     return padded if padded is not None else fields.get("vocab_size", len(ESM_VOCAB))
+
+
+def bionemo_vocab_rows(config: NVEsmConfig, padded_vocab_size: int | None = None) -> int:
+    """Rows of their embedding and decoder for a model of NVEsm config `config`: `padded_vocab_size` (their
+    config.json's: a source's, or an existing output's that is checked) or, None, the NVEsm config's."""
+    return padded_vocab_size or config.padded_vocab_size
 
 
 def check_bionemo_config(fields: Mapping[str, Any]) -> None:
@@ -190,7 +197,7 @@ def dropped_run_options(fields: Mapping[str, Any]) -> list[str]:
 
 def bionemo_config_dict(config: NVEsmConfig, head: str = "masked_lm", padded_vocab_size: int | None = None) -> dict:
     """Their config.json for an NVEsm config: transformers' `EsmConfig` fields, theirs at their defaults
-    (`padded_vocab_size`: `padded_vocab_size`, or the NVEsm config's), model_type "nv_esm", their class of `head` in
+    (`padded_vocab_size`: `bionemo_vocab_rows`), model_type "nv_esm", their class of `head` in
     `architectures` and their `auto_map`. ValueError for what their model cannot run: a sequence classifier (they
     have no such class), another rotary base than theirs."""
     if head not in BIONEMO_CLASSES:
@@ -205,7 +212,6 @@ def bionemo_config_dict(config: NVEsmConfig, head: str = "masked_lm", padded_voc
         fields["id2label"] = {str(i): label for i, label in config.id2label.items()}
         fields["label2id"] = config.label2id
         fields.update({"problem_type": config.problem_type} if config.problem_type else {})
-    padded = padded_vocab_size or config.padded_vocab_size
     return {
         "architectures": [BIONEMO_CLASSES[head]],
         "auto_map": BIONEMO_AUTO_MAP,
@@ -213,7 +219,7 @@ def bionemo_config_dict(config: NVEsmConfig, head: str = "masked_lm", padded_voc
         **ESM_CONFIG_EXTRAS,
         **BIONEMO_FIELDS,
         **fields,
-        "padded_vocab_size": padded,
+        "padded_vocab_size": bionemo_vocab_rows(config, padded_vocab_size),
     }
 
 
@@ -224,7 +230,8 @@ def bionemo_config_dict(config: NVEsmConfig, head: str = "masked_lm", padded_voc
 
 def check_fast_tokenizer(path: Path, vocab_size: int) -> None:
     """Refuse their `tokenizer.json` (a folder without vocab.txt: their export saves only the fast tokenizer) unless
-    its vocabulary gives ESM-2's tokens ESM-2's ids: the converted folder gets ESM-2's vocabulary."""
+    its vocabulary gives ESM-2's tokens ESM-2's ids (`esm_tokens_out_of_place`, as for a vocab.txt) and no token an
+    id past `vocab_size` or another token's: the converted folder gets ESM-2's vocabulary."""
     try:
         model = json.loads(path.read_text(encoding="utf-8")).get("model") or {}
     except (ValueError, UnicodeDecodeError, AttributeError) as error:
@@ -232,7 +239,7 @@ def check_fast_tokenizer(path: Path, vocab_size: int) -> None:
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if not isinstance(vocab, dict):
         raise ValueError(f"{path} holds no token -> id vocabulary (a WordLevel model); it is not ESM-2's tokenizer.")
-    moved = [token for index, token in enumerate(ESM_VOCAB) if vocab.get(token) != index]
+    moved = esm_tokens_out_of_place(vocab)
     beyond = [token for token, index in vocab.items() if type(index) is not int or not 0 <= index < vocab_size]
     if moved or beyond or len(set(vocab.values())) != len(vocab):
         first = moved[0] if moved else beyond[0] if beyond else "an id given twice"

@@ -263,7 +263,9 @@ def read_fair_esm(path: Path) -> tuple[dict[str, Any], Any]:
                 f"{regression} is not a contact-regression file (expected a dict with a 'model' state dict)."
             )
         state.update(regression_data["model"])
-    if not any("contact_head.regression" in key for key in state):
+    from nv_esm.state_dict_mapping import CONTACT_HEAD_TENSORS, canonical_fair_esm_name  # here: it imports the config
+
+    if not any(canonical_fair_esm_name(key) in CONTACT_HEAD_TENSORS for key in state):
         raise ValueError(
             f"{path} holds no contact-regression weights and {regression.name} is not beside it; put fair-esm's "
             f"{regression.name} (from the same release as the model) in {path.parent}."

@@ -15,7 +15,8 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,22 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configuration_nv_esm import NVEsmConfig
-from nv_esm.bionemo_mapping import (
-    bionemo_config_dict,
-    bionemo_padded_vocab_size,
-    dropped_run_options,
-    nv_config_from_bionemo,
-)
 from nv_esm.checkpoint_checks import check_finite, check_special_token_ids
 from nv_esm.checkpoint_io import DTYPES, format_bytes, load_torch_file, read_json, weight_files
 from nv_esm.conversion_plan import (
     BIONEMO_TO_TE,
+    CONVERTED_BY,
     DIRECTIONS,
     HF_TO_TE,
-    INVERSE,
-    TE_TO_BIONEMO,
     TE_TO_HF,
-    BionemoDirection,
     Direction,
     Source,
     Step,
@@ -57,24 +50,21 @@ from nv_esm.hub_folder import (
     check_contained,
     check_out,
     copy_remote_code,
-    nv_config_dict,
     staging_folder,
     write_license,
     write_tokenizer,
 )
-from nv_esm.model_card import ConvertedCheckpoint, bionemo_card, model_card
+from nv_esm.model_card import ConvertedCheckpoint
 from nv_esm.options import parse_size
 from nv_esm.path_guard import overlap, refuse_overlap
 from nv_esm.state_dict_mapping import (
-    HEADS,
+    CONTACT_HEAD_TENSORS,
     RULES,
     CheckpointMismatch,
-    apply_rule_nv_to_hf,
     hf_config_from_nv,
     hf_to_nv_adapter_state_dict,
-    nv_config_from_hf,
     nv_to_hf_adapter_state_dict,
-    rules_for,
+    nv_to_hf_state_dict,
 )
 from nv_esm.verification import (
     ModelLoader,
@@ -155,8 +145,9 @@ def convert(
     options = options or ConvertOptions()
     out = Path(out)
     if is_adapter_folder(source):
-        if isinstance(direction, BionemoDirection):
-            raise ValueError(f"{source} is a PEFT adapter folder: adapters convert with hf-to-te and te-to-hf only.")
+        if not direction.converts_adapters:
+            adapters = " and ".join(name for name, other in DIRECTIONS.items() if other.converts_adapters)
+            raise ValueError(f"{source} is a PEFT adapter folder: adapters convert with {adapters} only.")
         return convert_adapter(direction, Path(source).expanduser(), out, options, config_overrides or {})
     check_out(out, options.force)
     opened = open_source(source, options.revision)
@@ -186,28 +177,22 @@ def convert(
             )
         if report is not None and not report.passed:
             raise VerificationFailed(report)
-        checkpoint = converted_checkpoint(opened, steps)
-        if direction.to_nv:
-            repo = options.hub_repo_id or str(out)
-            card = model_card(checkpoint, config, report, repo, opened.head)
-            (staging / "README.md").write_text(card)
-        elif isinstance(direction, BionemoDirection):
-            padded = direction.padded_vocab_size or config.padded_vocab_size
-            (staging / "README.md").write_text(bionemo_card(checkpoint, config, padded, report, opened.head))
+        if direction.writes_card:
+            checkpoint, repo = converted_checkpoint(opened, steps), options.hub_repo_id or str(out)
+            (staging / "README.md").write_text(direction.card(checkpoint, config, report, repo, opened.head))
     seconds = time.perf_counter() - start
     parameters, nbytes = count_parameters(steps), count_bytes(steps)
-    notes = conversion_notes(opened, direction)
+    notes = direction.notes(opened)
     return ConversionResult(config, out, parameters, nbytes, shards, seconds, report, notes)
 
 
-# What each kind of source is, and the direction that reads it.
+# What each kind of source is (the direction that reads it: `conversion_plan.CONVERTED_BY`).
 KIND_NAMES = {
     "transformers": "a transformers ESM-2 checkpoint",
     "fair-esm": "a fair-esm ESM-2 checkpoint",
     "nvesm": "an NVEsm checkpoint",
     "bionemo": "NVIDIA's BioNeMo ESM-2 layout (bionemo-recipes)",
 }
-CONVERTED_BY = {"transformers": "hf-to-te", "fair-esm": "hf-to-te", "bionemo": "bionemo-to-te"}
 
 
 def refuse_kind(source: Source, direction: Direction) -> None:
@@ -215,53 +200,27 @@ def refuse_kind(source: Source, direction: Direction) -> None:
     if source.kind in direction.reads:
         return
     if source.kind == "nvesm":
-        back = "te-to-bionemo" if isinstance(direction, BionemoDirection) else "te-to-hf"
+        back = direction.inverse.name
         raise ValueError(f"{source.spec} is already an NVEsm checkpoint; convert it back with {back}.")
     if direction.to_nv:
         raise ValueError(
             f"{source.spec} is {KIND_NAMES[source.kind]}, which {direction.name} does not read; convert it with "
             f"{CONVERTED_BY[source.kind]}."
         )
+    writers = " or ".join(name for name, other in DIRECTIONS.items() if other.writes in direction.reads)
     raise ValueError(
         f"{source.spec} is not an NVEsm checkpoint ({KIND_NAMES[source.kind]}; model_type "
-        f"{source.config.get('model_type')!r}); {direction.name} reads folders written by hf-to-te or bionemo-to-te: "
+        f"{source.config.get('model_type')!r}); {direction.name} reads folders written by {writers}: "
         f"convert it with {CONVERTED_BY[source.kind]} first."
     )
 
 
-def conversion_notes(source: Source, direction: Direction) -> tuple[str, ...]:
-    """What converting `source` in `direction` left out, one line each: the contact head (NVIDIA's layout has
-    none) and their run options (`bionemo_mapping.RUN_OPTIONS`) set to other values than their defaults."""
-    if not isinstance(direction, BionemoDirection):
-        return ()
-    if not direction.to_nv:
-        stored = canonical_keys(source.store.info, source.canonical)
-        if any(name.startswith("esm.contact_head.") for name in stored):
-            return ("NVIDIA's BioNeMo layout has no contact head: the source's was left out.",)
-        return ()
-    notes = [
-        "NVIDIA's BioNeMo layout has no contact head, so OUT has none: nv-esm embed --include contacts refuses it "
-        "(from_pretrained starts it at random)."
-    ]
-    dropped = dropped_run_options(source.config)
-    if dropped:
-        notes.append(f"their run options were left out (NVEsm's are load-time options): {', '.join(dropped)}.")
-    return tuple(notes)
-
-
 def source_config(source: Source, direction: Direction, overrides: dict[str, Any]) -> NVEsmConfig:
-    """The NVEsm config of the conversion (a classifier's labels included); refuses a source of another direction
-    (`refuse_kind`) and, into NVIDIA's layout, a model their code cannot run (`bionemo_config_dict`)."""
+    """The NVEsm config of the conversion (a classifier's labels included: `Direction.nv_config`); refuses a source
+    of another direction (`refuse_kind`) and, into NVIDIA's layout, a model their code cannot run."""
     refuse_kind(source, direction)
     try:
-        if isinstance(direction, BionemoDirection) and direction.to_nv:
-            return nv_config_from_bionemo(source.config, source.head, **overrides)
-        if direction.to_nv:
-            return nv_config_from_hf(source.config, source.head, **overrides)
-        config = NVEsmConfig.from_dict({**source.config, **overrides})
-        if isinstance(direction, BionemoDirection):
-            bionemo_config_dict(config, source.head)
-        return config
+        return direction.nv_config(source.config, source.head, overrides)
     except ValueError as error:  # a field of the wrong type or value (`NVEsmConfig`'s checks)
         where = source.path / "config.json" if source.folder else source.path
         raise ValueError(f"{where}: {error}") from None
@@ -270,12 +229,7 @@ def source_config(source: Source, direction: Direction, overrides: dict[str, Any
 def write_companions(out: Path, source: Source, config: NVEsmConfig, direction: Direction, steps: list[Step]) -> None:
     """config.json (naming the class of the source's head), tokenizer (transformers' `EsmTokenizer` out of NVEsm)
     and LICENSE; for NVEsm also the remote code (the model card comes last)."""
-    if direction.to_nv:
-        config_dict = nv_config_dict(config, HEADS[source.head].nv_class)
-    elif isinstance(direction, BionemoDirection):  # theirs, for their code (bionemo-recipes), which is not written
-        config_dict = bionemo_config_dict(config, source.head, direction.padded_vocab_size)
-    else:
-        config_dict = hf_config_from_nv(config, source.head)
+    config_dict = direction.config_dict(config, source.head)
     config_dict["dtype"] = weights_dtype_name(steps)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     write_tokenizer(out, source.folder, config.vocab_size, remote_code=direction.to_nv)
@@ -324,46 +278,54 @@ def _load_fair_esm(source: Source, device: str) -> tuple[Any, str]:
         name: source.store.load(key).float()
         for name, key in canonical_keys(source.store.info, source.canonical).items()
     }
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.decoder.weight"}:
-        raise CheckpointMismatch(set(missing) - {"lm_head.decoder.weight"}, unexpected)
-    model.tie_weights()
+    load_hf_state(model, state)
     return model.to(device).eval(), f"transformers EsmForMaskedLM float32 ({source.spec})"
 
 
-def converted_loader(direction: Direction) -> Any:
-    """How `verify` loads the folder `direction` writes: None (its default: NVEsm's or transformers' class), or,
-    for NVIDIA's layout, `load_bionemo`."""
-    return load_bionemo if isinstance(direction, BionemoDirection) and not direction.to_nv else None
+def load_hf_state(model: Any, state: dict[str, torch.Tensor], absent: frozenset[str] = frozenset()) -> None:
+    """Load `state` (transformers' names) into transformers' `EsmForMaskedLM` `model` and tie its decoder to the
+    embedding; CheckpointMismatch unless it holds every parameter but the tied decoder weight and `absent`, and
+    nothing else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    left = set(missing) - {"lm_head.decoder.weight", *absent}
+    if unexpected or left:
+        raise CheckpointMismatch(left, unexpected)
+    model.tie_weights()
+
+
+def converted_loader(
+    direction: Direction, out: Source | None = None
+) -> Callable[[Path, torch.dtype, str], tuple[Any, str]] | None:
+    """How `verify` loads the folder `direction` writes (`verify`'s `load_converted`): None (its default, NVEsm's or
+    transformers' class) or, for NVIDIA's layout, `load_bionemo`; of `out`, that folder already opened, when given
+    (read, not opened again)."""
+    if direction.writes != "bionemo":
+        return None
+    if out is None:
+        return load_bionemo
+    return lambda _folder, dtype, device: load_bionemo(out, dtype, device)
 
 
 def load_bionemo(source: Source | Path, dtype: torch.dtype, device: str, label: str = "OUT") -> tuple[Any, str]:
     """A folder in NVIDIA's BioNeMo layout (or its opened `Source`) as transformers' `EsmForMaskedLM` in `dtype` on
-    `device`, read as data: its tensors mapped to NVEsm's (`BIONEMO_TO_TE`) and from there to transformers' through
-    the table (their code is not run, nor shipped). The contact head, which their layout lacks, stays random (the
-    logits do not use it)."""
+    `device`, read as data: its tensors converted to NVEsm's as `bionemo-to-te` converts them (`plan_steps`,
+    `run_step`), and from there to transformers' (`nv_to_hf_state_dict`); their code is not run, nor shipped. The
+    contact head, which their layout lacks, stays random (the logits do not use it)."""
     from transformers import EsmConfig, EsmForMaskedLM
 
     source = source if isinstance(source, Source) else open_source(source)
     direction = BIONEMO_TO_TE.for_source(source.config)
     config = source_config(source, direction, {})
     verifiable_head(source.head)
-    nv_state = {}
-    for step in plan_steps(source, config, direction, dtype):
-        nv_state.update(
-            (name, tensor) for (name, _), tensor in zip(step.outputs, run_step(step, source, config, direction))
-        )
-    hf_state = {}
-    for rule in rules_for(config, source.head):
-        if rule.nv in nv_state:
-            hf_state.update(zip(rule.hf, apply_rule_nv_to_hf(rule, nv_state[rule.nv], config)))
+    nv_state = {
+        name: tensor
+        for step in plan_steps(source, config, direction, dtype)
+        for (name, _), tensor in zip(step.outputs, run_step(step, source, config, direction))
+    }
+    hf_state = nv_to_hf_state_dict(nv_state, config, absent=CONTACT_HEAD_TENSORS)
     fields = {key: value for key, value in hf_config_from_nv(config).items() if key != "model_type"}
     model = EsmForMaskedLM._from_config(EsmConfig(**fields), dtype=dtype)
-    missing, unexpected = model.load_state_dict(hf_state, strict=False)
-    absent = {"lm_head.decoder.weight", "esm.contact_head.regression.weight", "esm.contact_head.regression.bias"}
-    if unexpected or set(missing) - absent:
-        raise CheckpointMismatch(set(missing) - absent, unexpected)
-    model.tie_weights()
+    load_hf_state(model, hf_state, absent=CONTACT_HEAD_TENSORS)
     name = f"transformers EsmForMaskedLM {dtype_name(dtype)} ({label}: NVIDIA's BioNeMo layout, mapped)"
     return model.to(device).eval(), name
 
@@ -504,9 +466,7 @@ def verify_folder(
             f"NVEsm SRC and transformers or NVIDIA BioNeMo OUT, or NVIDIA BioNeMo SRC and NVEsm OUT); {source.spec} is "
             f"{source.kind} and {out} is {converted.kind}."
         )
-    direction = found[0].for_source(source.config)
-    if direction.name == TE_TO_BIONEMO.name:  # as many vocabulary rows as OUT has
-        direction = replace(TE_TO_BIONEMO, padded_vocab_size=bionemo_padded_vocab_size(converted.config))
+    direction = found[0].for_source(source.config).for_output(converted.config)
     out_dtype = read_json(out / "config.json").get("dtype", "float32")
     verifiable_head(source.head)
     verifiable_dtype(out_dtype)
@@ -516,9 +476,8 @@ def verify_folder(
     with tempfile.TemporaryDirectory() as folder:
         expected = Path(folder)
         write_companions(expected, source, config, direction, steps)
-        with_card = direction.to_nv or isinstance(direction, BionemoDirection)
-        files, file_mismatches = compare_files(out, expected, weight_files(out), with_card)
-        load_converted = converted_loader(direction)
+        files, file_mismatches = compare_files(out, expected, weight_files(out), direction.writes_card)
+        load_converted = converted_loader(direction, converted)
         report = verify(
             reference_model(source), out, direction.to_nv, expected, atol, device=device, load_converted=load_converted
         )
@@ -528,7 +487,7 @@ def verify_folder(
 def expected_conversion(source: Source, out: Source, direction: Direction) -> tuple[NVEsmConfig, list[Step]]:
     """The config and steps of converting `source` as `out` was converted: to `out`'s dtype and, into NVEsm, its
     padded vocabulary size (whose padding rows `compare_tensors` checks)."""
-    out_config = source_config(out, INVERSE[direction.name].for_source(out.config), {})
+    out_config = source_config(out, direction.inverse.for_source(out.config), {})
     overrides = {"padded_vocab_size": out_config.padded_vocab_size} if direction.to_nv else {}
     config = source_config(source, direction, overrides)
     stored = canonical_keys(out.store.info, out.canonical)

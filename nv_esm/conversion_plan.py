@@ -1,11 +1,13 @@
 """The conversion's inputs and plan: the checkpoint to convert (`Source`: a folder, a Hub id or a fair-esm `.pt`) and
 one `Step` per rule of `nv_esm.state_dict_mapping.RULES` (and the head's rules) that applies to it.
 
-A `Direction` says which side of each rule is read and which is written; `BionemoDirection` reads or writes NVIDIA's
-BioNeMo layout in place of transformers' (`nv_esm.bionemo_mapping`: their names of our tensors, their vocabulary
-rows). `plan_steps` checks every stored name and shape against the table before anything is written; `run_step`
-reads one rule's tensors, maps and casts them, so `write_weights` streams a checkpoint with memory for its largest
-layer, not for the whole model.
+A `Direction` says which side of each rule is read and which is written, and makes every other choice that differs
+between directions (the config, config.json, model card and notes of a conversion): the converter asks it, never
+tests its type. `BionemoDirection` reads or writes NVIDIA's BioNeMo layout in place of transformers'
+(`nv_esm.bionemo_mapping`: their names of our tensors, their vocabulary rows). `DIRECTIONS` is the one list of them;
+`INVERSE` and `CONVERTED_BY` are read from it. `plan_steps` checks every stored name and shape against the table
+before anything is written; `run_step` reads one rule's tensors, maps and casts them, so `write_weights` streams a
+checkpoint with memory for its largest layer, not for the whole model.
 """
 
 from __future__ import annotations
@@ -15,16 +17,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from configuration_nv_esm import NVEsmConfig
+from nv_esm.alphabet import ESM_VOCAB
 from nv_esm.bionemo_mapping import (
+    bionemo_config_dict,
     bionemo_name,
     bionemo_padded_vocab_size,
+    bionemo_vocab_rows,
     canonical_bionemo_name,
     check_fast_tokenizer,
+    dropped_run_options,
     is_bionemo,
+    nv_config_from_bionemo,
 )
 from nv_esm.checkpoint_checks import check_finite
 from nv_esm.checkpoint_io import (
@@ -36,8 +44,11 @@ from nv_esm.checkpoint_io import (
     weight_files,
     write_shards,
 )
-from nv_esm.hub_folder import hub_id_of, resolve_source
+from nv_esm.hub_folder import hub_id_of, nv_config_dict, resolve_source
+from nv_esm.model_card import ConvertedCheckpoint, bionemo_card, model_card
 from nv_esm.state_dict_mapping import (
+    CONTACT_HEAD,
+    HEADS,
     ConfigMismatch,
     Rule,
     apply_rule_hf_to_nv,
@@ -49,11 +60,16 @@ from nv_esm.state_dict_mapping import (
     fuse_qkv,
     head_of,
     hf_config_from_fair_esm,
+    hf_config_from_nv,
     hf_shape,
+    nv_config_from_hf,
     nv_shape,
     pad_vocab,
     rules_for,
 )
+
+if TYPE_CHECKING:
+    from nv_esm.verification import VerifyReport
 
 # --------------------------------------------------------------------------------------------------------------
 # Sources
@@ -127,7 +143,7 @@ def open_source(spec: str | Path, revision: str | None = None) -> Source:
     if kind == "nvesm" and is_bionemo(config, store.info):  # their model_type is ours: told by fields and names
         kind = "bionemo"
         if not (folder / "vocab.txt").exists() and (folder / "tokenizer.json").exists():
-            check_fast_tokenizer(folder / "tokenizer.json", config.get("vocab_size", 33))
+            check_fast_tokenizer(folder / "tokenizer.json", config.get("vocab_size", len(ESM_VOCAB)))
     return Source(spec, folder, kind, config, store, hub_id or hub_id_of(folder))
 
 
@@ -145,16 +161,57 @@ def open_fair_esm(path: Path) -> Source:
 @dataclass(frozen=True)
 class Direction:
     """Which side of each `Rule` is read and which is written; `reads`: the kinds of `Source` it converts, `writes`:
-    the kind it makes."""
+    the kind it makes. Between transformers (or fair-esm) and NVEsm; `BionemoDirection` for NVIDIA's layout."""
 
     name: str
     to_nv: bool
     reads: tuple[str, ...]
     writes: str
+    converts_adapters: ClassVar[bool] = True  # PEFT adapter folders (`nv_esm.conversion.convert_adapter`)
+
+    @property
+    def inverse(self) -> Direction:
+        """The direction that converts back what this one writes (`INVERSE`)."""
+        return INVERSE[self.name]
+
+    @property
+    def writes_card(self) -> bool:
+        """Whether the folder it writes gets a model card (README.md, `card`): NVEsm's do, transformers' do not."""
+        return self.to_nv
 
     def for_source(self, config: dict) -> Direction:
         """This direction set for a source of config.json `config` (BioNeMo's: its padding and QKV order)."""
         return self
+
+    def for_output(self, config: dict) -> Direction:
+        """This direction set for an existing output of config.json `config`, to check it against a conversion
+        (BioNeMo's: as many vocabulary rows as it has)."""
+        return self
+
+    def nv_config(self, fields: dict, head: str, overrides: dict[str, Any]) -> NVEsmConfig:
+        """The NVEsm config of a conversion whose source has config.json `fields` and `head` (a key of `HEADS`; a
+        classifier's labels included), with `overrides`; ValueError for a field of the wrong type or value."""
+        if self.to_nv:
+            return nv_config_from_hf(fields, head, **overrides)
+        return NVEsmConfig.from_dict({**fields, **overrides})
+
+    def config_dict(self, config: NVEsmConfig, head: str) -> dict:
+        """config.json of the folder it writes for a model of `config` with `head` (naming that head's class);
+        NVEsm's with the `auto_map` of the remote code."""
+        if self.to_nv:
+            return nv_config_dict(config, HEADS[head].nv_class)
+        return hf_config_from_nv(config, head)
+
+    def card(
+        self, checkpoint: ConvertedCheckpoint, config: NVEsmConfig, report: VerifyReport | None, repo: str, head: str
+    ) -> str:
+        """The model card of the folder it writes (where `writes_card`): `checkpoint` converted, `report` of
+        --verify (None: not verified), `repo` where it will be loaded from, for the examples."""
+        return model_card(checkpoint, config, report, repo, head)
+
+    def notes(self, source: Source) -> tuple[str, ...]:
+        """What converting `source` leaves out, one line each (nothing here: every tensor and field has its place)."""
+        return ()
 
     def rules(self, config: NVEsmConfig, head: str) -> list[Rule]:
         """The rules that apply to a model of `config` with `head`."""
@@ -185,21 +242,73 @@ class Direction:
 @dataclass(frozen=True)
 class BionemoDirection(Direction):
     """NVIDIA's BioNeMo layout in place of transformers': their name of each NVEsm tensor (`bionemo_name`), copied,
-    except their vocabulary rows (`padded_vocab_size` of them: the source's converting in, None = the NVEsm
-    config's converting out), cut to the vocabulary and padded afresh as each side pads (ours with zeros; theirs as
-    their convert.py: zeros, the decoder bias the dtype's lowest value), and the QKV rows of a source with
-    `qkv_interleaved` false, re-ordered. Their layout lacks the contact head and the rotary inv_freq: converting
-    in, inv_freq is computed (as transformers computes it) and no contact head is written; converting out, both
-    are left behind."""
+    except their vocabulary rows (`padded_vocab_size` of them: the source's converting in, an existing OUT's when it
+    is checked, None = the NVEsm config's converting out; `vocab_rows`), cut to the vocabulary and padded afresh as
+    each side pads (ours with zeros; theirs as their convert.py: zeros, the decoder bias the dtype's lowest value),
+    and the QKV rows of a source with `qkv_interleaved` false, re-ordered. Their layout lacks the contact head and
+    the rotary inv_freq: converting in, inv_freq is computed (as transformers computes it) and no contact head is
+    written; converting out, both are left behind. Their folders get a model card of their own; PEFT adapters do not
+    convert this way."""
 
     qkv_interleaved: bool = True
     padded_vocab_size: int | None = None
+    converts_adapters: ClassVar[bool] = False
+
+    @property
+    def writes_card(self) -> bool:
+        return True
 
     def for_source(self, config: dict) -> Direction:
         if not self.to_nv:
             return self
         interleaved = config.get("qkv_weight_interleaved", True)
         return replace(self, qkv_interleaved=interleaved, padded_vocab_size=bionemo_padded_vocab_size(config))
+
+    def for_output(self, config: dict) -> Direction:
+        return self if self.to_nv else replace(self, padded_vocab_size=bionemo_padded_vocab_size(config))
+
+    def vocab_rows(self, config: NVEsmConfig) -> int:
+        """Rows of their embedding and decoder for a model of `config` (`bionemo_vocab_rows`)."""
+        return bionemo_vocab_rows(config, self.padded_vocab_size)
+
+    def nv_config(self, fields: dict, head: str, overrides: dict[str, Any]) -> NVEsmConfig:
+        """Converting in, from their config.json (`nv_config_from_bionemo`); converting out, also refused where their
+        code cannot run the model (`bionemo_config_dict`: a sequence classifier, another rotary base)."""
+        if self.to_nv:
+            return nv_config_from_bionemo(fields, head, **overrides)
+        config = super().nv_config(fields, head, overrides)
+        self.config_dict(config, head)
+        return config
+
+    def config_dict(self, config: NVEsmConfig, head: str) -> dict:
+        """Converting out, theirs, for their code (bionemo-recipes), which is not written."""
+        if self.to_nv:
+            return super().config_dict(config, head)
+        return bionemo_config_dict(config, head, self.vocab_rows(config))
+
+    def card(
+        self, checkpoint: ConvertedCheckpoint, config: NVEsmConfig, report: VerifyReport | None, repo: str, head: str
+    ) -> str:
+        if self.to_nv:
+            return super().card(checkpoint, config, report, repo, head)
+        return bionemo_card(checkpoint, config, self.vocab_rows(config), report, head)
+
+    def notes(self, source: Source) -> tuple[str, ...]:
+        """The contact head (their layout has none) and, converting in, their run options
+        (`bionemo_mapping.RUN_OPTIONS`) set to other values than their defaults."""
+        if not self.to_nv:
+            stored = canonical_keys(source.store.info, source.canonical)
+            if any(name.startswith(CONTACT_HEAD) for name in stored):
+                return ("NVIDIA's BioNeMo layout has no contact head: the source's was left out.",)
+            return ()
+        notes = [
+            "NVIDIA's BioNeMo layout has no contact head, so OUT has none: nv-esm embed --include contacts refuses "
+            "it (from_pretrained starts it at random)."
+        ]
+        dropped = dropped_run_options(source.config)
+        if dropped:
+            notes.append(f"their run options were left out (NVEsm's are load-time options): {', '.join(dropped)}.")
+        return tuple(notes)
 
     def rules(self, config: NVEsmConfig, head: str) -> list[Rule]:
         theirs = [rule for rule in rules_for(config, head) if bionemo_name(rule.nv) is not None]
@@ -218,7 +327,7 @@ class BionemoDirection(Direction):
 
     def their_shape(self, rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
         shape = nv_shape(rule, config)
-        return (self.padded_vocab_size or config.padded_vocab_size, *shape[1:]) if rule.kind == "vocab" else shape
+        return (self.vocab_rows(config), *shape[1:]) if rule.kind == "vocab" else shape
 
     def source_shape(self, rule: Rule, config: NVEsmConfig) -> tuple[int, ...]:
         return self.their_shape(rule, config) if self.to_nv else nv_shape(rule, config)
@@ -241,9 +350,8 @@ class BionemoDirection(Direction):
             return [tensor]
         if self.to_nv:
             return [pad_vocab(tensor, config.padded_vocab_size)]
-        rows = self.padded_vocab_size or config.padded_vocab_size
         fill = torch.finfo(tensor.dtype).min if tensor.dim() == 1 else 0.0  # their _pad_bias / _pad_weights
-        padding = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), fill)
+        padding = tensor.new_full((self.vocab_rows(config) - tensor.shape[0], *tensor.shape[1:]), fill)
         return [torch.cat([tensor, padding]).contiguous()]
 
 
@@ -252,7 +360,19 @@ TE_TO_HF = Direction("te-to-hf", to_nv=False, reads=("nvesm",), writes="transfor
 BIONEMO_TO_TE = BionemoDirection("bionemo-to-te", to_nv=True, reads=("bionemo",), writes="nvesm")
 TE_TO_BIONEMO = BionemoDirection("te-to-bionemo", to_nv=False, reads=("nvesm",), writes="bionemo")
 DIRECTIONS = {direction.name: direction for direction in (HF_TO_TE, TE_TO_HF, BIONEMO_TO_TE, TE_TO_BIONEMO)}
-INVERSE = {"hf-to-te": TE_TO_HF, "te-to-hf": HF_TO_TE, "bionemo-to-te": TE_TO_BIONEMO, "te-to-bionemo": BIONEMO_TO_TE}
+
+
+def _back(direction: Direction) -> Direction:
+    """The one direction of `DIRECTIONS` that reads what `direction` writes and writes what it reads."""
+    (back,) = (
+        other for other in DIRECTIONS.values() if direction.writes in other.reads and other.writes in direction.reads
+    )
+    return back
+
+
+# Each direction's way back, and the direction into NVEsm that reads each kind of source (its "convert it with").
+INVERSE = {name: _back(direction) for name, direction in DIRECTIONS.items()}
+CONVERTED_BY = {kind: name for name, direction in DIRECTIONS.items() if direction.to_nv for kind in direction.reads}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from nv_esm.embed_plan import (
     pieces_of,
 )
 from nv_esm.hub_folder import remote_code_differences
+from nv_esm.state_dict_mapping import is_contact_head
 
 
 def load_config(checkpoint: str) -> Any:
@@ -143,12 +144,10 @@ def check_loaded_weights(
     info): transformers starts them at random values and only logs it. Buffers and TE's `_extra_state` are not
     weights; the contact head may be missing where the command does not use it (not `contacts`)."""
     parameters = {name for name, _ in model.named_parameters()}
-    missing = sorted(
-        name for name in set(missing_keys) & parameters if contacts or "contact_head" not in name.split(".")
-    )
+    missing = sorted(name for name in set(missing_keys) & parameters if contacts or not is_contact_head(name))
     if not missing:
         return
-    contact_head = {name for name in parameters if "contact_head" in name.split(".")}
+    contact_head = {name for name in parameters if is_contact_head(name)}
     if set(missing) == contact_head:  # none of it, as in folders converted from NVIDIA's BioNeMo layout
         raise ValueError(
             f"{checkpoint} has no contact head ({', '.join(missing)}), which contacts need; folders converted from "

@@ -15,7 +15,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,15 +161,21 @@ def read_vocab(path: Path, vocab_size: int) -> list[str]:
             f"{path} is not a vocabulary of this model: {len(tokens)} lines ({len(set(tokens))} distinct, "
             f"{len(bad)} empty or with spaces) for vocab_size {vocab_size}."
         )
-    moved = [(index, token) for index, token in enumerate(ESM_VOCAB) if index >= len(tokens) or tokens[index] != token]
+    moved = esm_tokens_out_of_place({token: index for index, token in enumerate(tokens)})  # tokens: distinct
     if moved:
-        index, token = moved[0]
+        index = ESM_VOCAB.index(moved[0])
         found = repr(tokens[index]) if index < len(tokens) else "nothing"
         raise ValueError(
-            f"{path} is not ESM-2's vocabulary: line {index + 1} holds {found} where ESM-2 has {token!r} "
+            f"{path} is not ESM-2's vocabulary: line {index + 1} holds {found} where ESM-2 has {moved[0]!r} "
             f"({len(moved)} of its {len(ESM_VOCAB)} tokens out of place); its ids would not match the weights."
         )
     return tokens
+
+
+def esm_tokens_out_of_place(ids: Mapping[str, Any]) -> list[str]:
+    """ESM-2's tokens (`ESM_VOCAB`, in its order) that a vocabulary (`ids`: token -> id; a vocab.txt's line
+    numbers from 0, a tokenizer.json's ids) does not give the id the weights were trained with."""
+    return [token for index, token in enumerate(ESM_VOCAB) if ids.get(token) != index]
 
 
 # The tokenizer_config.json `auto_map` of an NVEsm folder: AutoTokenizer(..., trust_remote_code=True) loads

@@ -9,7 +9,7 @@ at a time over files, and the tests, the benchmarks and the trainer use these fu
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,15 +71,25 @@ class Rule:
 
 HF_LAYER = "esm.encoder.layer.{i}."
 NV_LAYER = "esm.encoder.layers.{i}."
+# The contact head's tensors (the same names on both sides): the one part of the base model a checkpoint may lack
+# (NVIDIA's BioNeMo layout has none, so bionemo-to-te writes none). `NVEsmModel`'s own names lack the `esm.`.
+CONTACT_HEAD = "esm.contact_head."
 H, HH = ("H",), ("H", "H")
 RULES: tuple[Rule, ...] = (
     Rule(("esm.embeddings.word_embeddings.weight",), "esm.embeddings.word_embeddings.weight", "vocab", dims=("V", "H")),
     Rule(("esm.rotary_embeddings.inv_freq",), "esm.rotary_embeddings.inv_freq", "buffer", dims=("R",)),
     Rule(("esm.encoder.emb_layer_norm_after.weight",), "esm.encoder.emb_layer_norm_after.weight", dims=H),
     Rule(("esm.encoder.emb_layer_norm_after.bias",), "esm.encoder.emb_layer_norm_after.bias", dims=H),
-    Rule(("esm.contact_head.regression.weight",), "esm.contact_head.regression.weight", dims=("1", "C")),
-    Rule(("esm.contact_head.regression.bias",), "esm.contact_head.regression.bias", dims=("1",)),
+    Rule((CONTACT_HEAD + "regression.weight",), CONTACT_HEAD + "regression.weight", dims=("1", "C")),
+    Rule((CONTACT_HEAD + "regression.bias",), CONTACT_HEAD + "regression.bias", dims=("1",)),
 )
+CONTACT_HEAD_TENSORS = frozenset(rule.nv for rule in RULES if rule.nv.startswith(CONTACT_HEAD))
+
+
+def is_contact_head(name: str) -> bool:
+    """Whether the tensor or parameter `name` is the contact head's: under `CONTACT_HEAD` or, in `NVEsmModel`
+    (whose names lack `esm.`), under the rest of it."""
+    return name.startswith((CONTACT_HEAD, CONTACT_HEAD.removeprefix("esm.")))
 
 
 @dataclass(frozen=True)
@@ -181,8 +191,8 @@ FAIR_ESM_NAMES: dict[str, str | None] = {
     "encoder.lm_head.layer_norm.{p}": "lm_head.layer_norm.{p}",
     "encoder.lm_head.bias": "lm_head.bias",
     "encoder.lm_head.weight": None,
-    "encoder.contact_head.regression.{p}": "esm.contact_head.regression.{p}",
-    "contact_head.regression.{p}": "esm.contact_head.regression.{p}",
+    "encoder.contact_head.regression.{p}": CONTACT_HEAD + "regression.{p}",
+    "contact_head.regression.{p}": CONTACT_HEAD + "regression.{p}",
 }
 
 
@@ -368,11 +378,15 @@ def hf_to_nv_state_dict(hf_state: dict[str, torch.Tensor], config: NVEsmConfig) 
     }
 
 
-def nv_to_hf_state_dict(nv_state: dict[str, torch.Tensor], config: NVEsmConfig) -> dict[str, torch.Tensor]:
+def nv_to_hf_state_dict(
+    nv_state: dict[str, torch.Tensor], config: NVEsmConfig, absent: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
     """NVEsm state dict -> transformers `EsmForMaskedLM` (or token/sequence classification) state dict. Raises
-    CheckpointMismatch on other keys."""
+    CheckpointMismatch on other keys; `absent`: NVEsm names `nv_state` may lack besides the optional ones (the
+    contact head, `CONTACT_HEAD_TENSORS`, of a model read from NVIDIA's BioNeMo layout)."""
     nv_state = {key: value for key, value in nv_state.items() if not key.endswith("._extra_state")}
     rules = rules_for(config, head_of(nv_state))
+    rules = [replace(rule, optional=True) if rule.nv in absent else rule for rule in rules]
     check_keys(nv_state, [(rule.nv,) for rule in rules], rules)
     hf_state = {}
     for rule in rules:

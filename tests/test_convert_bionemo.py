@@ -10,6 +10,7 @@ tied, so not saved), independently of the converter's table.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from pathlib import Path
@@ -18,14 +19,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_embed_load import DEMO_FASTA, one_line, run_embed, write_fasta
+from test_one_place import code_of, places
 from test_recipe_train import train_here
 from transformers import EsmForMaskedLM
 
-from conftest import ATOL_FP32, max_abs_diff, pad_batch, random_lengths, random_proteins
+from conftest import ATOL_FP32, ROOT, max_abs_diff, pad_batch, random_lengths, random_proteins
 from convert_helpers import VERIFY_CPU, assert_same_tensors, read_folder, run
 from modeling_nv_esm import NVEsmForMaskedLM
 from nv_esm.conversion import convert
-from nv_esm.conversion_plan import BIONEMO_TO_TE, TE_TO_BIONEMO
+from nv_esm.conversion_plan import BIONEMO_TO_TE, CONVERTED_BY, DIRECTIONS, INVERSE, TE_TO_BIONEMO
 
 # Their `NVEsmConfig`'s fields with its defaults, and the `auto_map` their export.py writes.
 THEIR_FIELDS = {
@@ -381,3 +383,50 @@ def test_a_tokenizer_or_a_head_their_code_lacks_is_refused(tmp_path, capsys, the
     (classifier / "config.json").write_text(json.dumps(config | {"label2id": {"a": 0, "b": 1}}))
     status, _, err = run(capsys, "te-to-bionemo", classifier, tmp_path / "out")
     assert status == 1 and "their code has no sequence classification class" in err and err.count("\n") == 1, err
+
+
+# ---- each choice of a direction in one place --------------------------------------------------------------------
+
+
+def test_the_way_back_and_the_hints_are_read_from_the_directions(tmp_path, capsys, tiny_source, converted):
+    """`INVERSE` and `CONVERTED_BY` are derived from `DIRECTIONS`, and the refusals name what they say: the way
+    back, the directions that write what one reads, the directions that convert adapters."""
+    assert {name: back.name for name, back in INVERSE.items()} == {
+        "hf-to-te": "te-to-hf",
+        "te-to-hf": "hf-to-te",
+        "bionemo-to-te": "te-to-bionemo",
+        "te-to-bionemo": "bionemo-to-te",
+    }
+    assert all(direction.inverse.inverse is direction for direction in DIRECTIONS.values())
+    assert CONVERTED_BY == {"transformers": "hf-to-te", "fair-esm": "hf-to-te", "bionemo": "bionemo-to-te"}
+    cases = [
+        ("hf-to-te", converted, "is already an NVEsm checkpoint; convert it back with te-to-hf."),
+        ("te-to-hf", tiny_source, "te-to-hf reads folders written by hf-to-te or bionemo-to-te: convert it with "
+         "hf-to-te first."),
+    ]  # fmt: skip
+    for command, source, needle in cases:
+        status, _, err = run(capsys, command, source, tmp_path / "out")
+        assert status == 1 and err.count("\n") == 1 and needle in err, (command, err)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"adapter folder: adapters convert with hf-to-te and te-to-hf only\.$"):
+        convert(TE_TO_BIONEMO, adapter, tmp_path / "out")
+
+
+def test_the_converter_asks_the_direction_and_names_each_thing_once():
+    """conversion.py never tests a direction's type; the contact head's tensor names are spelled in
+    `state_dict_mapping` only (`CONTACT_HEAD`), not in the modules that read them; their vocabulary row count is
+    resolved by `bionemo_vocab_rows` only."""
+    package = sorted((ROOT / "nv_esm").rglob("*.py"))
+    conversion = code_of(ROOT / "nv_esm" / "conversion.py")
+    assert "BionemoDirection" not in conversion and "isinstance(direction" not in conversion
+    assert places(r"padded_vocab_size or ", package) == {"nv_esm/bionemo_mapping.py"}
+    readers = ["conversion", "conversion_plan", "bionemo_mapping", "checkpoint_io", "embed_model", "train/materialize"]
+    spelled = {
+        path.relative_to(ROOT).as_posix()
+        for path in [ROOT / "nv_esm" / f"{name}.py" for name in ("state_dict_mapping", *readers)]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "contact_head." in node.value
+    }
+    assert spelled == {"nv_esm/state_dict_mapping.py"}

@@ -32,6 +32,7 @@ from modeling_nv_esm import sequence_loss, token_loss
 from nv_esm.cli import print_error
 from nv_esm.data import PackedBatch, to_device
 from nv_esm.shapes import model_flops
+from nv_esm.state_dict_mapping import is_contact_head
 from nv_esm.train.checkpoint import (
     CHECKPOINT_PREFIX,
     FINAL,
@@ -46,7 +47,13 @@ from nv_esm.train.config import PROG, OptimizerConfig, TrainConfig, option_value
 from nv_esm.train.export import describe, export, export_main
 from nv_esm.train.feed import DataFeed, make_batches
 from nv_esm.train.lora import lora_fields
-from nv_esm.train.materialize import build_model, check_token_budget, data_parallel_layout, model_config
+from nv_esm.train.materialize import (
+    build_model,
+    canonical_name,
+    check_token_budget,
+    data_parallel_layout,
+    model_config,
+)
 from nv_esm.train.metrics import MetricsLog, StepProfiler, StepResult
 from nv_esm.train.parallel import (
     Dist,
@@ -153,7 +160,9 @@ def run_training(config: TrainConfig, world: Dist) -> None:
     nv_config = model_config(config.model, labels, world.device, config.data.max_length)
     model = build_model(config, nv_config, world)
     for name, parameter in model.named_parameters():
-        if ".contact_head." in name:  # carried for the checkpoint, unused by these losses: no optimizer state
+        if is_contact_head(
+            canonical_name(name)
+        ):  # carried for the checkpoint, unused by these losses: no optimizer state
             parameter.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(

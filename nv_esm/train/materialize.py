@@ -30,7 +30,7 @@ from modeling_nv_esm import (
 from modeling_nv_esm_parallel import tensor_parallel_part, tensor_parallel_whole_shape
 from nv_esm.checkpoint_checks import check_checkpoint_tokens, check_finite, check_model_type
 from nv_esm.checkpoint_io import checked_weight_files, format_bytes
-from nv_esm.state_dict_mapping import RULES
+from nv_esm.state_dict_mapping import CONTACT_HEAD_TENSORS
 from nv_esm.train.config import ModelConfig, TrainConfig
 from nv_esm.train.lora import add_lora
 from nv_esm.train.parallel import Dist, compute_dtype, parallelize, sharded
@@ -308,8 +308,6 @@ def materialise(model: nn.Module, config: NVEsmConfig, source: CheckpointReader 
 
 
 FRESH_SHOWN = 6  # fresh tensors the weights line names
-CONTACT_HEAD = "esm.contact_head."  # the one base-model part a checkpoint may lack (bionemo-to-te writes none)
-CONTACT_HEAD_TENSORS = frozenset(rule.nv for rule in RULES if rule.nv.startswith(CONTACT_HEAD))
 
 
 def weights_line(loaded: int, fresh: list[str], from_checkpoint: bool) -> str:

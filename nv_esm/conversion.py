@@ -15,7 +15,6 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -67,6 +66,7 @@ from nv_esm.state_dict_mapping import (
     nv_to_hf_state_dict,
 )
 from nv_esm.verification import (
+    ConvertedLoader,
     ModelLoader,
     VerificationFailed,
     VerifyReport,
@@ -166,15 +166,8 @@ def convert(
         report = None
         if options.verify:
             reference = reference_model(opened)
-            report = verify(
-                reference,
-                staging,
-                direction.to_nv,
-                staging,
-                options.verify_atol,
-                device=options.verify_device,
-                load_converted=converted_loader(direction),
-            )
+            loader = converted_loader(direction)
+            report = verify(reference, staging, staging, loader, options.verify_atol, device=options.verify_device)
         if report is not None and not report.passed:
             raise VerificationFailed(report)
         if direction.writes_card:
@@ -293,14 +286,14 @@ def load_hf_state(model: Any, state: dict[str, torch.Tensor], absent: frozenset[
     model.tie_weights()
 
 
-def converted_loader(
-    direction: Direction, out: Source | None = None
-) -> Callable[[Path, torch.dtype, str], tuple[Any, str]] | None:
-    """How `verify` loads the folder `direction` writes (`verify`'s `load_converted`): None (its default, NVEsm's or
-    transformers' class) or, for NVIDIA's layout, `load_bionemo`; of `out`, that folder already opened, when given
-    (read, not opened again)."""
-    if direction.writes != "bionemo":
-        return None
+def converted_loader(direction: Direction, out: Source | None = None) -> ConvertedLoader:
+    """How `verify` loads the folder `direction` writes, never with that folder's own code: NVEsm's into the
+    installed package's class (`load_nv`), transformers' with plain transformers (`load_transformers`), NVIDIA's
+    layout through `load_bionemo`; of `out`, that folder already opened, when given (read, not opened again)."""
+    if direction.writes == "nvesm":
+        return load_nv
+    if direction.writes == "transformers":
+        return load_transformers
     if out is None:
         return load_bionemo
     return lambda _folder, dtype, device: load_bionemo(out, dtype, device)
@@ -478,9 +471,7 @@ def verify_folder(
         write_companions(expected, source, config, direction, steps)
         files, file_mismatches = compare_files(out, expected, weight_files(out), direction.writes_card)
         load_converted = converted_loader(direction, converted)
-        report = verify(
-            reference_model(source), out, direction.to_nv, expected, atol, device=device, load_converted=load_converted
-        )
+        report = verify(reference_model(source), out, expected, load_converted, atol, device=device)
     return FolderCheck(direction, out_dtype, files, file_mismatches, compared, mismatches, report)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from nv_esm.alphabet import CLS, EOS, MASK, RESIDUE_TO_ID, STANDARD_IDS, text_lines
-from nv_esm.records import BadRecords, RecordRules, plural, read_records, residue_ids
+from nv_esm.records import BadRecords, RecordRules, plural, read_records, residue_ids, row_message
 
 _RESIDUE_ID_SET = frozenset(RESIDUE_TO_ID.values())
 IGNORE_INDEX = -100
@@ -447,8 +447,7 @@ def read_labelled_csv(
             elif task == "token" and ids is not None and len(label) != len(ids):
                 problems.append(f"{where}: {plural(len(label), 'label')} for {plural(len(ids), 'residue')}.")
             if problems:
-                rest = [problem.removeprefix(f"{where}: ").removesuffix(".") for problem in problems[1:]]
-                bad.append("; ".join([problems[0].removesuffix("."), *rest]) + ".")
+                bad.append(row_message(where, problems))
                 continue
             sequences.append(sequence[: len(ids)].upper())  # one id per residue: a stripped stop mark was the last
             raw_labels.append(label)

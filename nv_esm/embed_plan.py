@@ -24,7 +24,7 @@ from modeling_nv_esm_batch import STOP_MARK, protein_residues
 from nv_esm.alphabet import CLS, EOS, iter_fasta, text_lines
 from nv_esm.checkpoint_io import chunk_digests
 from nv_esm.options import fp8_refusal
-from nv_esm.records import bad_records_error, residue_ids
+from nv_esm.records import BadRecords, residue_ids
 from nv_esm.vocabulary import COMMAND_FP8_RECIPE as COMMAND_FP8_RECIPE
 from nv_esm.vocabulary import FP8_SCALINGS as FP8_SCALINGS
 from nv_esm.vocabulary import OUTPUTS as OUTPUTS
@@ -91,14 +91,14 @@ def scan_fasta(
     path: Path, max_length: int, too_long: str, invalid: str, strip_stop: bool = False
 ) -> tuple[list[Record], str]:
     """First pass: every record's id, length and status, and the file's SHA-256. Raises one `ValueError` listing
-    every bad record of the file (`bad_records_error`: the first `LISTED_PROBLEMS`, and how many more), each named:
+    every bad record of the file (`BadRecords`: the first `LISTED_PROBLEMS`, and how many more), each named:
     a duplicate id (whatever `invalid` says: the error says which records --invalid skip would take, and that it
     does not apply to a duplicate id) or a missing one, an empty record or an invalid letter
     (`modeling_nv_esm.protein_residues`, with `invalid="error"`; with "skip" the record is skipped and the index
     says why) or a protein longer than `max_length` residues (with `too_long="error"`). `strip_stop`: a trailing
     '*' is removed, not refused."""
     records: list[Record] = []
-    problems: list[str] = []
+    bad = BadRecords(path)  # every bad record, in file order
     hints: dict[str, None] = {}  # the options that would take the refused records, in the order first needed
     first_seen: dict[str, int] = {}
     counts = {"invalid": 0, "duplicate": 0}  # refused records: for their letters (or none), for a repeated id
@@ -108,10 +108,10 @@ def scan_fasta(
         for number, (header, sequence) in enumerate(iter_fasta(lines, path, empty_ok=True), 1):
             record_id = header.split()[0] if header.split() else ""
             if not record_id:
-                problems.append(f"{path}: record {number} has no id (an empty '>' header line).")
+                bad.append(f"{path}: record {number} has no id (an empty '>' header line).")
                 continue
             if record_id in first_seen:  # refused whatever --invalid says: which copy is meant is the user's call
-                problems.append(
+                bad.append(
                     f"{path}: id {record_id!r} appears twice (records {first_seen[record_id]} and {number}); "
                     "ids name the outputs, so they must be unique: rename or remove a copy (--invalid skip does not "
                     "apply to duplicate ids)."
@@ -128,14 +128,14 @@ def scan_fasta(
                 problem = str(error)
             if problem is not None:
                 if invalid == "error":
-                    problems.append(problem)
+                    bad.append(problem)
                     counts["invalid"] += 1
                     hints["--invalid skip skips {them}"] = None
                 status = "skipped: empty" if residues == 0 else "skipped: invalid letter"
             elif residues <= max_length:
                 status = "embedded"
             elif too_long == "error":
-                problems.append(
+                bad.append(
                     f"{path}: record {record_id!r} (record {number}) has {residues} residues, more than "
                     f"--max-length {max_length}."
                 )
@@ -144,14 +144,14 @@ def scan_fasta(
             else:
                 status = {"skip": "skipped: too long", "crop": "cropped", "window": "windowed"}[too_long]
             records.append(Record(record_id, number, residues, status, stop_removed))
-    if problems:
+    if bad:
         if counts["invalid"] and counts["duplicate"]:  # --invalid skip takes the records of bad letters, not those
             which = "the record" if counts["invalid"] == 1 else f"the {counts['invalid']} records"
             skip = (
                 f"--invalid skip skips {which} with letters outside the alphabet or no residues, not the duplicate ids"
             )
             hints = {skip if hint.startswith("--invalid skip") else hint: None for hint in hints}
-        raise bad_records_error(path, problems, list(hints))
+        raise bad.error(hints)
     if not records:
         raise ValueError(f"{path}: no FASTA records.")
     return records, digest.hexdigest()

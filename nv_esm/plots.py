@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,16 +65,22 @@ VALIDATION_LABELS = {
 }
 
 
-def metrics_records(metrics: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, in file order (blank lines skipped)."""
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+MetricsRecords = Sequence[Mapping[str, Any]]  # the records of a metrics.jsonl, as `metrics_records` reads them
 
 
-def training_curves(metrics: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """The curves of a run's metrics.jsonl, each `(steps, values)` in step order: `loss`, `lr`, `tokens_per_s_per_gpu`
-    (the logging interval's, at its steps) and every validation metric (`val_*`). A step logged twice (a run resumed
-    from an earlier checkpoint redoes the steps after it) keeps its last record; non-finite values and skipped steps'
-    losses are left out."""
+def metrics_records(metrics: Path | MetricsRecords) -> MetricsRecords:
+    """The records of a metrics.jsonl, in file order (blank lines skipped): `metrics` read, or, already read, as
+    they are (a figure reads the file once for all its curves)."""
+    if not isinstance(metrics, (str, Path)):
+        return metrics
+    return [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+
+
+def training_curves(metrics: Path | MetricsRecords) -> dict[str, tuple[list[int], list[float]]]:
+    """The curves of a run's metrics.jsonl (the file, or its `metrics_records`), each `(steps, values)` in step
+    order: `loss`, `lr`, `tokens_per_s_per_gpu` (the logging interval's, at its steps) and every validation metric
+    (`val_*`). A step logged twice (a run resumed from an earlier checkpoint redoes the steps after it) keeps its
+    last record; non-finite values and skipped steps' losses are left out."""
     latest: dict[str, dict[int, float]] = {}
     for record in metrics_records(metrics):
         step = record.get("step")
@@ -94,10 +100,10 @@ def training_curves(metrics: Path) -> dict[str, tuple[list[int], list[float]]]:
     return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in latest.items()}
 
 
-def training_device(metrics: Path) -> str:
-    """The device type (`cuda`, `cpu`, ...) the run's last training record was logged on: its `device` key, or, in a
-    metrics.jsonl written before records had one, `cuda` where the record has the GPU-only `max_memory_gb`, else
-    `cpu`."""
+def training_device(metrics: Path | MetricsRecords) -> str:
+    """The device type (`cuda`, `cpu`, ...) the run's last training record (of the metrics.jsonl, or of its
+    `metrics_records`) was logged on: its `device` key, or, in a metrics.jsonl written before records had one,
+    `cuda` where the record has the GPU-only `max_memory_gb`, else `cpu`."""
     device = "cpu"
     for record in metrics_records(metrics):
         if "loss" in record:
@@ -143,7 +149,8 @@ def training_figure(metrics: Path) -> Any | None:
     labels are plain numbers. None without matplotlib or before the first logged step; the caller closes it
     (`save_figure` does)."""
     plt = pyplot()
-    curves = training_curves(metrics) if metrics.is_file() else {}
+    records = metrics_records(metrics) if metrics.is_file() else []  # read once, for the curves and the device
+    curves = training_curves(records)
     if plt is None or "loss" not in curves:
         return None
     from matplotlib.ticker import MaxNLocator
@@ -176,7 +183,7 @@ def training_figure(metrics: Path) -> Any | None:
     if "tokens_per_s_per_gpu" in curves:
         speed_axis.plot(*curves["tokens_per_s_per_gpu"], color="tab:green")
     plain_numbers(speed_axis.yaxis)
-    speed_axis.set_ylabel(throughput_label(training_device(metrics)))
+    speed_axis.set_ylabel(throughput_label(training_device(records)))
     speed_axis.set_xlabel("step")
     speed_axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # the axes share it
     for axis in axes:

@@ -71,7 +71,7 @@ from nv_esm.proteingym_output import (
     record_inputs,
 )
 from nv_esm.proteingym_scoring import Assay, Plan, RowNames, check_assay, run_plans
-from nv_esm.records import BadRecords, plural
+from nv_esm.records import BadRecords, plural, row_message
 from nv_esm.score import load_masked_lm, load_tokenizer, read_csv
 from nv_esm.scoring import Scorer, progress_bar, resolve_window, score_text
 
@@ -222,13 +222,18 @@ def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
     if missing:
         raise ValueError(f"{args.reference} has no column {', '.join(map(repr, missing))} (ProteinGym's reference).")
     bad: dict[int, list[str]] = {}  # per bad row (0-based), its problems
-    seen: dict[str, int] = {}
-    for number, (row, _) in enumerate(rows, 1):
+
+    def row_name(index: int) -> str:  # a row (0-based) as errors name it
+        return f"{args.reference}: row {index + 1} (line {rows[index][1]})"
+
+    seen: dict[str, int] = {}  # DMS_id: its first row (1-based)
+    for index, (row, _) in enumerate(rows):
         dms_id = row["DMS_id"] or ""
         if dms_id in seen:
-            bad.setdefault(number - 1, []).append(f"column 'DMS_id': {dms_id!r} repeats row {seen[dms_id]}")
+            repeat = f"{row_name(index)}, column 'DMS_id': {dms_id!r} repeats row {seen[dms_id]}."
+            bad.setdefault(index, []).append(repeat)
         else:
-            seen[dms_id] = number
+            seen[dms_id] = index + 1
     wanted = list(dict.fromkeys(args.assays or [row["DMS_id"] for row, _ in rows]))
     unknown = [dms_id for dms_id in wanted if dms_id not in seen]
     if unknown:
@@ -240,34 +245,33 @@ def read_reference(args: argparse.Namespace) -> list[ReferenceEntry]:
     entries = []
     for dms_id in wanted:
         index = seen[dms_id] - 1
-        row, line = rows[index]
-        where = f"{args.reference}: row {index + 1} (line {line})"
+        row, where = rows[index][0], row_name(index)
         problems = bad.setdefault(index, [])
         if not dms_id or "/" in dms_id or dms_id.startswith("."):
-            problems.append(f"column 'DMS_id': {dms_id!r} cannot name an output file")
+            problems.append(f"{where}, column 'DMS_id': {dms_id!r} cannot name an output file.")
         try:
             path = confined(args.assays_folder, row["DMS_filename"] or "", f"{where}, column 'DMS_filename':")
             if not path.is_file():
-                problems.append(f"column 'DMS_filename': assay file {path} is missing")
+                problems.append(f"{where}, column 'DMS_filename': assay file {path} is missing.")
         except ValueError as error:
-            problems.append(str(error).removeprefix(f"{where}, ").removesuffix("."))
+            problems.append(str(error))
         try:
             wild_type = protein_residues(row["target_seq"], f"{where}, column 'target_seq'")
         except ValueError as error:
-            problems.append(str(error).removeprefix(f"{where}, ").removesuffix("."))
+            problems.append(str(error))
         if not problems:
             entries.append(ReferenceEntry(dms_id, path, wild_type, where, *(row.get(n) for n in SUMMARY_COLUMNS)))
-    raise_bad_rows(args.reference, bad, lambda index: rows[index][1])
+    raise_bad_rows(args.reference, bad, row_name)
     return entries
 
 
-def raise_bad_rows(path: Path, bad: dict[int, list[str]], line: Callable[[int], int]) -> None:
+def raise_bad_rows(path: Path, bad: dict[int, list[str]], row_name: Callable[[int], str]) -> None:
     """Raise one error naming every bad row of the CSV file at `path` (`bad`: per row, 0-based, its problems, each
-    `column 'NAME': ...`; `line`: a row's line in the file), in row order, a row's problems on its line
-    (`records.BadRecords`: the first ones listed, then how many more); nothing where no row has a problem."""
+    naming the row first: `row_name(row)`, `path: row N (line L)`), in row order, a row's problems on one line
+    (`records.row_message`, `records.BadRecords`); nothing where no row has a problem."""
     errors = BadRecords(path)
     for index in sorted(index for index, problems in bad.items() if problems):
-        errors.append(f"{path}: row {index + 1} (line {line(index)}), {'; '.join(bad[index])}.")
+        errors.append(row_message(row_name(index), bad[index]))
     errors.raise_if_any()
 
 
@@ -285,10 +289,7 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
         raise ValueError(f"{path} already has a column {taken[0]!r}; choose another --model-name.")
     found: list[dict[int, str]] = []  # per check, the errors of the rows it finds bad
     # a value the summary cannot read is refused now, not after the scoring
-    measured = {}
-    for name in MEASURED_COLUMNS:
-        if name in table.columns:
-            measured[name] = table.floats(path, name, _new(found))
+    measured = {name: table.floats(path, name, _new(found)) for name in MEASURED_COLUMNS if name in table.columns}
     mutants = table.column(MUTANT_COLUMN)
     names = RowNames(lambda i: f"{table.row_name(path, i)}, column {MUTANT_COLUMN!r}", len(mutants))
     assay = Assay(entry.dms_id, entry.wild_type, mutants, names)  # type: ignore[arg-type]
@@ -297,8 +298,8 @@ def read_assay(args: argparse.Namespace, entry: ReferenceEntry, window: int, lon
     bad: dict[int, list[str]] = {}
     for errors in found:
         for row, error in errors.items():
-            bad.setdefault(row, []).append(error.removeprefix(f"{table.row_name(path, row)}, ").removesuffix("."))
-    raise_bad_rows(path, bad, table.line)
+            bad.setdefault(row, []).append(error)
+    raise_bad_rows(path, bad, lambda row: table.row_name(path, row))
     return AssayFile(assay, table, measured, inputs_fingerprint(entry.path, entry.wild_type))
 
 

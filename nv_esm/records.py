@@ -5,8 +5,9 @@ token ids of a record's residues (one byte table), and what a reader does with a
 
 A file's bad records are reported all at once, as `nv-esm embed` reports them: a reader collects them in
 `BadRecords` (the first `LISTED_PROBLEMS` kept in file order, the rest counted) and raises one error
-(`bad_records_error`: one line for one record, else a line per record and "... and N more"). `plural`
-says a count with its noun ("1 row", "2 rows") in the commands' messages.
+(`bad_records_error`: one line for one record, else a line per record and "... and N more"); a row with several
+problems is one of them (`row_message`: its problems on its line). `plural` says a count with its noun ("1 row",
+"2 rows") in the commands' messages.
 """
 
 from __future__ import annotations
@@ -96,6 +97,23 @@ class BadRecords:
         """Raise `error(hints)` if a problem was found."""
         if self.count:
             raise self.error(hints)
+
+
+def row_message(where: str, problems: Sequence[str]) -> str:
+    """The one message of a row (or record) with several problems, as a reader appends it to `BadRecords`:
+    `problems` are messages naming the row first (`where` then ": " or ", ", as `"{path}, row 3 (line 4): ..."` or
+    `"{path}: row 3 (line 4), column 'x': ..."`); the first is kept whole, the others follow without `where`, all
+    joined by "; " in one sentence."""
+    rest = [_without_where(problem, where).removesuffix(".") for problem in problems[1:]]
+    return "; ".join([problems[0].removesuffix("."), *rest]) + "."
+
+
+def _without_where(problem: str, where: str) -> str:
+    """`problem` without the `where` it starts with, and the ": " or ", " after it."""
+    for separator in (": ", ", "):
+        if problem.startswith(where + separator):
+            return problem[len(where + separator) :]
+    return problem
 
 
 def _under(problem: str, path: str | Path) -> str:

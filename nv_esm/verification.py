@@ -25,6 +25,8 @@ from nv_esm.vocabulary import VERIFY_DEVICES as VERIFY_DEVICES
 PROTEINS_FASTA = Path(__file__).resolve().parent / "proteins.fasta"  # package data: installed with nv_esm
 # Loads a model on a device ("cpu" or "cuda"); returns it in eval mode and a description for the report.
 ModelLoader = Callable[[str], tuple[Any, str]]
+# Loads a converted folder in a dtype on a device (`load_nv`, `load_transformers`); returns it as `ModelLoader` does.
+ConvertedLoader = Callable[[Path, torch.dtype, str], tuple[Any, str]]
 
 
 @dataclass(frozen=True)
@@ -133,20 +135,19 @@ def verifiable_head(head: str) -> None:
 def verify(
     reference: ModelLoader,
     out: Path,
-    out_is_nv: bool,
     tokenizer: Path,
+    load_converted: ConvertedLoader,
     atol: float | None = None,
     proteins: Path = PROTEINS_FASTA,
     device: str = "auto",
-    load_converted: Callable[[Path, torch.dtype, str], tuple[Any, str]] | None = None,
 ) -> VerifyReport:
     """Run the reference model (float32) and the converted folder `out` (its own dtype) on real proteins and
     compare their logits.
 
     `reference` loads the source model in float32 (e.g. `partial(load_transformers, folder, torch.float32)`).
-    `out` is an NVEsm folder (`out_is_nv`), loaded into the installed package's model class, or a transformers one,
-    loaded with plain transformers: never with the folder's own code; `load_converted(out, dtype, device)` loads
-    another layout (NVIDIA's BioNeMo folders, mapped onto transformers' model). The proteins are tokenized by the
+    `load_converted(out, dtype, device)` loads `out`, never with the folder's own code: `load_nv` (an NVEsm folder,
+    into the installed package's model class), `load_transformers` (plain transformers) or the converter's loader of
+    NVIDIA's BioNeMo layout (`nv_esm.conversion.converted_loader` chooses). The proteins are tokenized by the
     tokenizer in folder `tokenizer` (the one the converter writes from the source, not `out`'s, which may have been
     changed).
     `device` (see `VERIFY_DEVICES`) "auto" runs on the GPU when there is one (Transformer Engine if it is
@@ -165,7 +166,6 @@ def verify(
     records = read_fasta(proteins)
     tokenize = EsmTokenizer.from_pretrained(tokenizer)
     inputs = [tokenize(sequence, return_tensors="pt")["input_ids"] for _, sequence in records]
-    load_converted = load_converted or (load_nv if out_is_nv else load_transformers)
     reference_logits, reference_name, reference_te = _run(lambda: reference(device), inputs, device)
     converted_logits, converted_name, converted_te = _run(lambda: load_converted(out, dtype, device), inputs, device)
     uses_te = reference_te or converted_te

@@ -19,11 +19,11 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from nv_esm import embed, job_clock, proteingym, score, scoring
+from nv_esm import embed, embed_plan, job_clock, proteingym, score, scoring
 from nv_esm.alphabet import STANDARD_AMINO_ACIDS
 from nv_esm.data import MLMStream, read_labelled_csv
 from nv_esm.rank_statistics import spearman
-from nv_esm.records import BadRecords, RecordRules, plural
+from nv_esm.records import BadRecords, RecordRules, plural, row_message
 
 CPU = ("--device", "cpu", "--backend", "torch", "--no-progress")
 WILD_TYPE = "MKTAYIAKQRQISFVKSHFSRQ"  # 22 residues
@@ -276,6 +276,37 @@ def test_a_labelled_csv_names_every_bad_row_and_says_what_skip_leaves_out(tmp_pa
     path.write_text("sequence,labels\nMKV,CCH\nMKVL,CCH\nMK,C\n")
     with pytest.raises(ValueError, match=r"2 bad records:\n  row 2 \(line 3\): 3 labels for 4 residues"):
         read_labelled_csv(path, "token")
+
+
+def test_embed_lists_the_first_20_bad_records_and_counts_the_rest(tmp_path):
+    """`nv-esm embed`'s first pass reports through `BadRecords` as the other readers do: 20 listed in file order,
+    the rest counted, and its own advice (here: what --invalid skip takes, and that it does not take a duplicate id)."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">r{i}\nMK{'J' if i % 2 else ''}V\n" for i in range(60)) + ">r0\nMKV\n")  # 30 + 1 bad
+    with pytest.raises(ValueError) as raised:
+        embed_plan.scan_fasta(fasta, 100, "error", "error")
+    lines = str(raised.value).splitlines()
+    assert lines[0] == (
+        f"{fasta}: 31 bad records (--invalid skip skips the 30 records with letters outside the alphabet or no "
+        "residues, not the duplicate ids):"
+    )
+    assert lines[1].startswith("  record 'r1' (record 2): ") and lines[20].startswith("  record 'r39' (record 40): ")
+    assert len(lines) == 22 and lines[-1] == "  ... and 11 more"
+
+
+def test_a_rows_problems_are_one_message_on_its_line():
+    """`row_message`: the first problem whole, the others without the row's name, in one sentence; whichever of
+    ": " and ", " follows the name (the labelled CSV's, ProteinGym's)."""
+    where = "data.csv, row 2 (line 3)"
+    assert row_message(where, [f"{where}: empty label."]) == f"{where}: empty label."
+    assert row_message(where, [f"{where}: bad sequence.", f"{where}: empty label."]) == (
+        f"{where}: bad sequence; empty label."
+    )
+    where = "assay.csv: row 4 (line 5)"
+    problems = [f"{where}, column 'DMS_score': 'n/a' is not a number.", f"{where}, column 'mutant': outside"]
+    assert row_message(where, problems) == (
+        f"{where}, column 'DMS_score': 'n/a' is not a number; column 'mutant': outside."
+    )
 
 
 # ---- messages, numbers and bars -----------------------------------------------------------------------------------

@@ -430,3 +430,19 @@ def test_the_converter_asks_the_direction_and_names_each_thing_once():
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "contact_head." in node.value
     }
     assert spelled == {"nv_esm/state_dict_mapping.py"}
+
+
+def test_each_direction_verifies_its_output_with_the_loader_of_what_it_writes():
+    """`verify` takes one loader, which the direction chooses: NVEsm's class, plain transformers, or their layout read
+    as data."""
+    from nv_esm.conversion import converted_loader, load_bionemo
+    from nv_esm.conversion_plan import HF_TO_TE, TE_TO_HF
+    from nv_esm.verification import load_nv, load_transformers
+
+    loaders = {name: converted_loader(direction) for name, direction in DIRECTIONS.items()}
+    assert loaders == {
+        HF_TO_TE.name: load_nv,
+        TE_TO_HF.name: load_transformers,
+        BIONEMO_TO_TE.name: load_nv,
+        TE_TO_BIONEMO.name: load_bionemo,
+    }

@@ -166,6 +166,31 @@ def test_plot_training_writes_the_figure(tmp_path):
     assert plots.training_figure(tmp_path / "missing.jsonl") is None
 
 
+def test_the_figure_reads_metrics_jsonl_once(tmp_path, monkeypatch):
+    """The curves and the throughput panel's device come from one reading of the file (`metrics_records`); read
+    or given already read, the file says the same."""
+    metrics = write_metrics(tmp_path / "metrics.jsonl", 6, "cuda", MLM_VALIDATION)
+    records = plots.metrics_records(metrics)
+    assert plots.training_curves(records) == plots.training_curves(metrics)
+    assert plots.training_device(records) == plots.training_device(metrics) == "cuda"
+    reads: list[Path] = []
+    read_text = Path.read_text
+
+    def counted(path: Path, *args, **kwargs) -> str:
+        reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    import matplotlib.pyplot as plt
+
+    figure = drawn(plots.training_figure(metrics))
+    try:
+        assert reads == [metrics]
+        assert axis_by_ylabel(figure).keys() >= {"loss", "tokens/s per GPU"}
+    finally:
+        plt.close(figure)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # contacts.png
 # --------------------------------------------------------------------------------------------------------------

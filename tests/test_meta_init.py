@@ -159,6 +159,7 @@ def test_init_empty_weights_of_a_base_model_with_a_pooler():
 def test_init_empty_weights_after_fully_shard_equals_the_plain_materialisation(tmp_path):
     """FSDP2 (`fully_shard`, one gloo rank) shards the meta model first: the materialised shards hold what a plain
     materialisation from the same seed holds, and the model computes the same loss."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     config = NVEsmConfig(**SMALL)
@@ -168,9 +169,10 @@ def test_init_empty_weights_after_fully_shard_equals_the_plain_materialisation(t
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         sharded = build_on_meta(config)
+        mesh = init_device_mesh("cpu", (1,))  # FSDP2 would gather onto a GPU where one is visible
         for layer in sharded.esm.encoder.layers:
-            fully_shard(layer)
-        fully_shard(sharded)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
         torch.manual_seed(7)
         sharded.init_empty_weights(device="cpu")
         whole = {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in sharded.state_dict().items()}

@@ -30,23 +30,29 @@ def read_fasta(path: Path) -> list[tuple[str, str]]:
 
 
 def iter_fasta(lines: Iterable[str], path: Path, empty_ok: bool = False) -> Iterator[tuple[str, str]]:
-    """(header, sequence) of each FASTA record of `lines`, read from `path` (named in errors). Records may span
-    lines; `;` lines are comments. A sequence line before the first header raises ValueError, and so does an empty
-    record unless `empty_ok` (then its sequence is "")."""
-    header, parts = None, []
+    """(header, sequence) of each FASTA record of `lines` (`iter_fasta_lines` without the line numbers)."""
+    for header, sequence, _ in iter_fasta_lines(lines, path, empty_ok):
+        yield header, sequence
+
+
+def iter_fasta_lines(lines: Iterable[str], path: Path, empty_ok: bool = False) -> Iterator[tuple[str, str, int]]:
+    """(header, sequence, the header's line number, from 1) of each FASTA record of `lines`, read from `path` (named
+    in errors). Records may span lines; `;` lines are comments. A sequence line before the first header raises
+    ValueError, and so does an empty record unless `empty_ok` (then its sequence is "")."""
+    header, parts, header_line = None, [], 0
     for number, line in enumerate(lines, 1):
         if line.startswith(";"):
             continue
         if line.startswith(">"):
             if header is not None:
-                yield header, _fasta_sequence(header, parts, path, empty_ok)
-            header, parts = line[1:].strip(), []
+                yield header, _fasta_sequence(header, parts, path, empty_ok), header_line
+            header, parts, header_line = line[1:].strip(), [], number
         elif line.strip():
             if header is None:
                 raise ValueError(f"{path}, line {number}: sequence before the first '>' header.")
             parts.append("".join(line.split()))
     if header is not None:
-        yield header, _fasta_sequence(header, parts, path, empty_ok)
+        yield header, _fasta_sequence(header, parts, path, empty_ok), header_line
 
 
 def _fasta_sequence(header: str, parts: list[str], path: Path, empty_ok: bool) -> str:

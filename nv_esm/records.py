@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from modeling_nv_esm import protein_residues
 from modeling_nv_esm_batch import RESIDUE_LETTERS, STOP_MARK
-from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta, text_lines
+from nv_esm.alphabet import CLS, EOS, RESIDUE_TO_ID, iter_fasta_lines, text_lines
 from nv_esm.vocabulary import INVALID_POLICIES as INVALID_POLICIES
 from nv_esm.vocabulary import STRIP_STOP_HELP as STRIP_STOP_HELP
 
@@ -173,16 +172,8 @@ def _read_text(lines: Iterator[str]) -> Iterator[tuple[str, int]]:
 
 
 def _read_fasta(lines: Iterator[str], path: Path, empty_ok: bool) -> Iterator[tuple[str, int]]:
-    headers: deque[int] = deque()  # the header lines `iter_fasta` has read past: its record's, and the next one's
-
-    def watched() -> Iterator[str]:
-        for number, line in enumerate(lines, 1):
-            if line.startswith(">"):
-                headers.append(number)
-            yield line
-
-    for _, sequence in iter_fasta(watched(), path, empty_ok):
-        yield sequence.upper(), headers.popleft()
+    for _, sequence, header_line in iter_fasta_lines(lines, path, empty_ok):
+        yield sequence.upper(), header_line
 
 
 def _read_parquet(path: Path, column: str, empty_ok: bool) -> Iterator[str]:

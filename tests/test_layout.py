@@ -79,3 +79,33 @@ def test_source_files_keep_to_the_size_rule():
     sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in sources}
     too_long = {name: n for name, n in sizes.items() if n > (1000 if name == "modeling_nv_esm.py" else 700)}
     assert not too_long
+
+
+def test_each_relative_import_block_and_its_fallback_import_the_same_names():
+    """The remote code imports its siblings relatively (as Hub remote code, a package) and, where that fails, as
+    top-level modules (the installed distribution, tests, scripts): each `try` block of relative imports and its
+    `except ImportError` block must import the same names from the same files, so the two cannot drift apart."""
+    import ast
+
+    from nv_esm.hub_folder import MODEL_CODE_FILES
+
+    def imports(statements: list[ast.stmt], level: int) -> list[tuple[str | None, list[str]]]:
+        return [
+            (node.module, sorted(alias.asname or alias.name for alias in node.names))
+            for node in statements
+            if isinstance(node, ast.ImportFrom) and node.level == level
+        ]
+
+    checked = 0
+    for name in MODEL_CODE_FILES:
+        tree = ast.parse((ROOT / name).read_text())
+        blocks = [node for node in tree.body if isinstance(node, ast.Try) and imports(node.body, 1)]
+        relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1]
+        assert sum(len(imports(block.body, 1)) for block in blocks) == len(relative), name  # all in such blocks
+        checked += len(blocks)
+        for block in blocks:
+            (handler,) = block.handlers
+            assert ast.unparse(handler.type) == "ImportError", name
+            assert imports(block.body, 1) == imports(handler.body, 0), name
+            assert len(block.body) == len(handler.body), name  # nothing else in either block
+    assert checked >= 5  # the files that import siblings (most of them)

@@ -385,10 +385,25 @@ class NVEsmConfig(PretrainedConfig):
         with open(json_file_path, "w", encoding="utf-8") as writer:
             writer.write(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """NVIDIA's `add_pooling_layer` set as an attribute is checked (`check_bionemo_field`) and not kept: it is
+        `NVEsmModel`'s keyword (`from_pretrained` hands a keyword to the model only where the config has no
+        attribute of its name), and a config.json must not carry it."""
+        if name == "add_pooling_layer":
+            check_bionemo_field(name, value)
+            return
+        super().__setattr__(name, value)
+
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
         """transformers' `from_dict`, reading a dict that still holds a `MOVED_OPTIONS` field without it: older
-        versions wrote them into `to_dict()` (a training checkpoint's train_state.json holds its config so)."""
+        versions wrote them into `to_dict()` (a training checkpoint's train_state.json holds its config so). One
+        option given under both its names (`from_pretrained(..., use_quantized_model_init=True, fp8_weights=False)`)
+        with two values is refused, as `__init__` refuses it."""
+        for name, field in BIONEMO_CONFIG_FIELDS.items():
+            option = field.run_option
+            if option is not None and name in kwargs and option in kwargs and kwargs[name] != kwargs[option]:
+                raise ValueError(f"{name}={kwargs[name]!r} and {option}={kwargs[option]!r} set one option two ways.")
         return super().from_dict({k: v for k, v in config_dict.items() if k not in MOVED_OPTIONS}, **kwargs)
 
     @classmethod
@@ -507,8 +522,7 @@ def _bionemo_field(name: str) -> property:
 
 for _name in LOAD_TIME_OPTIONS:
     setattr(NVEsmConfig, _name, _run_option(_name))
-# Not `add_pooling_layer`: `from_pretrained` hands a keyword to the model's `__init__` only where the config has no
-# attribute of its name, and `NVEsmModel(config, add_pooling_layer=...)` is transformers' `EsmModel`'s keyword.
+# Not `add_pooling_layer` (`NVEsmConfig.__setattr__` checks it).
 for _name in BIONEMO_CONFIG_FIELDS.keys() - {"add_pooling_layer"}:
     setattr(NVEsmConfig, _name, _bionemo_field(_name))
 

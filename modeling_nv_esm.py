@@ -53,7 +53,14 @@ try:
     from .modeling_nv_esm_encoder import NVEsmEncoder
     from .modeling_nv_esm_graphs import StaticShapeGraphs
     from .modeling_nv_esm_kernels import rotate_qk
-    from .modeling_nv_esm_layers import NVEsmLayerNormLinear, fp8_value, gelu, resolve_backend
+    from .modeling_nv_esm_layers import (
+        NVEsmLayerNormLinear,
+        fp8_value,
+        gelu,
+        holds_fp8_weights,
+        is_fp8_tensor,
+        resolve_backend,
+    )
     from .modeling_nv_esm_layout import RunLayout
     from .modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -81,7 +88,14 @@ except ImportError:  # imported as top-level modules (tests, scripts) rather tha
     from modeling_nv_esm_encoder import NVEsmEncoder
     from modeling_nv_esm_graphs import StaticShapeGraphs
     from modeling_nv_esm_kernels import rotate_qk
-    from modeling_nv_esm_layers import NVEsmLayerNormLinear, fp8_value, gelu, resolve_backend
+    from modeling_nv_esm_layers import (
+        NVEsmLayerNormLinear,
+        fp8_value,
+        gelu,
+        holds_fp8_weights,
+        is_fp8_tensor,
+        resolve_backend,
+    )
     from modeling_nv_esm_layout import RunLayout
     from modeling_nv_esm_lora import (
         TRANSFORMERS_ADAPTER_KEYS,
@@ -236,16 +250,26 @@ def initial_value(
 def assign_value(parameter: torch.Tensor, value: torch.Tensor) -> None:
     """`parameter.copy_(value)`, `value` of the parameter's whole shape, whatever holds the parameter: a tensor, a
     Transformer Engine FP8 tensor (`value` quantized by its own quantizer: `fp8_value`), or a shard of FSDP2's (a
-    DTensor: this rank's part of `value`, cut as its placements cut the whole, without communication)."""
+    DTensor: this rank's part of `value`, cut as its `Shard` placements cut the whole; an FP8 shard is scaled for
+    the whole weight's largest magnitude, agreed over the mesh, so that every rank's FP8 data reads alike)."""
+    amax = None
     if hasattr(parameter, "device_mesh"):  # a DTensor
         mesh, coordinate = parameter.device_mesh, parameter.device_mesh.get_coordinate()
         for mesh_dim, placement in enumerate(parameter.placements):
+            if placement.is_shard() and type(placement).__name__ != "Shard":  # e.g. FSDP2 over DTensor TP's shards
+                raise ValueError(
+                    f"init_empty_weights: {placement} placements are not supported; shard with FSDP2 only."
+                )
             if placement.is_shard():
                 chunks = value.chunk(mesh.size(mesh_dim), dim=placement.dim)
                 index = coordinate[mesh_dim]
                 value = chunks[index] if index < len(chunks) else value.narrow(placement.dim, 0, 0)
         parameter = parameter.to_local()
-    parameter.copy_(fp8_value(parameter, value))
+        if is_fp8_tensor(parameter):
+            amax = value.abs().amax() if value.numel() else value.new_zeros(())
+            for mesh_dim in range(mesh.ndim):
+                torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+    parameter.copy_(fp8_value(parameter, value, amax))
 
 
 class NVEsmPreTrainedModel(PreTrainedModel):
@@ -275,10 +299,11 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
 
     @torch.no_grad()
-    def _init_weights(self, module: nn.Module, initialised: set[int] | None = None) -> None:
+    def _init_weights(self, module: nn.Module, initialised: set[int] | None = None, prefix: str = "") -> None:
         """transformers' per-module initialisation of a new model: `initial_value` for each parameter of `module`,
         ESM's rotary frequencies for its rotary table. `initialised`: the ids of parameters given their value
-        already (a tied one is given the value of its first module's rule), to which `module`'s are added."""
+        already (a tied one is given the value of its first module's rule), to which `module`'s are added;
+        `prefix`: the module's name in the model (LoRA's A and B are told by it)."""
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if tensors and all(getattr(tensor, "_is_hf_initialized", False) for tensor in tensors):
             return  # loaded by from_pretrained: transformers < 5.13 skips these itself only for Hub remote code
@@ -291,20 +316,30 @@ class NVEsmPreTrainedModel(PreTrainedModel):
                 if id(parameter) in initialised:
                     continue
                 initialised.add(id(parameter))
-            value = initial_value(name, module, tuple(parameter.shape), self.config, device=parameter.device)
+            full_name = f"{prefix}.{name}" if prefix else name
+            value = initial_value(full_name, module, tuple(parameter.shape), self.config, device=parameter.device)
             assign_value(parameter, value)
 
     @torch.no_grad()
     def init_empty_weights(self, device: torch.device | str | None = None) -> None:
         """Materialise a model built on the meta device (`with torch.device("meta"): model = Class(config)`), also
-        after FSDP2's `fully_shard`: every tensor moves to `device` (default: the current CUDA device, else the CPU)
-        and takes its initial value (`initial_value`, from the default generator: seed every rank alike; the rotary
-        table ESM's frequencies); the decoder is tied to the embedding again (FSDP2 keeps them shared). The layers
-        built to hold their weights in FP8 (`fp8_weights`, NVIDIA's `use_quantized_model_init`, or a caller's
-        `te.quantized_model_init` around the build) get Transformer Engine FP8 tensors (DTensors of them under
-        FSDP2) holding those values, with fitting scales. NVIDIA's BioNeMo ESM-2 has a method of this name."""
+        after FSDP2's `fully_shard` or PEFT's `get_peft_model`: every tensor moves to `device` (default: the current
+        CUDA device, else the CPU) and takes its initial value (`initial_value`, from the default generator: seed
+        every rank alike; the rotary table ESM's frequencies); the decoder is tied to the embedding again (FSDP2
+        keeps them shared). The layers built to hold their weights in FP8 (`fp8_weights`, NVIDIA's
+        `use_quantized_model_init`, or a caller's `te.quantized_model_init` around the build) get Transformer Engine
+        FP8 tensors (DTensors of them under FSDP2) holding those values, with fitting scales. ValueError for a model
+        that holds weights already (they would be lost) or a device its layers cannot run on. NVIDIA's BioNeMo
+        ESM-2 has a method of this name."""
+        if not any(parameter.is_meta for parameter in self.parameters()):
+            raise ValueError(
+                "init_empty_weights materialises a model built on the meta device; this one holds its weights already "
+                "(they would be replaced by fresh ones)."
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        encoder = self.base_model.encoder
+        encoder.backend.check_device(torch.device(device))
         self.to_empty(device=device)
         decoder = self.get_output_embeddings()
         if decoder is not None and decoder.weight is not self.get_input_embeddings().weight:
@@ -313,8 +348,19 @@ class NVEsmPreTrainedModel(PreTrainedModel):
             if getattr(module, "primary_weights_in_fp8", False) and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         initialised: set[int] = set()
-        for module in self.modules():
-            self._init_weights(module, initialised)
+        for name, module in self.named_modules():
+            self._init_weights(module, initialised, name)
+        for index, recipe in enumerate(encoder.fp8_weight_recipes):
+            layer = encoder.layers[index]
+            if recipe is not None and not holds_fp8_weights(layer):  # built on meta otherwise than torch.device
+                if any(hasattr(parameter, "device_mesh") for parameter in layer.parameters()):
+                    raise ValueError(
+                        f"layer {index} was to hold its weights in FP8 but was built outside torch.device('meta') "
+                        "(e.g. accelerate's init_empty_weights): build the model under torch.device('meta') before "
+                        "fully_shard."
+                    )
+                encoder.hold_fp8_weights()  # rebuilt in FP8 from the values just given
+                break
 
     def enable_tensor_parallel(self, tp_group: Any) -> None:
         """Split the encoder layers over the ranks of the `torch.distributed` process group `tp_group`

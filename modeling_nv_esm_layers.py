@@ -133,12 +133,14 @@ def fp8_weights_init(recipe: Any) -> contextlib.AbstractContextManager:
     return init(enabled=recipe is not None, recipe=recipe)
 
 
-def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def fp8_value(parameter: torch.Tensor, value: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """What to copy into `parameter` to give it `value`: `value` itself, or for a weight held in FP8 (a TE quantized
     tensor) `value` quantized by the parameter's own quantizer, so that the copy takes the FP8 data and scales as
     they are. Per-tensor delayed scaling first gets the scale its recipe would reach for `value` (`fp8 max / amax`),
-    not the 1.0 it starts with. Raises RuntimeError when the FP8 values are more than 10% (relative norm) from
-    `value`: a quantization gone wrong must not become silently wrong outputs."""
+    not the 1.0 it starts with; `amax`, where `value` is one shard of a weight, is the whole weight's largest
+    magnitude (every shard then gets the same scale, as FSDP2's all-gather of FP8 data assumes). Raises RuntimeError
+    when the FP8 values are more than 10% (relative norm) from `value`: a quantization gone wrong must not become
+    silently wrong outputs."""
     if not is_fp8_tensor(parameter):
         return value
     quantizer = parameter._quantizer
@@ -148,7 +150,7 @@ def fp8_value(parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if type(quantizer).__name__ == "Float8Quantizer":  # delayed scaling
         name = getattr(quantizer.dtype, "name", str(quantizer.dtype))  # TE's DType enum: str() is its number
         fp8_max = torch.finfo(torch.float8_e4m3fn if "E4M3" in name else torch.float8_e5m2).max
-        largest = value.abs().max().float().clamp(min=torch.finfo(torch.float32).tiny)
+        largest = (value.abs().max() if amax is None else amax).float().clamp(min=torch.finfo(torch.float32).tiny)
         quantizer.scale.copy_((fp8_max / largest).to(quantizer.scale))
     quantized = quantizer.quantize(value)
     error = (quantized.dequantize().float() - value.float()).norm() / value.float().norm().clamp(min=1e-30)
@@ -166,8 +168,9 @@ def is_fp8_tensor(tensor: object) -> bool:
 
 
 def holds_fp8_weights(layer: nn.Module) -> bool:
-    """Whether a TE layer's weights are FP8 tensors (`quantized_model_init`)."""
-    return any(is_fp8_tensor(parameter) for parameter in layer.parameters())
+    """Whether a TE layer's weights are FP8 tensors (`quantized_model_init`), also as FSDP2's shards (DTensors whose
+    local tensors are)."""
+    return any(is_fp8_tensor(getattr(parameter, "_local_tensor", parameter)) for parameter in layer.parameters())
 
 
 def make_fp8_recipe(name: str) -> Any:

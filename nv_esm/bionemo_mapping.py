@@ -77,7 +77,6 @@ BIONEMO_AUTO_MAP = {
     "AutoModelForTokenClassification": "esm_nv.NVEsmForTokenClassification",
 }
 BASE_PREFIX = "model."  # their base model's prefix (`base_model_prefix`)
-ATTENTION_MASKS = ("padding", "no_mask")  # an encoder's: with `no_mask` their model ignores padding (unpadded runs)
 ROTARY_BASE = 10000.0  # their RotaryPositionEmbedding's, whatever config.json says
 
 

@@ -57,19 +57,44 @@ def build_on_meta(config: NVEsmConfig) -> NVEsmForMaskedLM:
     return model
 
 
-def check_fp8_weights(model: NVEsmForMaskedLM) -> None:
-    """Every layer's GEMM weights are FP8 tensors (the local shards of DTensors under FSDP2) whose values follow the
-    initialisation rule: mean 0, std `initializer_range` within 10%."""
+RAMP = 0.06  # the largest magnitude of `patterned_weights`' ramps
+
+
+@pytest.fixture
+def patterned_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The initialisation rule gives every layer's GEMM weights a ramp from -RAMP to RAMP, which no random draw
+    (Transformer Engine's own `reset_parameters` included) gives: `check_fp8_weights` then sees that the rule's
+    values, not TE's, reached the FP8 weights."""
+    import modeling_nv_esm
+
+    rule = modeling_nv_esm.initial_value
+
+    def patterned(name: str, module: torch.nn.Module, shape: tuple[int, ...], *args: object, **kwargs: object):
+        if ".layers." in name and name.endswith(GEMM_WEIGHTS):
+            device = kwargs.get("device")
+            return torch.linspace(-RAMP, RAMP, shape[0] * shape[1], device=device).reshape(shape)
+        return rule(name, module, shape, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_nv_esm, "initial_value", patterned)
+
+
+def check_fp8_weights(model: NVEsmForMaskedLM, delayed: bool = False) -> None:
+    """Every layer's GEMM weights are FP8 tensors (the local shards of DTensors under FSDP2) holding the ramps of
+    `patterned_weights` (within FP8's rounding: 5% of the norm); with delayed scaling, scaled for the ramp's
+    largest magnitude (`fp8 max / RAMP`), not TE's initial 1.0."""
     from modeling_nv_esm_layers import is_fp8_tensor
 
-    std = model.config.initializer_range
     for layer in model.esm.encoder.layers:
         for name in GEMM_WEIGHTS:
             weight = layer.get_parameter(name)
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             assert is_fp8_tensor(local), f"{name}: {type(local).__name__}"
+            expected = torch.linspace(-RAMP, RAMP, local.numel(), device=local.device).reshape(local.shape)
             values = local.dequantize().float()
-            assert abs(values.mean().item()) < 0.1 * std and abs(values.std().item() - std) < 0.1 * std, name
+            assert (values - expected).norm() < 0.05 * expected.norm(), name
+            if delayed:
+                fp8_max = torch.finfo(torch.float8_e4m3fn).max
+                assert abs(local._scale_inv.item() * fp8_max - RAMP) < 0.01 * RAMP, name
 
 
 def train_step(model: NVEsmForMaskedLM, region: contextlib.AbstractContextManager | None = None) -> float:
@@ -93,11 +118,11 @@ def train_step(model: NVEsmForMaskedLM, region: contextlib.AbstractContextManage
 
 @pytest.mark.parametrize("attn_input_format", ["bshd", "thd"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_quantized_init_on_the_meta_device(recipe, attn_input_format):
+def test_quantized_init_on_the_meta_device(recipe, attn_input_format, patterned_weights):
     model = build_on_meta(fp8_config(recipe, attn_input_format))
     torch.manual_seed(0)
     model.init_empty_weights()
-    check_fp8_weights(model)
+    check_fp8_weights(model, delayed=recipe == "delayed")
     embedding = model.esm.embeddings.word_embeddings.weight
     assert not embedding[model.config.pad_token_id].any() and not embedding[model.config.vocab_size :].any()
     assert model.lm_head.decoder.weight is embedding
@@ -106,7 +131,7 @@ def test_quantized_init_on_the_meta_device(recipe, attn_input_format):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_callers_quantized_model_init_on_the_meta_device(recipe):
+def test_a_callers_quantized_model_init_on_the_meta_device(recipe, patterned_weights):
     """NVIDIA's `test_meta_fp8_init`: the caller's `te.quantized_model_init` around a meta build; its model runs
     under the caller's `te.autocast`."""
     import transformer_engine.pytorch as te
@@ -117,12 +142,12 @@ def test_a_callers_quantized_model_init_on_the_meta_device(recipe):
     with te.quantized_model_init(enabled=True, recipe=fp8_recipe):
         model = build_on_meta(fp8_config(None))
     model.init_empty_weights()
-    check_fp8_weights(model)
+    check_fp8_weights(model, delayed=recipe == "delayed")
     train_step(model, te.autocast(enabled=True, recipe=fp8_recipe))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_quantized_init_under_fsdp2(recipe, tmp_path):
+def test_quantized_init_under_fsdp2(recipe, tmp_path, patterned_weights):
     """FSDP2 shards the meta model first (one NCCL rank); `init_empty_weights` materialises the shards as DTensors
     of FP8 tensors, and the model trains a step."""
     from torch.distributed.fsdp import fully_shard
@@ -143,7 +168,7 @@ def test_quantized_init_under_fsdp2(recipe, tmp_path):
         torch.manual_seed(0)
         model.init_empty_weights()
         assert all(hasattr(layer.self_attention.proj.weight, "to_local") for layer in model.esm.encoder.layers)
-        check_fp8_weights(model)
+        check_fp8_weights(model, delayed=recipe == "delayed")
         loss = train_step(model)
         print(f"\n[fsdp2 meta quantized init {recipe}] loss {loss:.4f}")
     finally:

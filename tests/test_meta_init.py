@@ -183,3 +183,86 @@ def test_init_empty_weights_after_fully_shard_equals_the_plain_materialisation(t
         assert torch.equal(sharded(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
     finally:
         dist.destroy_process_group()
+
+
+def test_init_empty_weights_refuses_a_model_that_holds_weights():
+    model = NVEsmForMaskedLM(NVEsmConfig(**SMALL))
+    with pytest.raises(ValueError, match="holds its weights already"):
+        model.init_empty_weights(device="cpu")
+
+
+def test_lora_adapters_start_as_loras_do():
+    """After PEFT's `get_peft_model` on a meta build, `init_empty_weights` gives LoRA's B zeros and A
+    normal(0, 1/sqrt(fan_in)) (told by their names): the adapted model computes what the model without them does."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_on_meta(NVEsmConfig(**SMALL))
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["query", "value"]))
+    torch.manual_seed(3)
+    peft_model.init_empty_weights(device="cpu")
+    lora = {name: tensor for name, tensor in peft_model.named_parameters() if "lora_" in name}
+    assert lora and all(not tensor.any() for name, tensor in lora.items() if "lora_B" in name)
+    a = torch.cat([tensor.flatten() for name, tensor in lora.items() if "lora_A" in name])
+    assert abs(a.std().item() - SMALL["hidden_size"] ** -0.5) < 0.1 * SMALL["hidden_size"] ** -0.5
+    ids = torch.randint(4, 24, (2, 9))
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=ids).logits
+    assert torch.equal(adapted, plain)
+
+
+def test_add_pooling_layer_set_as_an_attribute_is_checked_and_not_kept(tmp_path):
+    config = NVEsmConfig(**SMALL)
+    config.add_pooling_layer = False
+    assert not hasattr(config, "add_pooling_layer")
+    with pytest.raises(ValueError, match="add_pooling_layer True is refused"):
+        config.add_pooling_layer = True
+    config.save_pretrained(tmp_path)
+    assert "add_pooling_layer" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_one_option_under_both_names_with_two_values_is_refused_by_from_pretrained(tmp_path):
+    NVEsmConfig(**SMALL).save_pretrained(tmp_path)
+    fp8 = dict(layer_precision=["fp8", "fp8"])
+    with pytest.raises(ValueError, match="set one option two ways"):
+        NVEsmConfig.from_pretrained(tmp_path, use_quantized_model_init=True, fp8_weights=False, **fp8)
+    assert NVEsmConfig.from_pretrained(tmp_path, use_quantized_model_init=True, **fp8).fp8_weights is True
+
+
+RANKS = 3  # an uneven split: 24 hidden units, 40 MLP units and 64 vocabulary rows over 3 ranks
+
+
+def materialise_on_rank(rank: int, store: str) -> None:
+    """One of `RANKS` gloo ranks: FSDP2 shards a meta build over all of them; the gathered weights equal a plain
+    materialisation from the same seed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
+    try:
+        config = NVEsmConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=4, intermediate_size=40)
+        config.backend = "torch"
+        plain = build_on_meta(config)
+        torch.manual_seed(7)
+        plain.init_empty_weights(device="cpu")
+        sharded = build_on_meta(config)
+        mesh = init_device_mesh("cpu", (RANKS,))
+        for layer in sharded.esm.encoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        torch.manual_seed(7)
+        sharded.init_empty_weights(device="cpu")
+        whole = {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in sharded.state_dict().items()}
+        expected = plain.state_dict()
+        differ = [name for name in expected if not torch.equal(whole[name], expected[name])]
+        assert not differ, differ
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_init_empty_weights_on_several_ranks_equals_the_plain_materialisation(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(materialise_on_rank, args=(str(tmp_path / "store"),), nprocs=RANKS)

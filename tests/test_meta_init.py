@@ -156,29 +156,37 @@ def test_init_empty_weights_of_a_base_model_with_a_pooler():
     assert model.pooler is not None and not model.pooler.dense.bias.any()
 
 
-def test_init_empty_weights_after_fully_shard_equals_the_plain_materialisation(tmp_path):
-    """FSDP2 (`fully_shard`, one gloo rank) shards the meta model first: the materialised shards hold what a plain
-    materialisation from the same seed holds, and the model computes the same loss."""
+def materialised_plainly_and_sharded(config: NVEsmConfig, ranks: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The meta build of `config` materialised from one seed plainly, and after FSDP2 shards it over the `ranks`
+    gloo ranks of the process group (a CPU mesh: FSDP2 would gather onto a GPU where one is visible). Asserts that
+    the sharded weights, gathered, equal the plain ones."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    config = NVEsmConfig(**SMALL)
     plain = build_on_meta(config)
     torch.manual_seed(7)
     plain.init_empty_weights(device="cpu")
+    sharded = build_on_meta(config)
+    mesh = init_device_mesh("cpu", (ranks,))
+    for layer in sharded.esm.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    torch.manual_seed(7)
+    sharded.init_empty_weights(device="cpu")
+    whole = {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in sharded.state_dict().items()}
+    expected = plain.state_dict()
+    assert whole.keys() == expected.keys()
+    differ = [name for name in expected if not torch.equal(whole[name], expected[name])]
+    assert not differ, differ
+    return plain, sharded
+
+
+def test_init_empty_weights_after_fully_shard_equals_the_plain_materialisation(tmp_path):
+    """FSDP2 (`fully_shard`, one gloo rank) shards the meta model first: the materialised shards hold what a plain
+    materialisation from the same seed holds, and the model computes the same loss."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        sharded = build_on_meta(config)
-        mesh = init_device_mesh("cpu", (1,))  # FSDP2 would gather onto a GPU where one is visible
-        for layer in sharded.esm.encoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        torch.manual_seed(7)
-        sharded.init_empty_weights(device="cpu")
-        whole = {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in sharded.state_dict().items()}
-        expected = plain.state_dict()
-        assert whole.keys() == expected.keys()
-        assert all(torch.equal(whole[name], expected[name]) for name in expected)
+        plain, sharded = materialised_plainly_and_sharded(NVEsmConfig(**SMALL), 1)
         ids = torch.randint(4, 24, (2, 9))
         assert torch.equal(sharded(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
     finally:
@@ -236,27 +244,11 @@ RANKS = 3  # an uneven split: 24 hidden units, 40 MLP units and 64 vocabulary ro
 def materialise_on_rank(rank: int, store: str) -> None:
     """One of `RANKS` gloo ranks: FSDP2 shards a meta build over all of them; the gathered weights equal a plain
     materialisation from the same seed."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     try:
         config = NVEsmConfig(num_hidden_layers=2, hidden_size=24, num_attention_heads=4, intermediate_size=40)
         config.backend = "torch"
-        plain = build_on_meta(config)
-        torch.manual_seed(7)
-        plain.init_empty_weights(device="cpu")
-        sharded = build_on_meta(config)
-        mesh = init_device_mesh("cpu", (RANKS,))
-        for layer in sharded.esm.encoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        torch.manual_seed(7)
-        sharded.init_empty_weights(device="cpu")
-        whole = {name: getattr(t, "full_tensor", lambda t=t: t)() for name, t in sharded.state_dict().items()}
-        expected = plain.state_dict()
-        differ = [name for name in expected if not torch.equal(whole[name], expected[name])]
-        assert not differ, differ
+        materialised_plainly_and_sharded(config, RANKS)
     finally:
         dist.destroy_process_group()
 

@@ -89,6 +89,15 @@ def check_bionemo_field(name: str, value: Any) -> None:
         raise ValueError(f"{name} {value!r} is refused: {BIONEMO_CONFIG_FIELDS[name].meaning}.")
 
 
+def check_one_value_per_option(keywords: dict[str, Any]) -> None:
+    """ValueError where `keywords` give one run option under NVIDIA's name and NVEsm's with two values
+    (`use_quantized_model_init=True, fp8_weights=False`)."""
+    for name, field in BIONEMO_CONFIG_FIELDS.items():
+        option = field.run_option
+        if option is not None and name in keywords and option in keywords and keywords[name] != keywords[option]:
+            raise ValueError(f"{name}={keywords[name]!r} and {option}={keywords[option]!r} set one option two ways.")
+
+
 # An ESM-2 has at most 48 layers (15B); the bound stops a mistyped config from allocating without end.
 MAX_LAYERS = 1024
 
@@ -346,11 +355,12 @@ class NVEsmConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         for name in MOVED_OPTIONS.keys() & kwargs.keys():
             raise ValueError(f"{name} is not a config option any more: call {MOVED_OPTIONS[name]} on the model.")
+        check_one_value_per_option(kwargs)
         for name in BIONEMO_CONFIG_FIELDS.keys() & kwargs.keys():  # NVIDIA's: checked; a run option, or dropped
             value, option = kwargs.pop(name), BIONEMO_CONFIG_FIELDS[name].run_option
             check_bionemo_field(name, value)
-            if option is not None and kwargs.setdefault(option, value) != value:
-                raise ValueError(f"{name}={value!r} and {option}={kwargs[option]!r} set one option two ways.")
+            if option is not None:
+                kwargs[option] = value
         self.run_options = RunOptions(**{name: kwargs.pop(name) for name in LOAD_TIME_OPTIONS if name in kwargs})
         self._check()  # before transformers' own validators, which would fail on a mistyped field with a traceback
         super().__init__(**kwargs)
@@ -400,10 +410,7 @@ class NVEsmConfig(PretrainedConfig):
         versions wrote them into `to_dict()` (a training checkpoint's train_state.json holds its config so). One
         option given under both its names (`from_pretrained(..., use_quantized_model_init=True, fp8_weights=False)`)
         with two values is refused, as `__init__` refuses it."""
-        for name, field in BIONEMO_CONFIG_FIELDS.items():
-            option = field.run_option
-            if option is not None and name in kwargs and option in kwargs and kwargs[name] != kwargs[option]:
-                raise ValueError(f"{name}={kwargs[name]!r} and {option}={kwargs[option]!r} set one option two ways.")
+        check_one_value_per_option(kwargs)
         return super().from_dict({k: v for k, v in config_dict.items() if k not in MOVED_OPTIONS}, **kwargs)
 
     @classmethod

@@ -17,7 +17,7 @@ Their layout, as bionemo-recipes' `models/esm2/convert.py` (`mapping`, `_pack_qk
 - no contact head and no rotary `inv_freq` (their `state_dict` drops it; converting in, it is computed as
   transformers computes it) and no pooler; TE's `_extra_state` is not a weight. The decoder weight is tied to the
   embedding and not saved, as ours;
-- config.json: model_type "nv_esm" (ours too: the two are told apart by `MARKER_FIELDS` and the `model.` prefix),
+- config.json: model_type "nv_esm" (ours too: told apart by `BIONEMO_MARKER_FIELDS` and the `model.` prefix),
   transformers' `EsmConfig` fields and theirs (`BIONEMO_FIELDS`), `auto_map` naming `esm_nv.py` (their model
   code, which their export copies beside the weights; `te-to-bionemo` writes the config, not their code).
 """
@@ -42,8 +42,6 @@ BIONEMO_FIELDS: dict[str, Any] = {
     "layer_precision": None,
     **{name: field.default for name, field in BIONEMO_CONFIG_FIELDS.items()},
 }
-# Fields of theirs that an NVEsm config.json never holds: any one of them tells their config.json from ours.
-MARKER_FIELDS = BIONEMO_MARKER_FIELDS
 # Fields of theirs that choose how their model runs, not what its weights compute: dropped converting in (our
 # load-time options, e.g. `layer_precision` and `attn_input_format`, are `from_pretrained` keywords and the commands'
 # --fp8), written with their defaults converting out. `add_pooling_layer`: their masked LM never has a pooler;
@@ -88,7 +86,7 @@ ROTARY_BASE = 10000.0  # their RotaryPositionEmbedding's, whatever config.json s
 def bionemo_markers(fields: Mapping[str, Any]) -> list[str]:
     """The fields of a config.json (`fields`) that only NVIDIA's BioNeMo ESM-2 config has, and an `auto_map` naming
     their `esm_nv.py`."""
-    found = [name for name in MARKER_FIELDS if name in fields]
+    found = [name for name in BIONEMO_MARKER_FIELDS if name in fields]
     auto_map = fields.get("auto_map")
     if isinstance(auto_map, dict) and any(str(value).startswith("esm_nv.") for value in auto_map.values()):
         found.append("auto_map")
